@@ -1,0 +1,32 @@
+"""Losses applied on the last stage: logits and target in, a scalar out."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from pdcli.errors import UserError
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
+    """Mean cross-entropy with classes on the last dim: (N, C) vs (N,), (N, T, C) vs (N, T)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def mse(output: Tensor, target: Tensor) -> Tensor:
+    """Mean squared error; the target is cast to the output's dtype and shape."""
+    return F.mse_loss(output, target.to(output.dtype).reshape(output.shape))
+
+
+LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mse}
+
+
+def build_loss(name: str) -> LossFn:
+    """The loss function named `name` (`model.loss`)."""
+    if name not in LOSSES:
+        raise UserError(f"model.loss: unknown loss {name!r}", hint=f"available: {', '.join(LOSSES)}")
+    return LOSSES[name]

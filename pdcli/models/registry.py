@@ -1,0 +1,64 @@
+"""The model registry: built-in reference models by name, or a user factory by `target`."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from torch import nn
+
+from pdcli.config.schema import ModelConfig
+from pdcli.errors import UserError
+from pdcli.models.alexnet import alexnet
+from pdcli.models.factory import check_kwargs, check_kwarg_types, import_target, lookup
+from pdcli.models.gnmt import gnmt
+from pdcli.models.gpt import gpt
+from pdcli.models.mlp import mlp
+from pdcli.models.resnet import resnet18, resnet50
+from pdcli.models.vgg import vgg16
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "mlp": mlp,
+    "vgg16": vgg16,
+    "resnet18": resnet18,
+    "resnet50": resnet50,
+    "alexnet": alexnet,
+    "gnmt": gnmt,
+    "gpt": gpt,
+}
+
+
+def list_models() -> list[tuple[str, str]]:
+    """(name, one-line description) of every built-in model, in registry order."""
+    return [(name, _first_line(factory)) for name, factory in MODELS.items()]
+
+
+def _first_line(factory: Callable[..., Any]) -> str:
+    return (inspect.getdoc(factory) or "").splitlines()[0] if factory.__doc__ else ""
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Build the model `cfg` names, random init from torch's global RNG (seed it first).
+
+    `cfg.target` (`package.module:factory`) wins over `cfg.name`; either factory is
+    called with `cfg.kwargs`, which are checked against its signature first.
+    """
+    if cfg.target is not None:
+        factory = import_target(cfg.target, "model.target")
+        owner = cfg.target
+        check_kwargs(factory, cfg.kwargs, "model.kwargs", owner)
+        model = factory(**cfg.kwargs)
+    else:
+        factory = lookup(MODELS, cfg.name, "model.name", "model")
+        owner = cfg.name
+        check_kwargs(factory, cfg.kwargs, "model.kwargs", owner)
+        check_kwarg_types(factory, cfg.kwargs, "model.kwargs")
+        try:
+            model = factory(**cfg.kwargs)
+        except ValueError as exc:  # built-in factories raise ValueError for bad sizes
+            raise UserError(f"model.kwargs: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise UserError(
+            f"model.target: {owner} returned a {type(model).__name__}, not a torch.nn.Module"
+        )
+    return model

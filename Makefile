@@ -1,0 +1,29 @@
+# Two entry points: `make run` (quickstart) and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: setup run test bench clean
+
+setup: $(VENV)/.installed
+
+# torch first, pinned: 2.13.0 is a CPU build that lies on this disk; other releases download gigabytes.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+run: setup
+	$(BIN)/pd train recipes/quickstart.yaml
+
+test: setup
+	$(BIN)/pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/bench_planner.py
+	$(BIN)/python benchmarks/bench_runtime.py
+
+clean:
+	rm -rf runs .pytest_cache

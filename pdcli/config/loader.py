@@ -1,0 +1,230 @@
+"""Load a recipe: compose config groups, apply overrides, validate, resolve.
+
+Precedence: schema defaults < group files (recipe `defaults:` list) < recipe body <
+command-line `key=value` (and `~key` to delete, `group=name` to pick another group file).
+Every problem is collected and reported together, naming the file and key that set it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pdcli.config.schema import GROUPS, Config, check_values
+from pdcli.config.validate import validate_tree
+from pdcli.errors import ConfigError, UserError
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclass
+class Loaded:
+    """A resolved config plus where each key came from."""
+
+    config: Config
+    sources: dict[str, str] = field(default_factory=dict)
+    """dotted key -> the file (or `command line`) that set it last."""
+    recipe: Path | None = None
+
+    def to_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.structured(self.config))
+
+
+def config_dirs(recipe: Path | None) -> list[Path]:
+    """Where group files are looked up, first match wins."""
+    dirs: list[Path] = []
+    env = os.environ.get("PD_CONFIG_PATH")
+    if env:
+        dirs += [Path(p) for p in env.split(os.pathsep) if p]
+    if recipe is not None:
+        dirs += [recipe.parent / "configs", recipe.parent.parent / "configs"]
+    dirs += [Path.cwd() / "configs", REPO_CONFIGS]
+    seen: list[Path] = []
+    for d in dirs:
+        d = d.resolve()
+        if d not in seen and d.is_dir():
+            seen.append(d)
+    return seen
+
+
+def read_yaml(path: Path, what: str) -> dict[str, Any]:
+    if not path.exists():
+        raise UserError(f"{what} not found: {path}", hint="check the path (relative to the current directory)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{path}{where}: malformed YAML: {problem}", hint="fix the YAML syntax there") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of keys at the top, got {type(data).__name__}")
+    return data
+
+
+def available_groups(group: str, dirs: list[Path]) -> list[str]:
+    names = {p.stem for d in dirs for p in (d / group).glob("*.yaml")}
+    return sorted(names)
+
+
+def _flatten(obj: Any, prefix: str = "") -> list[str]:
+    if isinstance(obj, dict) and obj:
+        out: list[str] = []
+        for k, v in obj.items():
+            out += _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [prefix] if prefix else []
+
+
+def _parse_defaults(entries: Any, origin: str, problems: list[str]) -> dict[str, str]:
+    """`defaults: [{model: mlp}, {data: digits}]` (or `model: mlp` strings) -> {group: name}."""
+    chosen: dict[str, str] = {}
+    if entries is None:
+        return chosen
+    if not isinstance(entries, list):
+        problems.append(f"{origin}: defaults: must be a list like [{{model: mlp}}, {{data: digits}}]")
+        return chosen
+    for entry in entries:
+        if entry == "_self_":
+            continue
+        if isinstance(entry, str) and ":" in entry:
+            entry = dict([tuple(s.strip() for s in entry.split(":", 1))])
+        if not isinstance(entry, dict) or len(entry) != 1:
+            problems.append(f"{origin}: defaults: entry {entry!r} must be a single `group: name`")
+            continue
+        ((group, name),) = entry.items()
+        if group not in GROUPS:
+            close = difflib.get_close_matches(str(group), GROUPS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; groups are {', '.join(GROUPS)}"
+            problems.append(f"{origin}: defaults: unknown group {group!r}{hint}")
+            continue
+        chosen[group] = str(name)
+    return chosen
+
+
+def _parse_overrides(overrides: list[str], problems: list[str]) -> tuple[dict[str, str], list[str], list[str]]:
+    """-> (group selections, dotlist `key=value` items, keys to delete)."""
+    groups: dict[str, str] = {}
+    dotlist: list[str] = []
+    deletes: list[str] = []
+    for item in overrides:
+        if item.startswith("~"):
+            deletes.append(item[1:].split("=", 1)[0])
+            continue
+        if "=" not in item:
+            problems.append(f"command line: {item!r} is not `key=value` (or `~key` to delete)")
+            continue
+        key, value = item.split("=", 1)
+        if key in GROUPS and value and not value.startswith(("{", "[")):
+            groups[key] = value
+        else:
+            dotlist.append(item)
+    return groups, dotlist, deletes
+
+
+def _delete(cfg: DictConfig, dotted: str) -> bool:
+    *parents, leaf = dotted.split(".")
+    node: Any = cfg
+    for p in parents:
+        if not isinstance(node, DictConfig) or p not in node:
+            return False
+        node = node[p]
+    if isinstance(node, DictConfig) and leaf in node:
+        del node[leaf]
+        return True
+    return False
+
+
+def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | None = None) -> Loaded:
+    """Compose, override, validate and resolve a config. Raises ConfigError with every problem."""
+    overrides = list(overrides or [])
+    problems: list[str] = []
+    recipe_path = Path(recipe) if recipe is not None else None
+    body: dict[str, Any] = {}
+    if recipe_path is not None:
+        body = read_yaml(recipe_path, "recipe")
+    dirs = config_dirs(recipe_path)
+    origin = str(recipe_path) if recipe_path else "recipe"
+
+    chosen = _parse_defaults(body.pop("defaults", None), origin, problems)
+    cli_groups, dotlist, deletes = _parse_overrides(overrides, problems)
+    chosen.update(cli_groups)
+
+    layers: list[tuple[str, dict[str, Any]]] = []
+    for group, name in chosen.items():
+        path = next((d / group / f"{name}.yaml" for d in dirs if (d / group / f"{name}.yaml").exists()), None)
+        if path is None:
+            names = available_groups(group, dirs)
+            close = difflib.get_close_matches(name, names, n=2)
+            fix = f"did you mean {' or '.join(close)}?" if close else f"available: {', '.join(names) or 'none'}"
+            where = "command line" if group in cli_groups else origin
+            problems.append(f"{where}: {group}: no config group file {group}/{name}.yaml ({fix})")
+            continue
+        layers.append((str(path), {group: read_yaml(path, f"{group} config")}))
+    layers.append((origin, body))
+
+    try:
+        cli = OmegaConf.to_container(OmegaConf.from_dotlist(dotlist)) if dotlist else {}
+    except OmegaConfBaseException as e:
+        problems.append(f"command line: cannot parse overrides: {e}")
+        cli = {}
+    layers.append(("command line", cli))  # type: ignore[arg-type]
+
+    sources: dict[str, str] = {}
+    merged = OmegaConf.create({})
+    for label, layer in layers:
+        for key in _flatten(layer):
+            sources[key] = label
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.create(layer))
+        except OmegaConfBaseException as e:
+            problems.append(f"{label}: {e}")
+    for key in deletes:
+        if not _delete(merged, key):
+            problems.append(f"command line: ~{key}: no such key to delete")
+        sources = {k: v for k, v in sources.items() if k != key and not k.startswith(key + ".")}
+
+    plain = OmegaConf.to_container(merged, resolve=False)
+    assert isinstance(plain, dict)
+    problems += validate_tree(plain, Config, sources)
+    if problems:
+        raise ConfigError(problems, hint="`pd config show RECIPE` prints the resolved config once it loads")
+
+    try:
+        structured = OmegaConf.merge(OmegaConf.structured(Config), merged)
+        config = OmegaConf.to_object(structured)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", "") or "?"
+        raise ConfigError([f"{sources.get(str(key), origin)}: {key}: {_first_line(e)}"]) from None
+    assert isinstance(config, Config)
+    value_problems = [_with_source(p, sources, origin) for p in check_values(config)]
+    if value_problems:
+        raise ConfigError(value_problems)
+    return Loaded(config=config, sources=sources, recipe=recipe_path)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0]
+
+
+def _with_source(problem: str, sources: dict[str, str], origin: str) -> str:
+    key = problem.split(":", 1)[0]
+    return f"{sources.get(key, 'defaults')}: {problem}"
+
+
+def load_resolved(path: str | os.PathLike[str]) -> Config:
+    """Load a resolved `config.yaml` written to a run directory (workers use this)."""
+    return load_config(path).config
+
+
+def run_dir_path(cfg: Config) -> Path:
+    return Path(cfg.run.root) / cfg.run.name

@@ -1,0 +1,104 @@
+"""Config composition, overrides, interpolation and every error path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdcli.config import load_config, load_resolved
+from pdcli.errors import ConfigError, UserError
+
+
+def write(path: Path, obj: object) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(obj if isinstance(obj, str) else yaml.safe_dump(obj))
+    return path
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    write(tmp_path / "configs/model/small.yaml", {"name": "mlp", "kwargs": {"hidden": 16}})
+    write(tmp_path / "configs/model/big.yaml", {"name": "mlp", "kwargs": {"hidden": 512}})
+    write(tmp_path / "configs/optim/fast.yaml", {"name": "adam", "lr": 0.01})
+    write(
+        tmp_path / "recipes/exp.yaml",
+        {
+            "defaults": [{"model": "small"}, {"optim": "fast"}],
+            "optim": {"lr": 0.002},
+            "run": {"name": "${model.name}-${schedule.name}-${data.batch_size}"},
+            "data": {"batch_size": 16},
+        },
+    )
+    return tmp_path
+
+
+def test_composition_precedence_and_interpolation(tree: Path) -> None:
+    loaded = load_config(tree / "recipes/exp.yaml", ["schedule.name=gpipe"])
+    cfg = loaded.config
+    assert cfg.model.kwargs == {"hidden": 16}  # from the group file
+    assert cfg.optim.name == "adam"  # group file
+    assert cfg.optim.lr == 0.002  # recipe body beats group file
+    assert cfg.schedule.name == "gpipe"  # command line beats everything
+    assert cfg.run.name == "mlp-gpipe-16"  # interpolation after overrides
+    assert cfg.train.steps == 50  # schema default
+    assert loaded.sources["optim.lr"].endswith("exp.yaml")
+    assert loaded.sources["optim.name"].endswith("fast.yaml")
+    assert loaded.sources["schedule.name"] == "command line"
+
+
+def test_group_override_and_delete(tree: Path) -> None:
+    cfg = load_config(tree / "recipes/exp.yaml", ["model=big", "~optim.lr"]).config
+    assert cfg.model.kwargs == {"hidden": 512}
+    assert cfg.optim.lr == 0.05  # deleted from the composed config: the schema default applies
+    assert cfg.optim.name == "adam"  # the rest of the group is untouched
+
+
+def test_no_recipe_gives_defaults() -> None:
+    cfg = load_config(None, ["train.steps=3"]).config
+    assert cfg.train.steps == 3 and cfg.schedule.name == "pipedream"
+
+
+def test_all_problems_reported_together(tree: Path) -> None:
+    write(
+        tree / "recipes/bad.yaml",
+        {"defaults": [{"model": "smal"}], "train": {"stpes": 3, "seed": "abc"}, "optim": {"lr": "???"}},
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(tree / "recipes/bad.yaml", ["schedule.num_microbatches=x"])
+    problems = info.value.problems
+    text = str(info.value)
+    assert len(problems) == 5, problems
+    assert "model/smal.yaml" in text and "did you mean small" in text
+    assert "train.stpes: unknown key (did you mean train.steps?)" in text
+    assert "train.seed: expected int, got 'abc'" in text
+    assert "optim.lr: missing required value" in text
+    assert "command line: schedule.num_microbatches: expected int" in text
+    assert all("bad.yaml" in p or "command line" in p for p in problems)
+
+
+def test_value_checks_name_key_and_fix(tree: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(tree / "recipes/exp.yaml", ["schedule.name=pipe", "data.batch_size=10", "schedule.num_microbatches=4"])
+    text = str(info.value)
+    assert "schedule.name: 'pipe' is not one of pipedream, 1f1b, gpipe, 2bw" in text
+    assert "data.batch_size: 10 is not divisible by schedule.num_microbatches=4" in text
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="recipe not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = write(tmp_path / "bad.yaml", "train:\n  steps: [1, 2\n")
+    with pytest.raises(UserError, match=r"bad.yaml:\d+:\d+: malformed YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="unknown group 'modle'; did you mean model"):
+        load_config(write(tmp_path / "g.yaml", {"defaults": [{"modle": "x"}]}))
+    with pytest.raises(ConfigError, match="is not `key=value`"):
+        load_config(None, ["train.steps"])
+
+
+def test_resolved_config_round_trips(tree: Path, tmp_path: Path) -> None:
+    loaded = load_config(tree / "recipes/exp.yaml", ["train.steps=7"])
+    out = write(tmp_path / "resolved.yaml", loaded.to_yaml())
+    assert load_resolved(out) == loaded.config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from pdcli import __version__
-from pdcli.commands import config_cmd
+from pdcli.commands import config_cmd, profile
 from pdcli.commands.common import State
 
 app = typer.Typer(
@@ -31,6 +31,7 @@ def root(
     State.debug = debug
 
 
+app.command("profile")(profile.profile)
 app.add_typer(config_cmd.app, name="config")
 
 

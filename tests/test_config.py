@@ -94,6 +94,8 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         load_config(bad)
     with pytest.raises(ConfigError, match="unknown group 'modle'; did you mean model"):
         load_config(write(tmp_path / "g.yaml", {"defaults": [{"modle": "x"}]}))
+    with pytest.raises(ConfigError, match=r"train.lr: unknown key \(did you mean optim.lr\?\)"):
+        load_config(None, ["train.lr=0.1"])
     with pytest.raises(ConfigError, match="is not `key=value`"):
         load_config(None, ["train.steps"])
 

@@ -48,6 +48,18 @@ def _unwrap_optional(tp: Any) -> Any:
     return tp
 
 
+def _groups_with_field(name: str) -> list[str]:
+    """Top-level groups whose dataclass has a field `name` (for `train.lr` -> `optim.lr`)."""
+    from pdcli.config.schema import Config
+
+    groups = []
+    for group in dataclasses.fields(Config):
+        tp = typing.get_type_hints(Config)[group.name]
+        if dataclasses.is_dataclass(tp) and name in {f.name for f in dataclasses.fields(tp)}:
+            groups.append(group.name)
+    return groups
+
+
 def validate_tree(tree: dict[str, Any], cls: type, sources: dict[str, str], prefix: str = "") -> list[str]:
     """Unknown keys (with close matches), wrong types and `???` values under `prefix`."""
     problems: list[str] = []
@@ -57,7 +69,13 @@ def validate_tree(tree: dict[str, Any], cls: type, sources: dict[str, str], pref
         dotted = f"{prefix}{key}"
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
-            fix = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
+            elsewhere = _groups_with_field(str(key)) if prefix and not close else []
+            if close:
+                fix = f"did you mean {prefix}{close[0]}?"
+            elif elsewhere:
+                fix = f"did you mean {' or '.join(f'{g}.{key}' for g in elsewhere)}?"
+            else:
+                fix = f"known keys: {', '.join(names)}"
             problems.append(f"{_source(sources, dotted)}: {dotted}: unknown key ({fix})")
             continue
         tp = _unwrap_optional(hints[key])

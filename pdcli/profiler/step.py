@@ -1,0 +1,132 @@
+"""The profile step: reuse `profile.json` when its inputs are unchanged, else measure and write it."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Any, Iterator
+
+import torch
+
+from pdcli.config.schema import Config
+from pdcli.errors import UserError
+from pdcli.profiler.chain import Chain
+from pdcli.rundir import RunDir, artifact_inputs_hash
+
+PROFILE_ARTIFACT = "profile.json"
+PROFILE_BATCH_INDEX = 0
+"""The profile measures batch 0 of the configured data stream."""
+
+
+def profile_device(cfg: Config) -> torch.device:
+    """`profile.device` resolved: `auto` is CUDA when present, else the CPU."""
+    choice = cfg.profile.device
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError(
+            "profile.device: 'cuda' was asked for but torch sees no CUDA device "
+            f"(torch {torch.__version__})",
+            hint="set profile.device=cpu or profile.device=auto",
+        )
+    return torch.device(choice)
+
+
+def profile_batch_size(cfg: Config) -> int:
+    """Samples per profiled batch: `profile.batch_size`, else the schedule's microbatch size."""
+    size = cfg.profile.batch_size or cfg.microbatch_size
+    if size < 1:
+        raise UserError(
+            f"profile.batch_size: the microbatch size is {size} (data.batch_size="
+            f"{cfg.data.batch_size} / schedule.num_microbatches={cfg.schedule.num_microbatches})",
+            hint="set profile.batch_size or a data.batch_size >= schedule.num_microbatches",
+        )
+    return size
+
+
+def cpu_threads_per_worker(cfg: Config) -> int:
+    """Threads one CPU worker gets: `train.threads_per_worker`, else the cores / the devices.
+
+    The profile is measured with the same number of threads, so its times are those of
+    a worker. (On a small shared machine, two OpenMP threads per op can also stall for
+    milliseconds per parallel region, which would make per-layer times meaningless.)
+    """
+    if cfg.train.threads_per_worker:
+        return cfg.train.threads_per_worker
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(cfg.num_devices, 1))
+
+
+def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | None) -> str:
+    """Hash of everything the profile depends on: model, data, profile settings, batch, device."""
+    section: dict[str, Any] = {
+        "model": asdict(cfg.model),
+        "data": asdict(cfg.data),
+        "profile": asdict(cfg.profile),
+        "microbatch_size": profile_batch_size(cfg),
+        "device": device.type,
+        "num_threads": num_threads,
+    }
+    return artifact_inputs_hash(section)
+
+
+@contextmanager
+def torch_threads(num_threads: int | None) -> Iterator[None]:
+    """Run the block with `num_threads` intra-op threads (None: leave torch's setting)."""
+    before = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def ensure_profile(
+    cfg: Config, run: RunDir, force: bool = False, progress: bool = True
+) -> tuple[Chain, bool]:
+    """The run's profile chain and whether it was reused (inputs unchanged, no `force`)."""
+    device = profile_device(cfg)
+    num_threads = cpu_threads_per_worker(cfg) if device.type == "cpu" else None
+    inputs_hash = profile_inputs_hash(cfg, device, num_threads)
+    if not force and run.fresh(PROFILE_ARTIFACT, inputs_hash):
+        return load_profile(run), True
+
+    # Imported here: the model zoo and data sets are only needed when measuring.
+    from pdcli.data import Batch, build_data
+    from pdcli.models import build_loss, build_model
+    from pdcli.profiler.measure import profile_model
+
+    batch_size = profile_batch_size(cfg)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model)
+    batch = build_data(cfg.data, batch_size).batch(PROFILE_BATCH_INDEX)
+    if batch.num_samples > batch_size:
+        batch = Batch(inputs=tuple(t[:batch_size] for t in batch.inputs), target=batch.target[:batch_size])
+    with torch_threads(num_threads):
+        chain = profile_model(
+            model,
+            batch,
+            build_loss(cfg.model.loss),
+            device,
+            warmup=cfg.profile.warmup,
+            repeats=cfg.profile.repeats,
+            progress=progress,
+            config_hash=inputs_hash,
+            model_name=cfg.model.target or cfg.model.name,
+        )
+    run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
+    return chain, False
+
+
+def load_profile(run: RunDir) -> Chain:
+    """The run's `profile.json` (checked against the manifest) as a Chain."""
+    obj = run.read_json(PROFILE_ARTIFACT)
+    try:
+        return Chain.from_json(obj)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"{run / PROFILE_ARTIFACT}: not a pd profile ({type(e).__name__}: {e})",
+            hint="delete it and run `pd profile` again (or pass --force)",
+        ) from None

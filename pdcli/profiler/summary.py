@@ -1,0 +1,77 @@
+"""Human-readable summary of a profile chain: the costliest layers and the totals (pure, no torch)."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from pdcli.profiler.chain import Chain
+
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+BYTES_PER_KIB = 1024
+LABEL_COLUMN_CHARS = 60
+
+
+def format_bytes(num_bytes: float) -> str:
+    """`1536` -> `1.5 KiB` (binary units)."""
+    value = float(num_bytes)
+    for unit in BYTE_UNITS:
+        if abs(value) < BYTES_PER_KIB or unit == BYTE_UNITS[-1]:
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= BYTES_PER_KIB
+    raise AssertionError("unreachable")
+
+
+def _shorten(text: str, max_chars: int) -> str:
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+
+def summarize(chain: Chain, top: int = 10) -> str:
+    """The `top` layers by forward + backward time, then the totals of the whole chain."""
+    ranked = sorted(
+        enumerate(chain.nodes), key=lambda item: (-(item[1].fwd_ms + item[1].bwd_ms), item[0])
+    )[: max(top, 0)]
+    total_ms = sum(n.fwd_ms + n.bwd_ms for n in chain.nodes)
+    rows = [
+        [
+            position,
+            _shorten(node.label or node.name, LABEL_COLUMN_CHARS),
+            node.fwd_ms,
+            node.bwd_ms,
+            f"{100 * (node.fwd_ms + node.bwd_ms) / total_ms:.1f}" if total_ms > 0 else "-",
+            format_bytes(node.activation_bytes),
+            format_bytes(node.parameter_bytes),
+        ]
+        for position, node in ranked
+    ]
+    layers = tabulate(
+        rows,
+        headers=["pos", "layer", "fwd ms", "bwd ms", "% time", "activations", "parameters"],
+        floatfmt=".3f",
+    )
+
+    meta = chain.meta
+    calibration = meta.get("calibration") or {}
+    ratio = calibration.get("ratio")
+    step = (
+        f"{calibration['step_ms']:.3f} ms measured = {ratio:.2f} x the sum of the layers"
+        if ratio is not None and "step_ms" in calibration
+        else "not measured"
+    )
+    totals = tabulate(
+        [
+            ["positions", len(chain)],
+            ["forward", f"{sum(n.fwd_ms for n in chain.nodes):.3f} ms"],
+            ["backward", f"{sum(n.bwd_ms for n in chain.nodes):.3f} ms"],
+            ["activations", format_bytes(sum(n.activation_bytes for n in chain.nodes))],
+            ["parameters", format_bytes(sum(n.parameter_bytes for n in chain.nodes))],
+            ["model inputs", format_bytes(chain.input_bytes)],
+            ["largest cut", format_bytes(max(chain.cut_bytes, default=0))],
+            ["whole step", step],
+        ],
+        tablefmt="plain",
+    )
+    where = ", ".join(
+        f"{key} {meta[key]}" for key in ("model", "device", "batch_size", "dtype") if key in meta
+    )
+    title = f"top {len(rows)} of {len(chain)} positions by forward + backward time"
+    return "\n".join([f"{title}" + (f" ({where})" if where else ""), layers, "", totals])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from pdcli.models.init import init_relu_net
+
 # Below this image side the 11x11/stride-4 stem would shrink the image to nothing.
 SMALL_IMAGE_SIZE = 64
 
@@ -20,6 +22,7 @@ class AlexNet(nn.Module):
         self.features = features
         self.flatten = nn.Flatten()
         self.classifier = classifier
+        init_relu_net(self)
 
     def forward(self, images: Tensor) -> Tensor:
         return self.classifier(self.flatten(self.features(images)))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from pdcli.models.init import init_relu_net
+
 # Output channels of the 13 convolutions at width 1.0; "M" is a 2x2 max-pool.
 VGG16_LAYOUT: tuple[int | str, ...] = (
     64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M",
@@ -19,6 +21,7 @@ class VGG(nn.Module):
         self.features = features
         self.flatten = nn.Flatten()
         self.classifier = classifier
+        init_relu_net(self)
 
     def forward(self, images: Tensor) -> Tensor:
         return self.classifier(self.flatten(self.features(images)))

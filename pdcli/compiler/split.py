@@ -1,0 +1,354 @@
+"""Split a traced model into one fx.GraphModule per stage at a plan's chain boundaries.
+
+Stage k owns chain positions [start, end) of `chain_order(gm)`. A value crossing a boundary
+goes straight from its producer stage to every consumer stage (a skip over two boundaries is
+sent 0 -> 2, never relayed through 1). What crosses:
+
+- tensors: a stage output at the producer, a placeholder (forward argument) at each consumer;
+- tuples/lists holding tensors (e.g. an LSTM's `(out, (h, c))`): flattened, each tensor leaf
+  sent as `<node>__<i>_<j>`, the structure rebuilt in the consumer from its placeholders;
+- non-tensor values of the trace (`x.size(0)`, shapes, dtypes): never sent. A cheap shape/dtype
+  query (`size`, `dim`, `.shape`, `.dtype`, `getitem` and int arithmetic on those) whose tensors
+  already reach the consumer is *recomputed* there; anything else is *baked in* as the constant
+  the sample microbatch gave (shapes are fixed at the microbatch size). `StagePart.recomputed`
+  and `StagePart.baked` list which.
+
+get_attr nodes (parameters/buffers used functionally) are copied into every stage that reads
+them; leaf modules go with the stage that calls them, so buffers move with their modules.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence, Union
+
+import torch
+import torch.fx as fx
+
+from pdcli.errors import UserError
+from pdcli.profiler.trace import chain_order
+
+DATA = "data"
+"""Peer of a stage input that the stage reads from its own data loader (a model input)."""
+LOSS = "loss"
+"""Peer of the model output: the last stage feeds it to the loss."""
+OUTPUT_NAME = "output"
+"""Wire name of the model output in the last stage's outputs."""
+
+Peer = Union[int, str]
+# Queries that read only metadata of a tensor: cheap to redo wherever the tensor is.
+_CHEAP_METHODS = frozenset({"size", "dim", "numel", "type_as_dtype"})
+_CHEAP_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda"})
+_CHEAP_FUNCTIONS = frozenset(
+    {operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, getattr}
+)
+_LITERAL_TYPES = (int, float, bool, str, type(None), torch.dtype, slice, type(Ellipsis))
+
+
+@dataclass(frozen=True)
+class Wire:
+    """A tensor crossing a stage boundary, with its shape and dtype at the microbatch size."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class StageInput:
+    wire: Wire
+    peer: Peer
+    """Producer stage id, or DATA for a model input."""
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    wire: Wire
+    peers: tuple[Peer, ...]
+    """Consumer stage ids (ascending), or (LOSS,) for the model output."""
+
+
+@dataclass(frozen=True)
+class StagePart:
+    """One stage: its graph module (sharing submodules with the traced model) and its wires."""
+
+    stage_id: int
+    start: int
+    end: int
+    module: fx.GraphModule
+    inputs: tuple[StageInput, ...]
+    outputs: tuple[StageOutput, ...]
+    recomputed: tuple[str, ...]
+    """Names of cross-stage non-tensor values recomputed in this stage."""
+    baked: tuple[str, ...]
+    """Names of cross-stage non-tensor values baked into this stage as constants."""
+
+
+def record_values(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> dict[fx.Node, Any]:
+    """Every node's value on `example_inputs` (no grad, eval mode so BatchNorm stats stay put)."""
+    values: dict[fx.Node, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            values[n] = super().run_node(n)
+            return values[n]
+
+    modes = {m: m.training for m in gm.modules()}
+    try:
+        gm.eval()
+        with torch.no_grad():
+            Recorder(gm).run(*example_inputs)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return values
+
+
+def check_boundaries(boundaries: Sequence[tuple[int, int]], num_positions: int) -> None:
+    """Stages must be non-empty, contiguous and cover all `num_positions` chain positions."""
+    if not boundaries:
+        raise UserError("the plan has no stages")
+    expected_start = 0
+    for k, (start, end) in enumerate(boundaries):
+        if start != expected_start or end <= start:
+            raise UserError(
+                f"plan stage {k} covers chain positions [{start}, {end}); expected a non-empty "
+                f"range starting at {expected_start}",
+                hint="re-run `pd plan` for this model",
+            )
+        expected_start = end
+    if expected_start != num_positions:
+        raise UserError(
+            f"the plan's stages end at chain position {expected_start} but the model has "
+            f"{num_positions} positions",
+            hint="the plan was made for another model or profile; re-run `pd profile` and `pd plan`",
+        )
+
+
+def _leaves(value: Any, path: tuple[int, ...] = ()) -> Iterator[tuple[tuple[int, ...], Any]]:
+    """(index path, leaf) of a value nested in tuples/lists."""
+    if isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _leaves(item, (*path, i))
+    else:
+        yield path, value
+
+
+def _has_tensor(value: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for _, leaf in _leaves(value))
+
+
+def _check_literal(name: str, value: Any) -> None:
+    if not all(isinstance(leaf, _LITERAL_TYPES) for _, leaf in _leaves(value)):
+        raise UserError(
+            f"the value {name!r} ({type(value).__name__}) crosses a stage boundary but is neither a "
+            f"tensor nor a constant that can be baked into the next stage",
+            hint="move the cut (choose other stage boundaries) or compute it from a tensor",
+        )
+
+
+def _wire_name(node: fx.Node, path: tuple[int, ...]) -> str:
+    return node.name if not path else f"{node.name}__{'_'.join(map(str, path))}"
+
+
+def _cheap_roots(node: fx.Node) -> set[fx.Node] | None:
+    """Tensor nodes a non-tensor `node` is computed from by cheap metadata queries, or None."""
+    if node.op == "call_method" and node.target in _CHEAP_METHODS:
+        pass
+    elif node.op == "call_function" and node.target in _CHEAP_FUNCTIONS:
+        if node.target is getattr and node.args[1] not in _CHEAP_ATTRS:
+            return None
+    else:
+        return None
+    roots: set[fx.Node] = set()
+    first = node.args[0] if node.args else None
+    for arg in node.all_input_nodes:
+        if node.op == "call_method" or node.target is getattr:
+            if arg is first:
+                roots.add(arg)  # the tensor being queried
+                continue
+        sub = _cheap_roots(arg)
+        if sub is None:
+            return None
+        roots |= sub
+    return roots
+
+
+class _StageBuilder:
+    """Builds the graph of one stage; wires are decided by `split_graph` beforehand."""
+
+    def __init__(self, gm: fx.GraphModule, values: dict[fx.Node, Any], stage_id: int) -> None:
+        self.gm, self.values, self.stage_id = gm, values, stage_id
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, Any] = {}
+        self.recomputed: list[str] = []
+        self.baked: list[str] = []
+
+    def add_placeholders(self, node: fx.Node) -> None:
+        """Placeholders for the tensor leaves of `node`; env maps it to the rebuilt structure."""
+
+        def rebuild(value: Any, path: tuple[int, ...]) -> Any:
+            if isinstance(value, (tuple, list)):  # namedtuples/structseqs become plain tuples
+                items = [rebuild(v, (*path, i)) for i, v in enumerate(value)]
+                return items if isinstance(value, list) else tuple(items)
+            if isinstance(value, torch.Tensor):
+                return self.graph.placeholder(_wire_name(node, path))
+            _check_literal(node.name, value)
+            return value
+
+        self.env[node] = rebuild(self.values[node], ())
+
+    def lookup(self, node: fx.Node) -> Any:
+        if node in self.env:
+            return self.env[node]
+        if node.op == "get_attr":
+            self.env[node] = self.graph.node_copy(node, self.lookup)
+        elif _cheap_roots(node) is not None and all(r in self.env for r in _cheap_roots(node) or ()):
+            self.env[node] = self.graph.node_copy(node, self.lookup)
+            self.recomputed.append(node.name)
+        else:
+            value = self.values[node]
+            _check_literal(node.name, value)
+            self.env[node] = value
+            self.baked.append(node.name)
+        return self.env[node]
+
+    def copy(self, node: fx.Node) -> None:
+        self.env[node] = self.graph.node_copy(node, self.lookup)
+
+    def leaf_outputs(self, node: fx.Node) -> list[tuple[str, fx.Node]]:
+        """(wire name, graph node) of each tensor leaf of a local `node`, adding getitem nodes."""
+        out = []
+        for path, leaf in _leaves(self.values[node]):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            arg: Any = self.env[node]
+            for depth, i in enumerate(path):
+                name = _wire_name(node, path) if depth == len(path) - 1 else None
+                arg = self.graph.create_node("call_function", operator.getitem, (arg, i), name=name)
+            out.append((_wire_name(node, path), arg))
+        return out
+
+
+def _live_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose value reaches the output or that have side effects (modules count as such:
+    a BatchNorm updates its running stats even when its result is unused)."""
+    live: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if (
+            node.op in ("output", "placeholder", "call_module")
+            or node.is_impure()
+            or (node.op == "call_method" and str(node.target).endswith("_"))  # in-place
+            or any(user in live for user in node.users)
+        ):
+            live.add(node)
+    return live
+
+
+def _wire(name: str, value: torch.Tensor) -> Wire:
+    return Wire(name=name, shape=tuple(value.shape), dtype=value.dtype)
+
+
+def split_graph(
+    gm: fx.GraphModule,
+    boundaries: Sequence[tuple[int, int]],
+    example_inputs: Sequence[torch.Tensor],
+) -> list[StagePart]:
+    """One StagePart per (start, end) range of chain positions of `gm`.
+
+    `example_inputs` (one microbatch) give the shapes and dtypes of the wires, tell tensors
+    from non-tensor values, and give the constants that are baked in.
+    """
+    chain = chain_order(gm)
+    check_boundaries(boundaries, len(chain))
+    values = record_values(gm, example_inputs)
+    num_stages = len(boundaries)
+    stage_of: dict[fx.Node, Peer] = {}
+    for k, (start, end) in enumerate(boundaries):
+        for node in chain[start:end]:
+            stage_of[node] = k
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in placeholders:
+        stage_of[n] = DATA
+    (output_node,) = [n for n in gm.graph.nodes if n.op == "output"]
+    result = output_node.args[0]
+    if not isinstance(result, fx.Node) or not isinstance(values.get(result), torch.Tensor):
+        raise UserError(
+            f"{type(gm).__name__}.forward must return one tensor (the logits) to be split into "
+            f"stages; it returns {type(values.get(result, result)).__name__}"
+        )
+
+    # Which values each stage consumes from elsewhere, in order of first use. Dead nodes (an
+    # unused `getitem` of an LSTM's state) keep their chain position but are not copied, so
+    # nothing is sent just for them.
+    live = _live_nodes(gm.graph)
+    stage_nodes = [[n for n in chain[s:e] if n in live] for s, e in boundaries]
+    consumed: list[list[fx.Node]] = []
+    for k, nodes in enumerate(stage_nodes):
+        users = list(nodes) + ([output_node] if k == num_stages - 1 else [])
+        seen: dict[fx.Node, None] = {}
+        for user in users:
+            for arg in user.all_input_nodes:
+                if arg.op != "get_attr" and stage_of.get(arg) != k:
+                    seen.setdefault(arg)
+        consumed.append(list(seen))
+
+    def is_wire(node: fx.Node) -> bool:
+        """`node` reaches its consumers as sent tensors (else it is recomputed or baked)."""
+        return _has_tensor(values[node])
+
+    builders = [_StageBuilder(gm, values, k) for k in range(num_stages)]
+    consumers: dict[fx.Node, list[int]] = {}
+    for k, builder in enumerate(builders):
+        for node in consumed[k]:
+            if is_wire(node):
+                builder.add_placeholders(node)
+                if stage_of[node] != DATA:
+                    consumers.setdefault(node, []).append(k)
+        for node in stage_nodes[k]:
+            builder.copy(node)
+
+    parts = []
+    for k, builder in enumerate(builders):
+        inputs = []
+        for node in consumed[k]:
+            if not is_wire(node):
+                continue
+            for path, leaf in _leaves(values[node]):
+                if isinstance(leaf, torch.Tensor):
+                    inputs.append(StageInput(_wire(_wire_name(node, path), leaf), stage_of[node]))
+        outputs: list[StageOutput] = []
+        returned: list[Any] = []
+        for node in stage_nodes[k]:
+            if node in consumers:
+                for name, graph_node in builder.leaf_outputs(node):
+                    leaf = _value_at(values[node], name, node)
+                    outputs.append(StageOutput(_wire(name, leaf), tuple(consumers[node])))
+                    returned.append(graph_node)
+        if k == num_stages - 1:
+            outputs.append(StageOutput(_wire(OUTPUT_NAME, values[result]), (LOSS,)))
+            returned.append(builder.lookup(result))
+        builder.graph.output(tuple(returned))
+        builder.graph.lint()
+        module = fx.GraphModule(gm, builder.graph, class_name=f"Stage{k}")
+        parts.append(
+            StagePart(
+                stage_id=k,
+                start=boundaries[k][0],
+                end=boundaries[k][1],
+                module=module,
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+                recomputed=tuple(builder.recomputed),
+                baked=tuple(builder.baked),
+            )
+        )
+    return parts
+
+
+def _value_at(value: Any, wire_name: str, node: fx.Node) -> torch.Tensor:
+    for path, leaf in _leaves(value):
+        if _wire_name(node, path) == wire_name:
+            return leaf
+    raise AssertionError(f"no leaf {wire_name} in {node.name}")

@@ -1,0 +1,130 @@
+"""Predict a pipeline's timeline by replaying its action lists with per-stage costs.
+
+Pure (no torch): the same lists the runtime executes (`pdcli.runtime.schedule`) are
+run by the checker's lockstep engine, and each completed event is given a start and
+an end. With eager sends (the default) a send does not hold its process: the data
+arrives `comm_ms` after the send starts, and the receive waits for it. With rendezvous
+sends both sides are busy for `comm_ms` from when both are ready. An all-reduce starts
+when every replica reaches it. Weight stashing and data loading are taken as free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from pdcli.runtime.checker import SendMode, Slot, lockstep
+from pdcli.runtime.schedule import (
+    Action, AllReduceGrads, Backward, Forward, OptimizerStep, RecvActivations, RecvGrads,
+    ScheduleSpec, SendActivations, SendGrads, build_all,
+)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one replica of a stage spends per action."""
+
+    fwd_ms: float
+    """Forward of one microbatch."""
+    bwd_ms: float
+    """Backward of one microbatch."""
+    comm_ms: float = 0.0
+    """One transfer between this stage and the next (activations forward or gradients back)."""
+    optimizer_ms: float = 0.0
+    """One optimizer step."""
+    allreduce_ms: float = 0.0
+    """One all-reduce of the stage's gradients over its replicas."""
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """An action and when it ran (ms from the start of the run)."""
+
+    action: Action
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """A predicted run."""
+
+    timeline: tuple[tuple[TimedAction, ...], ...]
+    """Per rank (`ScheduleSpec.rank_of`), its actions in order with their times."""
+    makespan_ms: float
+    """End of the last action."""
+    time_per_minibatch_ms: float
+    """Steady state: time between the completions of consecutive minibatches (of
+    num_microbatches microbatches each, whatever the schedule), measured over the
+    second half of the run; the makespan when the run has one minibatch."""
+    bubble_fraction: float
+    """Share of the ranks' time not spent in forward or backward."""
+
+
+def _duration_ms(spec: ScheduleSpec, stage_id: int, action: Action,
+                 costs: Sequence[StageCost]) -> float:
+    cost = costs[stage_id]
+    if isinstance(action, Forward):
+        return cost.fwd_ms
+    if isinstance(action, Backward):
+        return cost.bwd_ms
+    if isinstance(action, OptimizerStep):
+        return cost.optimizer_ms
+    if isinstance(action, AllReduceGrads):
+        return cost.allreduce_ms
+    if isinstance(action, (SendActivations, RecvGrads)):  # the link to the next stage
+        return cost.comm_ms
+    if isinstance(action, (RecvActivations, SendGrads)):  # the link to the previous stage
+        return costs[stage_id - 1].comm_ms
+    return 0.0
+
+
+def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
+             send_mode: SendMode = SendMode.EAGER,
+             lists_by_rank: Sequence[Sequence[Action]] | None = None) -> Simulation:
+    """Time the action lists of `spec` (built here unless given) with `costs[stage_id]`."""
+    if len(costs) != spec.num_stages:
+        raise ValueError(f"{len(costs)} stage costs for {spec.num_stages} stages")
+    lists = lists_by_rank if lists_by_rank is not None else build_all(spec)
+    stages = [spec.stage_replica_of(rank)[0] for rank in range(spec.num_ranks)]
+    clock_ms = [0.0] * spec.num_ranks
+    arrival_ms: dict[Slot, float] = {}
+    timed: list[list[TimedAction]] = [[] for _ in range(spec.num_ranks)]
+    for event in lockstep(lists, spec, send_mode):
+        ranks = [rank for rank, _ in event.members]
+        actions = [lists[rank][index] for rank, index in event.members]
+        duration = max(_duration_ms(spec, stages[r], a, costs) for r, a in zip(ranks, actions))
+        start = max(clock_ms[r] for r in ranks)
+        end = start + duration
+        if send_mode is SendMode.EAGER and isinstance(actions[0], (SendActivations, SendGrads)):
+            arrival_ms[event.members[0]] = end  # the sender goes on at once
+            end_of_rank = start
+        elif event.waited_for:  # an eager receive: done when the data has arrived
+            end = max(start, arrival_ms.pop(event.waited_for[0]))
+            end_of_rank = end
+        else:
+            end_of_rank = end
+        for r, a in zip(ranks, actions):
+            timed[r].append(TimedAction(a, start, end))
+            clock_ms[r] = end_of_rank
+    return _summarize(spec, timed)
+
+
+def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]]) -> Simulation:
+    makespan_ms = max((t.end_ms for rank in timed for t in rank), default=0.0)
+    done_ms = [0.0] * spec.num_steps  # when the last backward of each minibatch ends
+    busy_ms = 0.0
+    for rank in timed:
+        for t in rank:
+            if isinstance(t.action, (Forward, Backward)):
+                busy_ms += t.end_ms - t.start_ms
+            if isinstance(t.action, Backward):
+                minibatch = t.action.microbatch_id // spec.num_microbatches
+                done_ms[minibatch] = max(done_ms[minibatch], t.end_ms)
+    if spec.num_steps == 1:
+        per_minibatch_ms = makespan_ms
+    else:
+        first = (spec.num_steps - 1) // 2
+        per_minibatch_ms = (done_ms[-1] - done_ms[first]) / (spec.num_steps - 1 - first)
+    bubble = 1.0 - busy_ms / (spec.num_ranks * makespan_ms) if makespan_ms > 0 else 0.0
+    return Simulation(tuple(tuple(rank) for rank in timed), makespan_ms, per_minibatch_ms, bubble)

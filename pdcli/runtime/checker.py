@@ -1,0 +1,293 @@
+"""Prove a set of action lists runs: every send meets its receive, no deadlock, and the
+weight versions, optimizer steps and stash depths are the ones the schedule declares.
+
+`lockstep` runs all processes together, without time: a process advances while its next
+action can complete. With `SendMode.RENDEZVOUS` (the strict default) a send completes
+only together with its receive, as a blocking send; with `SendMode.EAGER` a send
+completes at once and its receive completes once the send is posted. An all-reduce
+completes when every replica of the stage reaches it. The simulator
+(`pdcli.planner.simulator`) times the same events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterator, Sequence
+
+from pdcli.runtime.schedule import (
+    ACTION_TYPES, Action, AllReduceGrads, Backward, Forward, FreeWeights, LoadMicrobatch,
+    OptimizerStep, RecvActivations, RecvGrads, ScheduleSpec, SendActivations, SendGrads,
+    PIPEDREAM, StashDepth, StashWeights, replica_for,
+)
+
+Slot = tuple[int, int]  # (rank, index of the action in that rank's list)
+SENDS = (SendActivations, SendGrads)
+RECVS = (RecvActivations, RecvGrads)
+
+
+class ScheduleError(AssertionError):
+    """The action lists are wrong (a bug in a schedule); the message lists every problem."""
+
+
+class SendMode(Enum):
+    """How a send completes."""
+
+    RENDEZVOUS = "rendezvous"
+    """Together with its matching receive (a blocking send)."""
+    EAGER = "eager"
+    """At once; the receive waits for it (a buffered / posted send)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """Actions that complete together, and earlier actions on other ranks they waited for."""
+
+    members: tuple[Slot, ...]
+    waited_for: tuple[Slot, ...] = ()
+
+
+def _peer(spec: ScheduleSpec, rank: int, action: Action) -> tuple[int, type]:
+    """The rank a send/recv talks to and the action type that pairs with it there."""
+    stage_id, _ = spec.stage_replica_of(rank)
+    toward_next = isinstance(action, (SendActivations, RecvGrads))
+    peer_stage = stage_id + 1 if toward_next else stage_id - 1
+    if not 0 <= peer_stage < spec.num_stages:
+        raise ScheduleError(f"rank {rank} (stage {stage_id}): {action!r} has no peer stage")
+    peer_r = spec.replicas[peer_stage]
+    if action.peer_replica != replica_for(action.microbatch_id, peer_r):
+        raise ScheduleError(
+            f"rank {rank} (stage {stage_id}): {action!r} names replica {action.peer_replica} "
+            f"of stage {peer_stage}, but microbatch {action.microbatch_id} runs on replica "
+            f"{replica_for(action.microbatch_id, peer_r)}")
+    pair = {SendActivations: RecvActivations, RecvActivations: SendActivations,
+            SendGrads: RecvGrads, RecvGrads: SendGrads}[type(action)]
+    return spec.rank_of(peer_stage, action.peer_replica), pair
+
+
+def lockstep(lists_by_rank: Sequence[Sequence[Action]], spec: ScheduleSpec,
+             send_mode: SendMode = SendMode.RENDEZVOUS) -> Iterator[Event]:
+    """Yield the events of a run in an order they can happen; ScheduleError on deadlock."""
+    if len(lists_by_rank) != spec.num_ranks:
+        raise ScheduleError(f"{len(lists_by_rank)} action lists for {spec.num_ranks} ranks")
+    heads = [0] * spec.num_ranks
+    posted: dict[tuple[type, int, int, int], Slot] = {}  # eager: (type, mb, from, to) -> send
+
+    def head(rank: int) -> Action | None:
+        return lists_by_rank[rank][heads[rank]] if heads[rank] < len(lists_by_rank[rank]) else None
+
+    def try_advance(rank: int) -> Event | None:
+        action = head(rank)
+        here: Slot = (rank, heads[rank])
+        if not isinstance(action, ACTION_TYPES):
+            raise ScheduleError(f"rank {rank}: unknown action {action!r} at #{heads[rank]}")
+        if isinstance(action, AllReduceGrads):
+            stage_id, _ = spec.stage_replica_of(rank)
+            group = [spec.rank_of(stage_id, r) for r in range(spec.replicas[stage_id])]
+            if all(head(g) == action for g in group):
+                return Event(tuple((g, heads[g]) for g in group))
+            return None
+        if isinstance(action, SENDS):
+            peer, pair = _peer(spec, rank, action)
+            if send_mode is SendMode.EAGER:
+                posted[(pair, action.microbatch_id, rank, peer)] = here
+                return Event((here,))
+            _, replica_id = spec.stage_replica_of(rank)
+            if head(peer) == pair(action.microbatch_id, replica_id):
+                return Event((here, (peer, heads[peer])))
+            return None
+        if isinstance(action, RECVS):
+            peer, _ = _peer(spec, rank, action)
+            send = posted.pop((type(action), action.microbatch_id, peer, rank), None)
+            if send_mode is SendMode.EAGER and send is not None:
+                return Event((here,), (send,))
+            return None  # rendezvous: the sender's turn completes both
+        return Event((here,))
+
+    while True:
+        progressed = False
+        for rank in range(spec.num_ranks):
+            while head(rank) is not None:
+                event = try_advance(rank)
+                if event is None:
+                    break
+                for r, _ in event.members:
+                    heads[r] += 1
+                progressed = True
+                yield event
+        if all(head(rank) is None for rank in range(spec.num_ranks)):
+            break
+        if not progressed:
+            stuck = "; ".join(
+                f"rank {rank} (stage, replica {spec.stage_replica_of(rank)}) at "
+                f"#{heads[rank]} {head(rank)!r}"
+                for rank in range(spec.num_ranks) if head(rank) is not None)
+            raise ScheduleError(f"deadlock ({send_mode.value} sends): {stuck}")
+    if posted:
+        raise ScheduleError(f"sends never received: {sorted(posted.values())}")
+
+
+@dataclass
+class _Process:
+    """What the checker tracks of one process while it replays its list."""
+
+    stage_id: int
+    replica_id: int
+    version: int = 0
+    stash: set[int] = field(default_factory=set)
+    loaded: set[int] = field(default_factory=set)
+    received: set[tuple[type, int]] = field(default_factory=set)
+    in_flight: dict[int, int] = field(default_factory=dict)  # mb -> weight version
+    forwarded: set[int] = field(default_factory=set)
+    backwarded: set[int] = field(default_factory=set)
+    grads: set[int] = field(default_factory=set)  # microbatches in .grad since the last step
+    reduced: frozenset[int] | None = None  # after AllReduceGrads: microbatches of all replicas
+    max_versions: int = 1
+    max_activation_sets: int = 0
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What a run of valid lists held: per rank, the most weight versions / activation sets."""
+
+    max_depth_by_rank: tuple[StashDepth, ...]
+    num_events: int
+
+
+def check_schedules(lists_by_rank: Sequence[Sequence[Action]], spec: ScheduleSpec,
+                    send_mode: SendMode = SendMode.RENDEZVOUS) -> CheckReport:
+    """Replay all lists together; ScheduleError listing every problem found."""
+    procs = [_Process(*spec.stage_replica_of(rank)) for rank in range(spec.num_ranks)]
+    problems: list[str] = []
+    num_events = 0
+    for event in lockstep(lists_by_rank, spec, send_mode):
+        num_events += 1
+        ranks = [rank for rank, _ in event.members]
+        first = lists_by_rank[ranks[0]][event.members[0][1]]
+        if isinstance(first, AllReduceGrads):
+            union = frozenset().union(*(procs[r].grads for r in ranks))
+            for r in ranks:
+                procs[r].reduced = union
+        for rank, index in event.members:
+            action = lists_by_rank[rank][index]
+            problem = _apply(spec, procs[rank], action)
+            if problem:
+                problems.append(f"rank {rank} #{index} {action!r}: {problem}")
+    for rank, proc in enumerate(procs):
+        problems += [f"rank {rank}: {p}" for p in _final_problems(spec, proc)]
+    if problems:
+        raise ScheduleError(f"{len(problems)} problems:\n" + "\n".join(problems[:50]))
+    return CheckReport(
+        tuple(StashDepth(p.max_versions, p.max_activation_sets) for p in procs), num_events)
+
+
+def _apply(spec: ScheduleSpec, p: _Process, action: Action) -> str | None:
+    """Update `p` with one completed action; a description of what is wrong, if anything."""
+    problem = _apply_unchecked_depth(spec, p, action)
+    p.max_versions = max(p.max_versions, len(p.stash | {p.version}))
+    p.max_activation_sets = max(p.max_activation_sets, len(p.in_flight))
+    declared = spec.stash_depth(p.stage_id)
+    if problem is None and p.max_versions > declared.weight_versions:
+        problem = f"holds {p.max_versions} weight versions, declared {declared.weight_versions}"
+    if problem is None and p.max_activation_sets > declared.activation_sets:
+        problem = (f"holds {p.max_activation_sets} activation sets, "
+                   f"declared {declared.activation_sets}")
+    return problem
+
+
+def _apply_unchecked_depth(spec: ScheduleSpec, p: _Process, a: Action) -> str | None:
+    first, last = p.stage_id == 0, p.stage_id == spec.num_stages - 1
+    if isinstance(a, LoadMicrobatch):
+        if not (first or last):
+            return "only the first and the last stage load data"
+        p.loaded.add(a.microbatch_id)
+    elif isinstance(a, RECVS):
+        p.received.add((type(a), a.microbatch_id))
+    elif isinstance(a, SendActivations) and a.microbatch_id not in p.forwarded:
+        return "sends activations before their forward"
+    elif isinstance(a, SendGrads) and a.microbatch_id not in p.backwarded:
+        return "sends gradients before their backward"
+    elif isinstance(a, Forward):
+        mb = a.microbatch_id
+        if mb not in spec.microbatches_of(p.stage_id, p.replica_id):
+            return "microbatch belongs to another replica or is out of range"
+        if mb in p.forwarded:
+            return "second forward of the microbatch"
+        if (first or last) and mb not in p.loaded:
+            return "forward before LoadMicrobatch"
+        if not first and (RecvActivations, mb) not in p.received:
+            return "forward before RecvActivations"
+        p.forwarded.add(mb)
+        p.in_flight[mb] = a.weight_version
+        return _version_problem(spec, p, a, live_only=spec.name == PIPEDREAM and not spec.vertical_sync)
+    elif isinstance(a, Backward):
+        mb = a.microbatch_id
+        if mb not in p.in_flight:
+            return "backward without a forward in flight"
+        if a.weight_version != p.in_flight.pop(mb):
+            return "backward on another weight version than its forward"
+        if not last and (RecvGrads, mb) not in p.received:
+            return "backward before RecvGrads"
+        p.backwarded.add(mb)
+        p.grads.add(mb)
+        return _version_problem(spec, p, a, live_only=False)
+    elif isinstance(a, StashWeights):
+        if a.version != p.version or a.version in p.stash:
+            return f"stashes version {a.version}, live is {p.version}, stash {sorted(p.stash)}"
+        p.stash.add(a.version)
+    elif isinstance(a, FreeWeights):
+        if a.version not in p.stash:
+            return f"frees version {a.version}, stash {sorted(p.stash)}"
+        p.stash.discard(a.version)
+    elif isinstance(a, AllReduceGrads):
+        if spec.replicas[p.stage_id] == 1:
+            return "all-reduce on a stage without replicas"
+        if a.step != p.version:
+            return f"all-reduce for step {a.step} while at version {p.version}"
+    elif isinstance(a, OptimizerStep):
+        return _step_problem(spec, p, a)
+    return None
+
+
+def _version_problem(spec: ScheduleSpec, p: _Process, a: Forward | Backward,
+                     live_only: bool) -> str | None:
+    expected = spec.weight_version(p.stage_id, a.microbatch_id)
+    if a.weight_version != expected:
+        return f"uses weight version {a.weight_version}, the schedule's rule says {expected}"
+    if live_only and a.weight_version != p.version:
+        return f"weight stashing forwards on the live version {p.version}"
+    if a.weight_version != p.version and a.weight_version not in p.stash:
+        return f"version {a.weight_version} is neither live ({p.version}) nor stashed {sorted(p.stash)}"
+    return None
+
+
+def _step_problem(spec: ScheduleSpec, p: _Process, a: OptimizerStep) -> str | None:
+    replicated = spec.replicas[p.stage_id] > 1
+    covered = p.reduced if replicated else frozenset(p.grads)
+    expected = frozenset(spec.microbatches_of_step(p.stage_id, a.step))
+    p.grads, p.reduced = set(), None
+    p.version += 1
+    if a.step != p.version - 1:
+        return f"step {a.step} at version {p.version - 1}"
+    if covered is None:
+        return "optimizer step on a replicated stage without AllReduceGrads"
+    if covered != expected:
+        return f"gradient covers microbatches {sorted(covered)}, expected {sorted(expected)}"
+    if a.num_microbatches != len(expected):
+        return f"divides by {a.num_microbatches}, the step covers {len(expected)} microbatches"
+    if spec.is_flush and p.in_flight:
+        return f"flush schedule steps with microbatches in flight {sorted(p.in_flight)}"
+    return None
+
+
+def _final_problems(spec: ScheduleSpec, p: _Process) -> list[str]:
+    own = set(spec.microbatches_of(p.stage_id, p.replica_id))
+    problems = []
+    if p.forwarded != own or p.backwarded != own:
+        problems.append(f"ran forwards {sorted(p.forwarded)} / backwards {sorted(p.backwarded)}, "
+                        f"expected {sorted(own)}")
+    if p.version != spec.num_optimizer_steps(p.stage_id):
+        problems.append(f"took {p.version} steps, expected {spec.num_optimizer_steps(p.stage_id)}")
+    if p.stash or p.grads:
+        problems.append(f"ends with stash {sorted(p.stash)} and gradients of {sorted(p.grads)}")
+    return problems

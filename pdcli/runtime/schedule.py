@@ -1,0 +1,511 @@
+"""Pipeline schedules as data: typed actions and the ordered action list of every process.
+
+A process is one replica of one stage. Its list fixes the order of everything it does,
+so the numerics of a run never depend on timing. The executor interprets a list with
+a table `{ActionType: handler}` (see `dispatch`); the checker and the simulator replay
+the same lists.
+
+Words: a *minibatch* is one batch of the data loader (`num_microbatches` microbatches).
+Microbatch `k` of minibatch `t` has the global id `t * num_microbatches + k`.
+`pipedream` treats every microbatch as a minibatch of its own (one update per
+microbatch, per round of `r` microbatches on a stage with `r` replicas); the other
+schedules take one optimizer step per minibatch.
+
+Weight versions: version `v` of a stage = its live weights after `v` optimizer steps.
+The rule each schedule follows is `ScheduleSpec.weight_version`; the reference trainer
+(`pdcli.runtime.reference`) applies the same rule without action lists, and the checker
+proves that the lists implement it.
+
+Gradients: a Backward adds the gradient of its microbatch's (unscaled) loss to the
+live parameters' `.grad`, whatever version it ran on; AllReduceGrads sums `.grad`
+over the stage's replicas; OptimizerStep divides by the number of microbatches the
+update covers (a mean, so `lr` means what it means without a pipeline), steps, zeroes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, Mapping, Sequence, TypeVar, Union
+
+from pdcli.errors import UserError
+
+__all__ = [
+    "Action", "ACTION_TYPES", "AllReduceGrads", "Backward", "Forward", "FreeWeights",
+    "LoadMicrobatch", "OptimizerStep", "RecvActivations", "RecvGrads", "ScheduleSpec",
+    "SCHEDULES", "SendActivations", "SendGrads", "StashDepth", "StashWeights",
+    "UnknownActionError", "build_all", "build_for", "build_schedule", "dispatch",
+    "one_f_one_b", "replica_for", "stash_depth",
+]
+
+GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW = "gpipe", "1f1b", "pipedream", "2bw"
+SCHEDULES = (PIPEDREAM, ONE_F_ONE_B, GPIPE, TWO_BW)
+FLUSH_SCHEDULES = (GPIPE, ONE_F_ONE_B)
+
+
+# ---- the parameters of a schedule and its rules -------------------------------------------
+
+
+def replica_for(microbatch_id: int, replicas_of_stage: int) -> int:
+    """The replica (of a stage with `replicas_of_stage` replicas) that runs `microbatch_id`: round-robin."""
+    return microbatch_id % replicas_of_stage
+
+
+@dataclass(frozen=True)
+class StashDepth:
+    """What one process of a stage holds at once, at most."""
+
+    weight_versions: int
+    """Distinct weight versions: the live weights plus stashed copies."""
+    activation_sets: int
+    """Microbatches forwarded and not yet backwarded (their saved activations)."""
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Everything that fixes the action lists of a run; rejects what no schedule can run."""
+
+    name: str
+    """`gpipe`, `1f1b`, `pipedream` or `2bw`."""
+    num_stages: int
+    """Pipeline stages S."""
+    num_microbatches: int
+    """Microbatches per minibatch M."""
+    num_steps: int
+    """Minibatches the run consumes (gpipe/1f1b/2bw: one optimizer step each)."""
+    replicas: tuple[int, ...]
+    """Replicas (data-parallel copies) of each stage."""
+    vertical_sync: bool = False
+    """pipedream only: every stage uses the weight version stage 0 used for a microbatch."""
+
+    @classmethod
+    def make(cls, name: str, num_stages: int, num_microbatches: int, num_steps: int,
+             replicas: Sequence[int] | None = None, vertical_sync: bool = False) -> ScheduleSpec:
+        """A spec with `replicas=None` meaning one replica per stage."""
+        reps = tuple(replicas) if replicas is not None else (1,) * num_stages
+        return cls(name, num_stages, num_microbatches, num_steps, reps, vertical_sync)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.name not in SCHEDULES:
+            problems.append(f"schedule {self.name!r} is not one of {', '.join(SCHEDULES)}")
+        for key in ("num_stages", "num_microbatches", "num_steps"):
+            if getattr(self, key) < 1:
+                problems.append(f"{key} must be >= 1, got {getattr(self, key)}")
+        if len(self.replicas) != self.num_stages:
+            problems.append(f"replicas has {len(self.replicas)} entries for {self.num_stages} stages")
+        if self.vertical_sync and self.name != PIPEDREAM:
+            problems.append(f"vertical_sync only applies to pipedream, not {self.name!r}")
+        if problems:
+            raise UserError("; ".join(problems))
+        for stage_id, r in enumerate(self.replicas):
+            if r < 1 or self.num_microbatches % r:
+                problems.append(
+                    f"stage {stage_id} has {r} replicas: num_microbatches={self.num_microbatches} "
+                    f"must be a multiple of it (microbatches are spread evenly over replicas)")
+            elif self.name == TWO_BW and self.num_in_flight(stage_id) > self.num_microbatches // r + 1:
+                problems.append(
+                    f"2bw: stage {stage_id} keeps {self.num_in_flight(stage_id)} microbatches in "
+                    f"flight per replica, more than num_microbatches/replicas + 1 = "
+                    f"{self.num_microbatches // r + 1}, so two weight buffers cannot hold them")
+        if problems:
+            raise UserError("; ".join(problems), hint="use more microbatches per minibatch")
+
+    # -- processes --
+    @property
+    def num_ranks(self) -> int:
+        """Processes in the run: the sum of the replicas of every stage."""
+        return sum(self.replicas)
+
+    def rank_of(self, stage_id: int, replica_id: int) -> int:
+        """Ranks are stage-major: stage 0's replicas, then stage 1's, ..."""
+        return sum(self.replicas[:stage_id]) + replica_id
+
+    def stage_replica_of(self, rank: int) -> tuple[int, int]:
+        """(stage_id, replica_id) of `rank`; the inverse of `rank_of`."""
+        for stage_id, r in enumerate(self.replicas):
+            if rank < r:
+                return stage_id, rank
+            rank -= r
+        raise ValueError(f"rank out of range (num_ranks={self.num_ranks})")
+
+    # -- microbatches and steps --
+    @property
+    def is_flush(self) -> bool:
+        """True for the schedules that drain the pipeline before each optimizer step."""
+        return self.name in FLUSH_SCHEDULES
+
+    @property
+    def total_microbatches(self) -> int:
+        """Microbatches in the run, ids 0 .. total - 1."""
+        return self.num_steps * self.num_microbatches
+
+    def num_in_flight(self, stage_id: int) -> int:
+        """Forwards one replica of `stage_id` runs before its first backward (1F1B warm-up
+        + 1): the devices from this stage to the end over this stage's replicas, rounded
+        up (S - s on a straight pipeline, as in PipeDream)."""
+        return math.ceil(sum(self.replicas[stage_id:]) / self.replicas[stage_id])
+
+    def microbatches_of(self, stage_id: int, replica_id: int) -> range:
+        """The microbatches `replica_id` of `stage_id` runs, in increasing order."""
+        return range(replica_id, self.total_microbatches, self.replicas[stage_id])
+
+    def step_of(self, stage_id: int, microbatch_id: int) -> int:
+        """The optimizer step of `stage_id` whose gradient includes `microbatch_id`: its
+        minibatch, or for pipedream its round of r microbatches (r = replicas)."""
+        if self.name == PIPEDREAM:
+            return microbatch_id // self.replicas[stage_id]
+        return microbatch_id // self.num_microbatches
+
+    def microbatches_of_step(self, stage_id: int, step: int) -> range:
+        """The microbatches (over all replicas) whose mean gradient optimizer step `step` applies."""
+        size = self.replicas[stage_id] if self.name == PIPEDREAM else self.num_microbatches
+        return range(step * size, (step + 1) * size)
+
+    def num_optimizer_steps(self, stage_id: int) -> int:
+        """Optimizer steps `stage_id` takes in the run."""
+        if self.name == PIPEDREAM:
+            return self.total_microbatches // self.replicas[stage_id]
+        return self.num_steps
+
+    # -- weight versions --
+    def weight_version(self, stage_id: int, microbatch_id: int) -> int:
+        """The version of `stage_id` (number of its updates it holds) that both the forward
+        and the backward of `microbatch_id` use.
+
+        gpipe, 1f1b: the minibatch index t (all updates before it).
+        2bw: t - 1 (clamped at 0): W(t+1) = W(t) - lr * grad on W(t - 1).
+        pipedream: the live version when the microbatch reaches this stage in 1F1B order:
+        round k = mb // r of a replica runs after k - n + 1 updates (n = num_in_flight),
+        i.e. on a straight pipeline the updates of microbatches 0 .. mb - (S - s).
+        With vertical sync: the newest version of this stage whose updates all come from
+        microbatches that stage 0's version for `microbatch_id` includes.
+        """
+        minibatch = microbatch_id // self.num_microbatches
+        if self.is_flush:
+            return minibatch
+        if self.name == TWO_BW:
+            return max(0, minibatch - 1)
+        if self.vertical_sync:
+            first_stage = self._pipedream_version(0, microbatch_id)
+            return first_stage * self.replicas[0] // self.replicas[stage_id]
+        return self._pipedream_version(stage_id, microbatch_id)
+
+    def _pipedream_version(self, stage_id: int, microbatch_id: int) -> int:
+        round_index = microbatch_id // self.replicas[stage_id]
+        return max(0, round_index - self.num_in_flight(stage_id) + 1)
+
+    def stash_depth(self, stage_id: int) -> StashDepth:
+        """Weight versions and activation sets one replica of `stage_id` holds at most."""
+        per_replica = self.num_microbatches // self.replicas[stage_id]
+        in_flight = self.num_in_flight(stage_id)
+        if self.name == GPIPE:
+            return StashDepth(1, per_replica)
+        if self.name == ONE_F_ONE_B:
+            return StashDepth(1, min(in_flight, per_replica))
+        if self.name == TWO_BW:
+            return StashDepth(2, in_flight)
+        if not self.vertical_sync:  # one version per microbatch in flight
+            return StashDepth(in_flight, in_flight)
+        return StashDepth(self._vertical_sync_versions(stage_id), in_flight)
+
+    def _vertical_sync_versions(self, stage_id: int) -> int:
+        # After its k-th forward a replica is at version k - n + 1 and still needs every
+        # version from the one of its oldest microbatch in flight (round k - n + 1) up.
+        r, n = self.replicas[stage_id], self.num_in_flight(stage_id)
+        horizon = 4 * (n + self.num_in_flight(0)) * self.replicas[0] * r
+        return max(max(0, k - n + 1) - self.weight_version(stage_id, max(0, k - n + 1) * r) + 1
+                   for k in range(horizon))
+
+
+# ---- actions -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadMicrobatch:
+    """inputs (first stage) / target (last stage) = data[microbatch_id]."""
+
+    microbatch_id: int
+
+
+@dataclass(frozen=True)
+class RecvActivations:
+    """acts_in[mb] = recv from (stage - 1, peer_replica); pairs with its SendActivations."""
+
+    microbatch_id: int
+    peer_replica: int
+
+
+@dataclass(frozen=True)
+class Forward:
+    """acts_out[mb] = stage(acts_in[mb]; weights[weight_version]); last stage: loss[mb]."""
+
+    microbatch_id: int
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class SendActivations:
+    """send acts_out[mb] to (stage + 1, peer_replica); pairs with its RecvActivations."""
+
+    microbatch_id: int
+    peer_replica: int
+
+
+@dataclass(frozen=True)
+class RecvGrads:
+    """grads_out[mb] = recv from (stage + 1, peer_replica); pairs with its SendGrads."""
+
+    microbatch_id: int
+    peer_replica: int
+
+
+@dataclass(frozen=True)
+class Backward:
+    """live.grad += d loss[mb] / d weights[weight_version]; grads_in[mb]; free acts of mb."""
+
+    microbatch_id: int
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class SendGrads:
+    """send grads_in[mb] to (stage - 1, peer_replica); pairs with its RecvGrads."""
+
+    microbatch_id: int
+    peer_replica: int
+
+
+@dataclass(frozen=True)
+class StashWeights:
+    """stash[version] = copy(live weights); the live weights are at `version` right now."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class FreeWeights:
+    """del stash[version] (its last Forward/Backward is done)."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class AllReduceGrads:
+    """live.grad = sum of live.grad over this stage's replicas (collective, all replicas)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """live.grad /= num_microbatches; optimizer.step(); zero grads; version = step + 1."""
+
+    step: int
+    num_microbatches: int
+
+
+Action = Union[
+    LoadMicrobatch, RecvActivations, Forward, SendActivations, RecvGrads, Backward,
+    SendGrads, StashWeights, FreeWeights, AllReduceGrads, OptimizerStep,
+]
+ACTION_TYPES: tuple[type, ...] = (
+    LoadMicrobatch, RecvActivations, Forward, SendActivations, RecvGrads, Backward,
+    SendGrads, StashWeights, FreeWeights, AllReduceGrads, OptimizerStep,
+)
+
+
+class UnknownActionError(TypeError):
+    """An action whose type the interpreter's handler table does not know (a bug)."""
+
+
+R = TypeVar("R")
+
+
+def dispatch(handlers: Mapping[type, Callable[[Action], R]], action: Action) -> R:
+    """Run the handler of `type(action)`; an action type without a handler is an error."""
+    handler = handlers.get(type(action))
+    if handler is None:
+        known = ", ".join(sorted(t.__name__ for t in handlers))
+        raise UnknownActionError(f"no handler for {action!r} (handlers: {known})")
+    return handler(action)
+
+
+# ---- the order of compute ---------------------------------------------------------------
+
+
+def one_f_one_b(microbatch_ids: Sequence[int], num_in_flight: int) -> list[Forward | Backward]:
+    """The 1F1B order over `microbatch_ids`, weight versions left at 0.
+
+    Warm-up: forward the first `num_in_flight` microbatches. Steady state: backward the
+    oldest microbatch in flight, then forward the next one. Cool-down: backward the
+    rest. `num_in_flight = len(microbatch_ids)` gives GPipe's all-forwards-then-all-
+    backwards.
+    """
+    ids = list(microbatch_ids)
+    warmup = min(num_in_flight, len(ids))
+    order: list[Forward | Backward] = [Forward(mb, 0) for mb in ids[:warmup]]
+    for position, mb in enumerate(ids):
+        order.append(Backward(mb, 0))
+        if position + warmup < len(ids):
+            order.append(Forward(ids[position + warmup], 0))
+    return order
+
+
+@lru_cache(maxsize=256)
+def _compute_order(spec: ScheduleSpec, stage_id: int, replica_id: int) -> tuple[Action, ...]:
+    """Forward/Backward/AllReduceGrads/OptimizerStep of one process, versions filled in."""
+    own = spec.microbatches_of(stage_id, replica_id)
+    if spec.is_flush:  # a flush per minibatch: the pipeline drains before each step
+        per_minibatch = [[mb for mb in own if mb // spec.num_microbatches == t]
+                         for t in range(spec.num_steps)]
+        gpipe = spec.name == GPIPE
+        order = [a for chunk in per_minibatch
+                 for a in one_f_one_b(chunk, len(chunk) if gpipe else spec.num_in_flight(stage_id))]
+    else:  # no flush: one 1F1B sequence over the whole run
+        order = one_f_one_b(own, spec.num_in_flight(stage_id))
+    last_of_step = {spec.step_of(stage_id, mb): mb for mb in own}  # own is increasing
+    replicated = spec.replicas[stage_id] > 1
+    actions: list[Action] = []
+    for action in order:
+        mb = action.microbatch_id
+        version = spec.weight_version(stage_id, mb)
+        actions.append(type(action)(mb, version))
+        step = spec.step_of(stage_id, mb)
+        if isinstance(action, Backward) and last_of_step[step] == mb:
+            if replicated:
+                actions.append(AllReduceGrads(step))
+            covered = len(spec.microbatches_of_step(stage_id, step))
+            actions.append(OptimizerStep(step, covered))
+    return tuple(actions)
+
+
+# ---- communication and weight stashing ------------------------------------------------
+
+
+def _receive_first(spec: ScheduleSpec, stage_id: int, sent: int, needed: int) -> bool:
+    """Whether a process that just forwarded `sent` and next backwards `needed` should
+    receive the gradient of `needed` before sending the activations of `sent`: yes when
+    one replica of the next stage does both and backwards `needed` before it forwards
+    `sent` (steady 1F1B), so blocking sends meet their receives in the same order on
+    both sides; otherwise send first (the gradient may depend on these activations)."""
+    next_r = spec.replicas[stage_id + 1]
+    replica_id = replica_for(sent, next_r)
+    if replica_for(needed, next_r) != replica_id:
+        return False
+    order = _compute_order(spec, stage_id + 1, replica_id)
+    return order.index(Backward(needed, spec.weight_version(stage_id + 1, needed))) < order.index(
+        Forward(sent, spec.weight_version(stage_id + 1, sent)))
+
+
+def _add_communication(spec: ScheduleSpec, stage_id: int, compute: Sequence[Action]) -> list[Action]:
+    """Wrap each Forward/Backward in the data loads, receives and sends it needs (see
+    `_receive_first` for the one place where a receive may overtake a send)."""
+    first, last = stage_id == 0, stage_id == spec.num_stages - 1
+    prev_r = spec.replicas[stage_id - 1] if not first else 1
+    next_r = spec.replicas[stage_id + 1] if not last else 1
+    out: list[Action] = []
+    for action in compute:
+        if isinstance(action, Forward):
+            mb = action.microbatch_id
+            if not first:
+                out.append(RecvActivations(mb, replica_for(mb, prev_r)))
+            if first or last:
+                out.append(LoadMicrobatch(mb))
+            out.append(action)
+            if not last:
+                out.append(SendActivations(mb, replica_for(mb, next_r)))
+        elif isinstance(action, Backward):
+            mb = action.microbatch_id
+            if not last:
+                recv = RecvGrads(mb, replica_for(mb, next_r))
+                previous = out[-1]
+                if isinstance(previous, SendActivations) and _receive_first(
+                        spec, stage_id, previous.microbatch_id, mb):
+                    out.insert(len(out) - 1, recv)
+                else:
+                    out.append(recv)
+            out.append(action)
+            if not first:
+                out.append(SendGrads(mb, replica_for(mb, prev_r)))
+        else:
+            out.append(action)
+    return out
+
+
+def _add_weight_stashing(actions: list[Action]) -> list[Action]:
+    """Stash the live weights before a step when a later Forward/Backward still needs
+    their version, and free each stashed version right after its last use."""
+    last_use: dict[int, int] = {}
+    for index, action in enumerate(actions):
+        if isinstance(action, (Forward, Backward)):
+            last_use[action.weight_version] = index
+    out: list[Action] = []
+    version = 0
+    stashed: set[int] = set()
+    for index, action in enumerate(actions):
+        if isinstance(action, OptimizerStep):
+            if last_use.get(version, -1) > index:
+                out.append(StashWeights(version))
+                stashed.add(version)
+            version += 1
+        out.append(action)
+        if isinstance(action, (Forward, Backward)):
+            v = action.weight_version
+            if v in stashed and last_use[v] == index:
+                out.append(FreeWeights(v))
+                stashed.discard(v)
+    return out
+
+
+# ---- public entry points ------------------------------------------------------------------
+
+
+def build_for(spec: ScheduleSpec, stage_id: int, replica_id: int = 0) -> list[Action]:
+    """The whole ordered action list of one process (stage `stage_id`, replica `replica_id`)."""
+    if not 0 <= stage_id < spec.num_stages:
+        raise ValueError(f"stage_id {stage_id} out of range (num_stages={spec.num_stages})")
+    if not 0 <= replica_id < spec.replicas[stage_id]:
+        raise ValueError(
+            f"replica_id {replica_id} out of range (stage {stage_id} has "
+            f"{spec.replicas[stage_id]} replicas)")
+    compute = _compute_order(spec, stage_id, replica_id)
+    return _add_weight_stashing(_add_communication(spec, stage_id, compute))
+
+
+def build_all(spec: ScheduleSpec) -> list[list[Action]]:
+    """The action lists of all processes, indexed by rank (`spec.rank_of`)."""
+    return [build_for(spec, *spec.stage_replica_of(rank)) for rank in range(spec.num_ranks)]
+
+
+def build_schedule(
+    name: str,
+    num_stages: int,
+    stage_id: int,
+    num_microbatches: int,
+    num_steps: int,
+    replicas: Sequence[int] | None = None,
+    replica_id: int = 0,
+    vertical_sync: bool = False,
+) -> list[Action]:
+    """The action list of one process for a run of `num_steps` minibatches.
+
+    `replicas[s]` is the replication factor of stage s (None: all 1). Raises UserError
+    on parameters no schedule can run (see `ScheduleSpec`).
+    """
+    spec = ScheduleSpec.make(name, num_stages, num_microbatches, num_steps, replicas, vertical_sync)
+    return build_for(spec, stage_id, replica_id)
+
+
+def stash_depth(
+    name: str,
+    num_stages: int,
+    stage_id: int,
+    num_microbatches: int,
+    replicas: Sequence[int] | None = None,
+    vertical_sync: bool = False,
+) -> StashDepth:
+    """Weight versions and activation sets one process of `stage_id` holds at most."""
+    spec = ScheduleSpec.make(name, num_stages, num_microbatches, 1, replicas, vertical_sync)
+    return spec.stash_depth(stage_id)

@@ -308,3 +308,29 @@ def test_cuda_without_cuda_is_a_user_error(tmp_path: Path) -> None:
     cfg = dataclasses.replace(cfg, profile=dataclasses.replace(cfg.profile, device="cuda"))
     with pytest.raises(UserError, match="profile.device"):
         ensure_profile(cfg, RunDir(tmp_path / "r"), progress=False)
+
+
+def test_median_ms_runs_setup_outside_every_call_and_takes_the_median() -> None:
+    from pdcli.profiler.clock import Clock, median_ms
+
+    calls: list[str] = []
+    result = median_ms(Clock(torch.device("cpu")), lambda: calls.append("work"), warmup=2, repeats=3,
+                       setup=lambda: calls.append("setup"))  # fmt: skip
+    assert calls == ["setup", "work"] * 5
+    assert result >= 0
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        median_ms(Clock(torch.device("cpu")), lambda: None, warmup=0, repeats=0)
+
+
+def test_profile_threads_follow_the_worker_share(tmp_path: Path) -> None:
+    from pdcli.profiler.step import cpu_threads_per_worker, profile_device
+
+    cfg = small_config(tmp_path)
+    assert profile_device(cfg) == torch.device("cpu")
+    pinned = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads_per_worker=3))
+    assert cpu_threads_per_worker(pinned) == 3
+    assert cpu_threads_per_worker(cfg) >= 1
+    before = torch.get_num_threads()
+    with torch_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before

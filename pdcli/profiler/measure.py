@@ -84,7 +84,7 @@ def profile_model(
     clock = Clock(device)
 
     nodes: list[ChainNode] = []
-    bar = tqdm(order, desc="profile", unit="layer", file=sys.stderr, leave=False,
+    bar = tqdm(total=len(order), desc="profile", unit="layer", file=sys.stderr, leave=False,
                disable=not (progress and sys.stderr.isatty()))  # fmt: skip
     with bar:
         for node, params in zip(order, owned):

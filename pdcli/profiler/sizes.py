@@ -39,13 +39,22 @@ def value_bytes(value: Any) -> int:
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """Identity of the memory block behind `t`: views of one tensor share it."""
-    return (str(t.device), t.untyped_storage().data_ptr())
+    """Identity of the memory block behind `t`: views of one tensor share it.
+
+    A tensor without a plain storage (sparse, some subclasses) is its own block.
+    """
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return ("tensor", id(t))
 
 
 def storage_bytes(t: torch.Tensor) -> int:
     """Bytes of the whole storage behind `t` (what keeping `t` alive keeps alive)."""
-    return int(t.untyped_storage().nbytes())
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return tensor_bytes(t)
 
 
 def parameters_by_position(gm: fx.GraphModule, order: Sequence[fx.Node]) -> list[list[torch.nn.Parameter]]:

@@ -37,7 +37,7 @@ def summarize(chain: Chain, top: int = 10) -> str:
             _shorten(node.label or node.name, LABEL_COLUMN_CHARS),
             node.fwd_ms,
             node.bwd_ms,
-            f"{100 * (node.fwd_ms + node.bwd_ms) / total_ms:.1f}" if total_ms > 0 else "-",
+            100 * (node.fwd_ms + node.bwd_ms) / total_ms if total_ms > 0 else None,
             format_bytes(node.activation_bytes),
             format_bytes(node.parameter_bytes),
         ]
@@ -46,7 +46,8 @@ def summarize(chain: Chain, top: int = 10) -> str:
     layers = tabulate(
         rows,
         headers=["pos", "layer", "fwd ms", "bwd ms", "% time", "activations", "parameters"],
-        floatfmt=".3f",
+        floatfmt=("", "", ".3f", ".3f", ".1f", "", ""),
+        missingval="-",
     )
 
     meta = chain.meta

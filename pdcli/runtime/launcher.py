@@ -1,0 +1,113 @@
+"""Start the workers through PyTorch's elastic launcher (the engine behind torchrun).
+
+One process per device of the plan on this host (or `nproc = world / nnodes` per host
+with a static rendezvous on `master_addr:master_port`). `max_restarts=0`: when one
+worker dies, the elastic agent stops its siblings and `launch_workers` raises
+`TrainingFailed` with a message naming the rank, its stage and its last action.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from pdcli.runtime.placement import Placement
+from pdcli.runtime.watchdog import read_error, read_status
+
+WORKER_MODULE = "pdcli.runtime.worker"
+LOCALHOST = "127.0.0.1"
+
+
+class TrainingFailed(RuntimeError):
+    """A worker crashed, was killed or hung; the message names rank, stage and last action."""
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """Where the workers run: `nnodes` hosts, this one is `node_rank`."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def free_port() -> int:
+    """A TCP port free right now on localhost (the OS picks it; never hard-coded)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOCALHOST, 0))
+        return int(s.getsockname()[1])
+
+
+def launch_config(world_size: int, hosts: Hosts, log_dir: Path, rdzv_timeout_s: float) -> LaunchConfig:
+    if world_size % hosts.nnodes:
+        raise ValueError(f"world size {world_size} is not divisible by nnodes={hosts.nnodes}")
+    addr = hosts.master_addr or LOCALHOST
+    port = hosts.master_port or free_port()
+    return LaunchConfig(
+        min_nodes=hosts.nnodes,
+        max_nodes=hosts.nnodes,
+        nproc_per_node=world_size // hosts.nnodes,
+        run_id=f"pd-{uuid.uuid4().hex[:8]}",
+        rdzv_endpoint=f"{addr}:{port}",
+        # static: node_rank fixes the global ranks (node_rank * nproc + local_rank), as torchrun does.
+        rdzv_backend="static",
+        rdzv_configs={"rank": hosts.node_rank, "timeout": int(rdzv_timeout_s)},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee=Std.ERR),
+    )
+
+
+def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s: float) -> None:
+    """Run `python -m pdcli.runtime.worker --run-dir run_dir` on every rank of this host."""
+    train_dir = run_dir / "train"
+    log_dir = train_dir / "elastic"
+    config = launch_config(placement.world_size, hosts, log_dir, rdzv_timeout_s=max(60.0, timeout_s * 2))
+    # The elastic agent logs every start/stop at INFO/WARNING; our message says what matters.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", WORKER_MODULE, "--run-dir", str(run_dir))
+    except ChildFailedError as e:
+        raise TrainingFailed(diagnose(train_dir, placement, e, log_dir)) from None
+
+
+def describe_rank(placement: Placement, rank: int) -> str:
+    stage_id, replica_id = placement.of(rank)
+    return f"rank {rank} (stage {stage_id}, replica {replica_id})"
+
+
+def diagnose(train_dir: Path, placement: Placement, error: ChildFailedError, log_dir: Path) -> str:
+    """The root cause first: a rank that died without a report, or hung, or raised."""
+    exit_codes = {int(r): f.exitcode for r, f in error.failures.items()}
+    reports = {r: read_error(train_dir, r) for r in range(placement.world_size)}
+
+    def severity(rank: int) -> tuple[int, float]:
+        report = reports[rank]
+        if report is None:
+            return (0 if rank in exit_codes else 3, 0.0)  # died without a word: the likely cause
+        return ({"error": 1, "hang": 2, "peer": 3}.get(report["kind"], 1), report["time_s"])
+
+    involved = sorted(set(exit_codes) | {r for r, rep in reports.items() if rep}, key=severity)
+    lines = []
+    for rank in involved:
+        report = reports[rank]
+        status = read_status(train_dir, rank) or "no action started"
+        if report is not None:
+            lines.append(f"{report['message']} (last: {status})")
+        else:
+            code = exit_codes.get(rank)
+            how = f"died with exit code {code}" if code is None or code >= 0 else f"was killed by signal {-code}"
+            lines.append(f"{describe_rank(placement, rank)} {how}; last: {status}")
+    head = f"training failed: {lines[0]}" if lines else f"training failed: {error}"
+    rest = "".join(f"\n  then: {line}" for line in lines[1:])
+    return f"{head}{rest}\n  worker logs: {train_dir}/rank<r>.log and {log_dir}"

@@ -1,0 +1,140 @@
+"""Measured timeline of one rank, per-category totals, metrics lines and the Chrome trace.
+
+Categories (per rank, in ms):
+- `compute`: forward, backward (incl. recomputation), loss, optimizer step;
+- `comm`: packing and posting sends, unpacking receives, gradient all-reduce;
+- `idle`: blocked waiting for a receive to arrive (the pipeline bubble; on one host the
+  transfer itself cannot be told apart from waiting for the peer's compute).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+COMPUTE = "compute"
+COMM = "comm"
+IDLE = "idle"
+CATEGORIES = (COMPUTE, COMM, IDLE)
+MAX_TRACE_EVENTS = 200_000  # per rank; beyond this only the totals keep counting
+
+S_TO_MS = 1e3
+S_TO_US = 1e6
+
+
+@dataclass
+class RankStats:
+    """Totals of one rank, gathered to the metrics writer at the end."""
+
+    rank: int
+    stage_id: int
+    replica_id: int
+    compute_ms: float = 0.0
+    comm_ms: float = 0.0
+    idle_ms: float = 0.0
+    wall_ms: float = 0.0
+    num_weight_versions_max: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["events"]
+        return out
+
+
+class Timeline:
+    """Records (name, category, start, end) spans on a wall-clock base shared by all ranks."""
+
+    def __init__(self, rank: int, stage_id: int, replica_id: int) -> None:
+        self.stats = RankStats(rank, stage_id, replica_id)
+        self._wall0_s = time.time()
+        self._perf0_s = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def add(self, name: str, category: str, start_s: float, end_s: float) -> None:
+        dur_s = end_s - start_s
+        attr = f"{category}_ms"
+        setattr(self.stats, attr, getattr(self.stats, attr) + dur_s * S_TO_MS)
+        if len(self.stats.events) < MAX_TRACE_EVENTS:
+            self.stats.events.append(
+                {
+                    "name": name,
+                    "cat": category,
+                    "ph": "X",
+                    "ts": (self._wall0_s + start_s - self._perf0_s) * S_TO_US,
+                    "dur": dur_s * S_TO_US,
+                    "pid": self.stats.rank,
+                    "tid": 0,
+                }
+            )
+
+    def finish(self) -> RankStats:
+        self.stats.wall_ms = (time.perf_counter() - self._perf0_s) * S_TO_MS
+        return self.stats
+
+
+def chrome_trace(all_stats: list[RankStats]) -> dict[str, Any]:
+    """A Chrome/Perfetto trace: one process per rank, named by its stage and replica."""
+    events: list[dict[str, Any]] = []
+    for s in all_stats:
+        label = f"rank {s.rank} (stage {s.stage_id}, replica {s.replica_id})"
+        events.append({"name": "process_name", "ph": "M", "pid": s.rank, "tid": 0, "args": {"name": label}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": s.rank, "tid": 0, "args": {"sort_index": s.rank}})
+        events.extend(s.events)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def per_stage(all_stats: list[RankStats]) -> list[dict[str, Any]]:
+    """Mean compute/comm/idle ms per stage (over its replicas)."""
+    rows: dict[int, list[RankStats]] = {}
+    for s in all_stats:
+        rows.setdefault(s.stage_id, []).append(s)
+    out = []
+    for stage_id in sorted(rows):
+        group = rows[stage_id]
+        n = len(group)
+        out.append(
+            {
+                "stage_id": stage_id,
+                "replicas": n,
+                "compute_ms": sum(s.compute_ms for s in group) / n,
+                "comm_ms": sum(s.comm_ms for s in group) / n,
+                "idle_ms": sum(s.idle_ms for s in group) / n,
+                "wall_ms": max(s.wall_ms for s in group),
+                "weight_versions_max": max(s.num_weight_versions_max for s in group),
+            }
+        )
+    return out
+
+
+class MetricsLog:
+    """`train/metrics.jsonl`: one JSON object per line, flushed as written."""
+
+    def __init__(self, path: Path, append: bool = False) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a" if append else "w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, sort_keys=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every complete line of a metrics.jsonl (a half-written last line is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

@@ -1,0 +1,47 @@
+"""Which rank runs which stage replica, from the plan's `stages[k].ranks` lists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Placement:
+    """`stage_ranks[k]` = the ranks of stage k's replicas, in replica order."""
+
+    stage_ranks: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def from_plan(plan: dict[str, Any]) -> "Placement":
+        stages = sorted(plan["stages"], key=lambda s: s["stage_id"])
+        ranks = tuple(tuple(int(r) for r in s["ranks"]) for s in stages)
+        for s, rs in zip(stages, ranks):
+            if len(rs) != int(s.get("replicas", len(rs))):
+                raise ValueError(f"plan stage {s['stage_id']}: {len(rs)} ranks but replicas={s['replicas']}")
+        flat = sorted(r for rs in ranks for r in rs)
+        if flat != list(range(len(flat))):
+            raise ValueError(f"plan ranks must be 0..{len(flat) - 1} each once, got {flat}")
+        return Placement(ranks)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_ranks)
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(rs) for rs in self.stage_ranks)
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        return tuple(len(rs) for rs in self.stage_ranks)
+
+    def of(self, rank: int) -> tuple[int, int]:
+        """(stage_id, replica_id) of `rank`."""
+        for stage_id, rs in enumerate(self.stage_ranks):
+            if rank in rs:
+                return stage_id, rs.index(rank)
+        raise ValueError(f"rank {rank} is not in the plan (world size {self.world_size})")
+
+    def rank(self, stage_id: int, replica_id: int) -> int:
+        return self.stage_ranks[stage_id][replica_id]

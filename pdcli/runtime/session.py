@@ -1,0 +1,168 @@
+"""One worker's training session, top to bottom: process groups, stage, schedule, run, report."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pdcli.compiler import load_stage, read_manifest
+from pdcli.data import build_data
+from pdcli.models import build_loss
+from pdcli.rundir import atomic_write_json
+from pdcli.runtime import checkpoint
+from pdcli.runtime.comm import Mailbox, TorchDistTransport
+from pdcli.runtime.executor import Executor, StageContext
+from pdcli.runtime.metrics import MetricsLog, RankStats, Timeline, chrome_trace, per_stage
+from pdcli.runtime.optim import build_optimizer
+from pdcli.runtime.placement import Placement
+from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
+from pdcli.runtime.schedule import build_schedule, replica_for
+from pdcli.runtime.stageio import StageIO
+from pdcli.runtime.watchdog import Heartbeat
+
+if TYPE_CHECKING:
+    from pdcli.config import Config
+    from pdcli.runtime.worker import WorkerEnv
+
+SUMMARY_FILE = "summary.json"
+
+
+def pick_device(cfg: "Config", local_rank: int) -> tuple[torch.device, str]:
+    """(device, backend): NCCL on CUDA (one GPU per local rank), gloo on CPU."""
+    want = cfg.cluster.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("cluster.device=cuda but torch.cuda.is_available() is False")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def replica_groups(placement: Placement) -> dict[int, Any]:
+    """A process group per replicated stage; every rank creates every group, in stage order."""
+    return {k: dist.new_group(list(ranks)) for k, ranks in enumerate(placement.stage_ranks) if len(ranks) > 1}
+
+
+def run_session(
+    cfg: "Config", run_dir: Path, placement: Placement, env: "WorkerEnv", heartbeat: Heartbeat, logger: logging.Logger
+) -> None:
+    train_dir = run_dir / "train"
+    stage_id, replica_id = placement.of(env.rank)
+    heartbeat.beat(0, "init_process_group")
+    device, backend = pick_device(cfg, env.local_rank)
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
+    groups = replica_groups(placement)
+    if device.type == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(cfg.train.threads_per_worker or max(1, cores // env.local_world_size))
+    torch.manual_seed(cfg.train.seed + env.rank)
+
+    heartbeat.beat(0, "load_stage")
+    stages_dir = run_dir / "stages"
+    manifest = read_manifest(stages_dir)
+    module, entry = load_stage(stages_dir, stage_id)
+    module.to(device).train()
+    io = StageIO.from_manifest(manifest, stage_id)
+    num_stages, m = placement.num_stages, cfg.schedule.num_microbatches
+    actions = build_schedule(
+        cfg.schedule.name, num_stages, stage_id, m, cfg.train.steps,
+        replicas=list(placement.replicas), replica_id=replica_id, vertical_sync=cfg.schedule.vertical_sync,
+    )
+    is_last = stage_id == num_stages - 1
+    writer_rank = placement.rank(num_stages - 1, 0)
+    timeline = Timeline(env.rank, stage_id, replica_id)
+    tracker = None
+    if is_last:
+        r = placement.replicas[stage_id]
+        tracker = LossTracker(
+            num_microbatches=m, num_minibatches=cfg.train.steps, log_every=cfg.train.log_every,
+            batch_size=cfg.data.batch_size,
+            own_per_minibatch=lambda t: sum(1 for mb in range(t * m, (t + 1) * m) if replica_for(mb, r) == replica_id),
+            writer=MetricsLog(train_dir / "metrics.jsonl") if env.rank == writer_rank else None,
+        )
+    loss_name = manifest.get("loss", cfg.model.loss)
+    ctx = StageContext(
+        rank=env.rank, stage_id=stage_id, replica_id=replica_id, module=module, io=io, placement=placement,
+        data=build_data(cfg.data, cfg.data.batch_size), num_microbatches=m,
+        loss_fn=build_loss(loss_name) if is_last else None,
+        optimizer=build_optimizer(cfg.optim, module), device=device,
+        mailbox=Mailbox(TorchDistTransport(), device), timeline=timeline, precision=cfg.train.precision,
+        recompute=cfg.train.recompute, replica_group=groups.get(stage_id), heartbeat=heartbeat,
+        record_loss=tracker.record if tracker else None, is_classifier=loss_name == "cross_entropy",
+    )
+    executor = Executor(ctx, actions)
+    logger.info("stage %d replica %d: %d actions, %s, device %s", stage_id, replica_id, len(actions), cfg.schedule.name, device)
+    start_s = time.perf_counter()
+    executor.run()
+    loop_s = time.perf_counter() - start_s
+    logger.info("training loop done in %.3f s (%d optimizer steps)", loop_s, executor.steps_done)
+
+    heartbeat.beat(executor.steps_done, "checkpoint")
+    final_step = cfg.train.steps
+    if replica_id == 0:
+        checkpoint.save_stage(
+            train_dir, final_step, stage_id, module, entry["param_names"], ctx.optimizer, executor.weights.version,
+            {"schedule": cfg.schedule.name, "num_optimizer_steps": executor.steps_done},
+        )
+    dist.barrier()
+    if env.rank == 0:
+        checkpoint.mark_complete(train_dir, final_step, num_stages, cfg.train.keep_checkpoints)
+
+    heartbeat.beat(executor.steps_done, "report")
+    stats = timeline.finish()
+    stats.num_weight_versions_max = executor.weights.max_versions_held
+    report = {"stats": stats, "losses": tracker.records if tracker else {}}
+    gathered: list[Any] | None = [None] * placement.world_size if env.rank == writer_rank else None
+    dist.gather_object(report, gathered, dst=writer_rank)
+    if gathered is not None:
+        write_reports(train_dir, cfg, gathered, loop_s, tracker)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_reports(train_dir: Path, cfg: "Config", gathered: list[dict[str, Any]], loop_s: float, tracker: LossTracker | None) -> None:
+    """Chrome trace, summary.json, and the final metrics lines (exact over all last-stage replicas)."""
+    all_stats: list[RankStats] = [g["stats"] for g in gathered]
+    records: dict[int, Any] = {}
+    for g in gathered:
+        records.update(g["losses"])
+    m = cfg.schedule.num_microbatches
+    atomic_write_json(train_dir / "trace.json", chrome_trace(all_stats))
+    stages = per_stage(all_stats)
+    losses = minibatch_losses(records, m)
+    samples_per_s = cfg.data.batch_size * cfg.train.steps / max(loop_s, 1e-9)
+    final = summarize(records, m, [cfg.train.steps - 1])
+    summary = {
+        "final_loss": final["loss"], "final_accuracy": final.get("accuracy"), "samples_per_s": samples_per_s,
+        "loop_s": loop_s, "steps": cfg.train.steps, "schedule": cfg.schedule.name, "stages": stages,
+        "minibatch_losses": losses, "microbatch_losses": {str(k): v[0] for k, v in sorted(records.items())},
+        "checkpoint": str(checkpoint.checkpoint_dir(train_dir, cfg.train.steps)),
+    }
+    atomic_write_json(train_dir / SUMMARY_FILE, summary)
+    final_line = {**final, "step": cfg.train.steps, "final": True, "samples_per_s": samples_per_s, "stages": stages}
+    if tracker is not None and tracker.writer is not None and len(gathered) and _last_stage_replicas(all_stats) == 1:
+        tracker.writer.write(final_line)  # the live lines are exact: append the final one
+        tracker.writer.close()
+        return
+    # A replicated last stage: live lines saw replica 0's share only; rewrite them from all records.
+    if tracker is not None and tracker.writer is not None:
+        tracker.writer.close()
+    log = MetricsLog(train_dir / "metrics.jsonl")
+    every, steps = cfg.train.log_every, cfg.train.steps
+    for start in range(0, steps, every):
+        end = min(start + every, steps)
+        line = {**summarize(records, m, list(range(start, end))), "step": end, "samples_per_s": samples_per_s}
+        log.write({**line, **final_line} if end == steps else line)
+    log.close()
+
+
+def _last_stage_replicas(all_stats: list[RankStats]) -> int:
+    last = max(s.stage_id for s in all_stats)
+    return sum(1 for s in all_stats if s.stage_id == last)

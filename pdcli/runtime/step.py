@@ -1,0 +1,149 @@
+"""`pd train`'s library call: launch the workers on a compiled run, return what they measured."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from pdcli.config.schema import Config
+from pdcli.rundir import RunDir, atomic_write_json, read_json
+from pdcli.runtime.launcher import Hosts, TrainingFailed, launch_workers
+from pdcli.runtime.metrics import read_metrics
+from pdcli.runtime.placement import Placement
+from pdcli.runtime.session import SUMMARY_FILE
+from pdcli.runtime.worker import LAUNCH_FILE
+
+__all__ = ["TrainResult", "TrainingFailed", "format_summary", "run_training"]
+
+PROGRESS_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run measured (from `train/summary.json`)."""
+
+    final_loss: float
+    final_accuracy: float | None
+    samples_per_s: float
+    steps: int
+    stages: list[dict[str, Any]]
+    """Per stage: stage_id, replicas, compute_ms, comm_ms, idle_ms, wall_ms, weight_versions_max."""
+    minibatch_losses: list[float]
+    checkpoint_dir: Path
+    metrics_path: Path
+    trace_path: Path
+
+    @staticmethod
+    def from_train_dir(train_dir: Path) -> "TrainResult":
+        s = read_json(train_dir / SUMMARY_FILE, "training summary")
+        return TrainResult(
+            final_loss=float(s["final_loss"]), final_accuracy=s.get("final_accuracy"),
+            samples_per_s=float(s["samples_per_s"]), steps=int(s["steps"]), stages=list(s["stages"]),
+            minibatch_losses=[float(x) for x in s["minibatch_losses"]], checkpoint_dir=Path(s["checkpoint"]),
+            metrics_path=train_dir / "metrics.jsonl", trace_path=train_dir / "trace.json",
+        )
+
+
+def _clean_previous(train_dir: Path) -> None:
+    """Stale status/error files would blame the wrong rank; old metrics would mislead."""
+    shutil.rmtree(train_dir / "status", ignore_errors=True)
+    for name in ("metrics.jsonl", SUMMARY_FILE, "trace.json"):
+        (train_dir / name).unlink(missing_ok=True)
+
+
+def check_inputs(cfg: Config, plan_json: dict[str, Any], manifest: dict[str, Any]) -> Placement:
+    placement = Placement.from_plan(plan_json)
+    if int(manifest["num_stages"]) != placement.num_stages:
+        raise ValueError(f"manifest has {manifest['num_stages']} stages, the plan {placement.num_stages}")
+    mb = int(manifest["microbatch_size"])
+    if mb * cfg.schedule.num_microbatches != cfg.data.batch_size:
+        raise ValueError(
+            f"stages were compiled for microbatches of {mb} samples, but data.batch_size "
+            f"{cfg.data.batch_size} / schedule.num_microbatches {cfg.schedule.num_microbatches} "
+            f"= {cfg.data.batch_size / cfg.schedule.num_microbatches:g}"
+        )
+    return placement
+
+
+def run_training(
+    cfg: Config,
+    run: RunDir,
+    plan_json: dict[str, Any],
+    manifest: dict[str, Any],
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    progress: bool = False,
+) -> TrainResult:
+    """Train on `run` (config.yaml and stages/ in place). Raises TrainingFailed if a worker fails."""
+    if not (run / "config.yaml").exists():
+        raise FileNotFoundError(f"{run / 'config.yaml'} missing: the resolved config must be written first")
+    placement = check_inputs(cfg, plan_json, manifest)
+    train_dir = run / "train"
+    train_dir.mkdir(parents=True, exist_ok=True)
+    _clean_previous(train_dir)
+    atomic_write_json(train_dir / LAUNCH_FILE, {"plan": plan_json})
+    hosts = Hosts(nnodes, node_rank, master_addr, master_port)
+    bar = ProgressBar(train_dir / "metrics.jsonl", cfg.train.steps) if progress else None
+    try:
+        launch_workers(run.path, placement, hosts, cfg.train.timeout_s)
+    finally:
+        if bar is not None:
+            bar.close()
+    if not (train_dir / SUMMARY_FILE).exists() and nnodes > 1:
+        raise TrainingFailed(f"training ended but {train_dir / SUMMARY_FILE} is on the host of the last stage")
+    return TrainResult.from_train_dir(train_dir)
+
+
+class ProgressBar:
+    """A tqdm bar on the launcher side that follows `metrics.jsonl` as the last stage writes it."""
+
+    def __init__(self, metrics_path: Path, total_steps: int) -> None:
+        from tqdm import tqdm
+
+        self.path = metrics_path
+        self.bar = tqdm(total=total_steps, unit="step", desc="train", leave=True)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="pd-progress", daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(PROGRESS_POLL_S):
+            self._update()
+
+    def _update(self) -> None:
+        lines = read_metrics(self.path)
+        if not lines:
+            return
+        last = lines[-1]
+        self.bar.n = min(int(last.get("step", 0)), self.bar.total)
+        self.bar.set_postfix(loss=f"{last.get('loss', math.nan):.4f}", samples_per_s=f"{last.get('samples_per_s', 0):.0f}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._update()
+        self.bar.close()
+
+
+def format_summary(result: TrainResult) -> str:
+    """A table per stage (compute/comm/idle ms) and the final loss and throughput."""
+    rows = [
+        [s["stage_id"], s["replicas"], f"{s['compute_ms']:.1f}", f"{s['comm_ms']:.1f}", f"{s['idle_ms']:.1f}",
+         s["weight_versions_max"]]
+        for s in result.stages
+    ]
+    table = tabulate(rows, headers=["stage", "replicas", "compute ms", "comm ms", "idle ms", "weight versions"])
+    acc = "" if result.final_accuracy is None else f", accuracy {result.final_accuracy:.3f}"
+    return (
+        f"{table}\n\nfinal loss {result.final_loss:.4f}{acc} after {result.steps} steps, "
+        f"{result.samples_per_s:.1f} samples/s\nmetrics: {result.metrics_path}\ntrace: {result.trace_path}\n"
+        f"checkpoint: {result.checkpoint_dir}"
+    )

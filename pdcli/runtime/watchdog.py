@@ -1,0 +1,110 @@
+"""Failure reporting of one worker: its current action, a hang watchdog, an error file.
+
+- `Heartbeat` keeps the rank's current step and action in a small memory-mapped file
+  (`train/status/rank<r>.txt`): a memory write per action, no syscall, and still readable
+  by the launcher after the process was killed.
+- `Watchdog` is a daemon thread: if one action runs longer than `timeout_s`, it writes an
+  error file naming rank, stage and action and ends the process (`os._exit`), so the
+  elastic launcher stops the other workers.
+- `write_error` records why a worker failed (`train/status/rank<r>.error.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+
+STATUS_BYTES = 512
+WATCHDOG_EXIT_CODE = 124  # like timeout(1)
+
+
+def status_path(train_dir: Path, rank: int) -> Path:
+    return train_dir / "status" / f"rank{rank}.txt"
+
+
+def error_path(train_dir: Path, rank: int) -> Path:
+    return train_dir / "status" / f"rank{rank}.error.json"
+
+
+class Heartbeat:
+    """Current step/action of this rank, readable from outside after a crash."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(b" " * STATUS_BYTES)
+        self._f = open(path, "r+b")
+        self._map = mmap.mmap(self._f.fileno(), STATUS_BYTES)
+        self.step = 0
+        self.action = "start"
+        self.started_s = time.monotonic()
+
+    def beat(self, step: int, action: str) -> None:
+        self.step, self.action, self.started_s = step, action, time.monotonic()
+        text = f"step={step} action={action}".encode()[: STATUS_BYTES - 1]
+        self._map[:STATUS_BYTES] = text.ljust(STATUS_BYTES)
+
+    def close(self) -> None:
+        self._map.close()
+        self._f.close()
+
+
+def read_status(train_dir: Path, rank: int) -> str | None:
+    """`step=<n> action=<action>` last recorded by `rank`, or None."""
+    p = status_path(train_dir, rank)
+    if not p.exists():
+        return None
+    text = p.read_bytes().decode(errors="replace").strip()
+    return text or None
+
+
+def write_error(train_dir: Path, rank: int, kind: str, message: str) -> None:
+    """`kind`: `hang` (watchdog), `peer` (a communication error: a peer probably died), `error`."""
+    p = error_path(train_dir, rank)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rank": rank, "kind": kind, "message": message, "time_s": time.time()}))
+    os.replace(tmp, p)
+
+
+def read_error(train_dir: Path, rank: int) -> dict | None:
+    p = error_path(train_dir, rank)
+    if not p.exists():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class Watchdog(threading.Thread):
+    """Ends the process when the heartbeat's current action exceeds `timeout_s`."""
+
+    def __init__(self, heartbeat: Heartbeat, timeout_s: float, train_dir: Path, rank: int, who: str) -> None:
+        super().__init__(name="pd-watchdog", daemon=True)
+        self.heartbeat = heartbeat
+        self.timeout_s = timeout_s
+        self.train_dir = train_dir
+        self.rank = rank
+        self.who = who
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        poll_s = min(1.0, self.timeout_s / 10)
+        while not self._stop_event.wait(poll_s):
+            stuck_s = time.monotonic() - self.heartbeat.started_s
+            if stuck_s > self.timeout_s:
+                message = (
+                    f"{self.who} made no progress for {stuck_s:.1f} s (train.timeout_s={self.timeout_s:g}) "
+                    f"in action {self.heartbeat.action} at step {self.heartbeat.step}"
+                )
+                write_error(self.train_dir, self.rank, "hang", message)
+                print(f"pd worker: {message}", flush=True)
+                os._exit(WATCHDOG_EXIT_CODE)
+
+    def stop(self) -> None:
+        self._stop_event.set()

@@ -1,0 +1,116 @@
+"""Worker entry point: `python -m pdcli.runtime.worker --run-dir runs/<name>`.
+
+Started by `pd train` (elastic launcher) or by `torchrun` as is: it reads RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT from the environment, finds its
+stage and replica in the plan, runs its action list, checkpoints, and reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdcli.runtime.placement import Placement
+from pdcli.runtime.watchdog import Heartbeat, Watchdog, status_path, write_error
+
+LAUNCH_FILE = "launch.json"
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What torchrun / the elastic agent tells a worker through its environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @staticmethod
+    def from_env() -> "WorkerEnv":
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise SystemExit(f"pd worker: {', '.join(missing)} not set; start workers with `pd train` or torchrun")
+        world = int(os.environ["WORLD_SIZE"])
+        return WorkerEnv(
+            rank=int(os.environ["RANK"]),
+            world_size=world,
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+        )
+
+
+def read_plan(run_dir: Path) -> dict[str, Any]:
+    """The plan `run_training` recorded for this launch (else the run's plan.json)."""
+    launch = run_dir / "train" / LAUNCH_FILE
+    if launch.exists():
+        return json.loads(launch.read_text())["plan"]
+    return json.loads((run_dir / "plan.json").read_text())
+
+
+def rank_logger(train_dir: Path, rank: int) -> logging.Logger:
+    train_dir.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger(f"pd.rank{rank}")
+    logger.setLevel(logging.INFO)
+    handler = logging.FileHandler(train_dir / f"rank{rank}.log", mode="w")
+    handler.setFormatter(logging.Formatter("%(asctime)s rank" + str(rank) + " %(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
+    return logger
+
+
+def is_comm_error(error: BaseException) -> bool:
+    """A failed send/recv/collective: most likely a peer died (a consequence, not the cause)."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return any(w in text for w in ("gloo", "nccl", "connection", "peer", "timed out", "broken pipe"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdcli.runtime.worker")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    env = WorkerEnv.from_env()
+    run_dir: Path = args.run_dir
+    train_dir = run_dir / "train"
+    placement = Placement.from_plan(read_plan(run_dir))
+    if placement.world_size != env.world_size:
+        raise SystemExit(f"pd worker: the plan has {placement.world_size} ranks, WORLD_SIZE is {env.world_size}")
+    stage_id, replica_id = placement.of(env.rank)
+    who = f"rank {env.rank} (stage {stage_id}, replica {replica_id})"
+    logger = rank_logger(train_dir, env.rank)
+
+    from pdcli.config import load_resolved  # after the env checks: keeps `--help` fast
+
+    cfg = load_resolved(run_dir / "config.yaml")
+    heartbeat = Heartbeat(status_path(train_dir, env.rank))
+    watchdog = Watchdog(heartbeat, cfg.train.timeout_s, train_dir, env.rank, who)
+    watchdog.start()
+    try:
+        from pdcli.runtime.session import run_session
+
+        run_session(cfg, run_dir, placement, env, heartbeat, logger)
+    except BaseException as e:  # noqa: BLE001 - report, then re-raise with the traceback
+        kind = "peer" if is_comm_error(e) else "error"
+        message = f"{who} failed in {heartbeat.action} at step {heartbeat.step}: {type(e).__name__}: {e}"
+        write_error(train_dir, env.rank, kind, message)
+        logger.error(message)
+        raise
+    finally:
+        watchdog.stop()
+    logger.info("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Baselines of the runtime benchmark, each in a fresh process so thread settings don't leak:
+single-process training (1 thread / all threads) and torch.distributed.pipelining on 2 ranks.
+
+Parent side: `run_single(shape, num_threads, timeout_s)` and
+`run_torch_pipelining(shape, schedule_name, timeout_s)` return samples/s or raise BenchFailed.
+Child side: `python _baselines.py single|pipelining <shape json> <arg>` prints one result line.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn import functional as F
+
+from _bench_common import (
+    NUM_STAGES,
+    BenchFailed,
+    BenchShape,
+    build_mlp,
+    emit_result,
+    fixed_batch,
+    python_argv,
+    run_child,
+    split_mlp,
+    thread_env,
+)
+
+LR = 0.01
+LOCALHOST = "127.0.0.1"
+TORCH_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+PIPELINING_THREADS_PER_RANK = 1
+GLOO_TIMEOUT_FRACTION = 0.8
+"""The ranks' gloo timeout is this part of the variant's timeout, so a hung peer is reported by
+gloo (with its message) before the parent kills the group."""
+DEFAULT_GLOO_TIMEOUT_S = 120.0
+SINGLE, PIPELINING = "single", "pipelining"
+
+
+# ---- parent side --------------------------------------------------------------------------
+
+
+def run_single(shape: BenchShape, num_threads: int, timeout_s: float) -> float:
+    """samples/s of plain single-process training with `num_threads` torch threads."""
+    result = run_child(
+        python_argv(Path(__file__), SINGLE, shape.to_json(), str(num_threads)), timeout_s, env=thread_env(num_threads)
+    )
+    return float(result["samples_per_s"])
+
+
+def run_torch_pipelining(shape: BenchShape, schedule_name: str, timeout_s: float) -> float:
+    """samples/s of torch.distributed.pipelining (`1f1b` or `gpipe`), 2 gloo ranks of 1 thread."""
+    if schedule_name not in TORCH_SCHEDULES:
+        raise ValueError(f"schedule {schedule_name!r} is not one of {', '.join(TORCH_SCHEDULES)}")
+    result = run_child(
+        python_argv(Path(__file__), PIPELINING, shape.to_json(), schedule_name, str(timeout_s * GLOO_TIMEOUT_FRACTION)),
+        timeout_s,
+        env=thread_env(PIPELINING_THREADS_PER_RANK),
+    )
+    return float(result["samples_per_s"])
+
+
+# ---- child side: single process -----------------------------------------------------------
+
+
+def single_main(shape: BenchShape, num_threads: int) -> None:
+    torch.set_num_threads(num_threads)
+    model = build_mlp(shape)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = fixed_batch(shape)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    for _ in range(shape.num_warmup_steps):
+        step()
+    start_s = time.perf_counter()
+    for _ in range(shape.num_steps):
+        step()
+    elapsed_s = time.perf_counter() - start_s
+    emit_result({"samples_per_s": shape.num_steps * shape.batch_size / elapsed_s, "threads": torch.get_num_threads()})
+
+
+# ---- child side: torch.distributed.pipelining -------------------------------------------
+
+
+def pipelining_main(shape: BenchShape, schedule_name: str, timeout_s: float) -> None:
+    """Spawn 2 ranks; rank 0 writes samples/s to a file this process turns into the result line."""
+    with tempfile.TemporaryDirectory(prefix="pd-bench-pp-") as tmp:
+        result_path = Path(tmp) / "result.txt"
+        port = _free_port()
+        # join=True raises as soon as one rank fails and terminates the other
+        mp.spawn(
+            _pipelining_rank,
+            args=(shape.to_json(), schedule_name, port, str(result_path), timeout_s),
+            nprocs=NUM_STAGES,
+            join=True,
+        )
+        if not result_path.exists():
+            raise BenchFailed("rank 0 finished without writing a result")
+        emit_result({"samples_per_s": float(result_path.read_text())})
+
+
+def _pipelining_rank(rank: int, shape_json: str, schedule_name: str, port: int, result_path: str, timeout_s: float) -> None:
+    torch.set_num_threads(PIPELINING_THREADS_PER_RANK)
+    shape = BenchShape.from_json(shape_json)
+    # the gloo timeout bounds every collective and send/recv: a dead peer -> an error, not a hang
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{LOCALHOST}:{port}",
+        rank=rank,
+        world_size=NUM_STAGES,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        module = split_mlp(build_mlp(shape), shape)[rank]
+        stage = PipelineStage(module, rank, NUM_STAGES, torch.device("cpu"))
+        schedule = TORCH_SCHEDULES[schedule_name](stage, n_microbatches=shape.num_microbatches, loss_fn=F.cross_entropy)
+        optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+        x, y = fixed_batch(shape)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=[])
+            optimizer.step()
+
+        for _ in range(shape.num_warmup_steps):
+            step()
+        dist.barrier()
+        start_s = time.perf_counter()
+        for _ in range(shape.num_steps):
+            step()
+        dist.barrier()  # the clock stops when the last stage has finished too
+        elapsed_s = time.perf_counter() - start_s
+        if rank == 0:
+            Path(result_path).write_text(repr(shape.num_steps * shape.batch_size / elapsed_s))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOCALHOST, 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str]) -> None:
+    kind, shape_json, arg = argv[:3]
+    shape = BenchShape.from_json(shape_json)
+    if kind == SINGLE:
+        single_main(shape, int(arg))
+    elif kind == PIPELINING:
+        timeout_s = float(argv[3]) if len(argv) > 3 else DEFAULT_GLOO_TIMEOUT_S
+        pipelining_main(shape, arg, timeout_s)
+    else:
+        raise SystemExit(f"unknown baseline {kind!r}; expected {SINGLE} or {PIPELINING}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,161 @@
+"""Runtime throughput on this machine, one run: `pd train` (pipedream, 1f1b) vs
+torch.distributed.pipelining (Schedule1F1B, ScheduleGPipe) vs single-process training
+(1 thread, all threads), same MLP, same batch, same 2-stage split.
+
+Two balanced stages on 2 cores can at best double single-thread throughput, so every row is
+reported against that physical limit. A flush schedule with M microbatches on P stages is
+further bounded by its bubble: P * M / (M + P - 1) x single-thread.
+
+    .venv/bin/python benchmarks/bench_runtime.py [--steps N] [--width 1024] [--layers 8]
+        [--batch 256] [--microbatches 8]
+
+Prints a table, writes `runs/benchmarks/runtime.json`. Numbers are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the _helpers beside this script
+
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+from _baselines import run_single, run_torch_pipelining  # noqa: E402
+from _bench_common import NUM_STAGES, BenchFailed, BenchShape, split_point  # noqa: E402
+from _pd_train import run_pd_train  # noqa: E402
+from pdcli.rundir import atomic_write_json  # noqa: E402
+
+DEFAULT_OUT = Path("runs") / "benchmarks" / "runtime.json"
+REFERENCE = "single process, 1 thread"
+MAX_REASON_CHARS = 100
+"""An unavailable row's reason is cut to this in the table (the JSON keeps all of it)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One variant's result: samples/s, or None and the reason it is unavailable."""
+
+    variant: str
+    samples_per_s: float | None
+    note: str = ""
+
+
+def variants(shape: BenchShape, timeout_s: float, pd_dir: Path) -> list[tuple[str, Callable[[], tuple[float, str]]]]:
+    """(name, measure) in the order they run; measure() -> (samples/s, note) or raises."""
+    num_threads_all = os.cpu_count() or 1
+    baseline_split = f"split [0:{split_point(shape)}) [{split_point(shape)}:{2 * shape.num_layers + 2})"
+
+    def pd_row(schedule_name: str) -> tuple[float, str]:
+        result = run_pd_train(shape, schedule_name, pd_dir / schedule_name, timeout_s)
+        return result.samples_per_s, f"split {result.split}, median of {result.num_logged_steps} logged steps"
+
+    return [
+        (REFERENCE, lambda: (run_single(shape, 1, timeout_s), "")),
+        (f"single process, {num_threads_all} threads", lambda: (run_single(shape, num_threads_all, timeout_s), "")),
+        ("torch pipelining Schedule1F1B", lambda: (run_torch_pipelining(shape, "1f1b", timeout_s), baseline_split)),
+        ("torch pipelining ScheduleGPipe", lambda: (run_torch_pipelining(shape, "gpipe", timeout_s), baseline_split)),
+        ("pd train pipedream", lambda: pd_row("pipedream")),
+        ("pd train 1f1b", lambda: pd_row("1f1b")),
+    ]
+
+
+def measure_all(shape: BenchShape, timeout_s: float) -> list[Row]:
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="pd-bench-runtime-") as tmp:
+        for name, measure in variants(shape, timeout_s, Path(tmp)):
+            start_s = time.perf_counter()
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            try:
+                samples_per_s, note = measure()
+                rows.append(Row(name, samples_per_s, note))
+            except BenchFailed as exc:
+                rows.append(Row(name, None, f"unavailable: {exc}"))
+            print(f"  done in {time.perf_counter() - start_s:.1f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+def flush_bound(shape: BenchShape) -> float:
+    """Best speed-up over one thread of a flush schedule: P * M / (M + P - 1) (the bubble)."""
+    return NUM_STAGES * shape.num_microbatches / (shape.num_microbatches + NUM_STAGES - 1)
+
+
+def report(shape: BenchShape, rows: list[Row]) -> dict[str, Any]:
+    reference = next((r.samples_per_s for r in rows if r.variant == REFERENCE), None)
+    limit = NUM_STAGES * reference if reference else None
+    out_rows = []
+    for r in rows:
+        ratio = r.samples_per_s / reference if r.samples_per_s and reference else None
+        of_limit = r.samples_per_s / limit if r.samples_per_s and limit else None
+        out_rows.append({**asdict(r), "ratio_to_single_1thread": ratio, "fraction_of_2x_limit": of_limit})
+    return {
+        "shape": asdict(shape),
+        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "load_avg_1min": os.getloadavg()[0]},
+        "reference_samples_per_s": reference,
+        "physical_limit_samples_per_s": limit,
+        "flush_bubble_bound_ratio": flush_bound(shape),
+        "rows": out_rows,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    body = [
+        [
+            r["variant"],
+            num(r["samples_per_s"], ".0f") if r["samples_per_s"] is not None else r["note"][:MAX_REASON_CHARS],
+            num(r["ratio_to_single_1thread"], ".2f"),
+            num(r["fraction_of_2x_limit"], ".0%"),
+            r["note"] if r["samples_per_s"] is not None else "",
+        ]
+        for r in result["rows"]
+    ]
+    headers = ["variant", "samples/s", "x 1-thread", "of 2x limit", "notes"]
+    return tabulate(body, headers=headers, disable_numparse=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = BenchShape()
+    p.add_argument("--steps", type=int, default=30, help="timed steps (minibatches) per variant")
+    p.add_argument("--warmup", type=int, default=d.num_warmup_steps, help="untimed steps first")
+    p.add_argument("--width", type=int, default=d.width)
+    p.add_argument("--layers", type=int, default=d.num_layers)
+    p.add_argument("--batch", type=int, default=d.batch_size)
+    p.add_argument("--microbatches", type=int, default=d.num_microbatches)
+    p.add_argument("--timeout-s", type=float, default=240.0, help="per variant; a variant past it is killed")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        shape = BenchShape(args.width, args.layers, args.batch, args.microbatches, args.steps, args.warmup)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows = measure_all(shape, args.timeout_s)
+    result = report(shape, rows)
+    print(
+        f"MLP {shape.num_layers} x {shape.width}, batch {shape.batch_size}, {shape.num_microbatches} microbatches, "
+        f"{NUM_STAGES} stages, {shape.num_steps} timed steps after {shape.num_warmup_steps} warm-up; "
+        f"physical limit = {NUM_STAGES}x single-thread, flush-bubble bound = {result['flush_bubble_bound_ratio']:.2f}x"
+    )
+    print(table(result))
+    atomic_write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,7 +24,7 @@ from pdcli.profiler.sizes import (
     storage_key,
     value_bytes,
 )
-from pdcli.profiler.summary import summarize  # noqa: F401  (the CLI imports it from here)
+from pdcli.profiler.summary import SHAPE_SEPARATOR, summarize  # noqa: F401  (the CLI imports summarize from here)
 from pdcli.profiler.trace import chain_order, trace_model
 
 CREATED_BY = "pd profile"
@@ -243,7 +243,7 @@ def node_label(gm: fx.GraphModule, node: fx.Node, value: Any) -> str:
         fn_name = getattr(node.target, "__name__", repr(node.target))
         op = f"{node.name}: {fn_module.replace('_operator', 'operator')}.{fn_name}"
     if isinstance(value, torch.Tensor):
-        return f"{op} -> {list(value.shape)}"
+        return f"{op}{SHAPE_SEPARATOR}{list(value.shape)}"
     return op
 
 

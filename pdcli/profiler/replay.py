@@ -46,13 +46,13 @@ def node_inputs(
 
 
 def _fresh(value: Any, requires_grad: bool, copy: bool) -> Any:
+    """`value` with every tensor inside detached (and grad-requiring / copied as asked)."""
     if isinstance(value, torch.Tensor):
-        wants_grad = requires_grad and (value.is_floating_point() or value.is_complex())
         t = value.detach()
-        if wants_grad:
-            t = t.requires_grad_()
-            # An in-place op on a leaf that requires grad is an error: give it a non-leaf copy.
-            return t.clone() if copy else t
+        if requires_grad and (t.is_floating_point() or t.is_complex()):
+            t.requires_grad_()
+        # An in-place op must not write into the recorded value, and on a leaf that requires
+        # grad it is an error: it gets a (non-leaf) copy, made outside the timed region.
         return t.clone() if copy else t
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(*(_fresh(v, requires_grad, copy) for v in value))

@@ -8,7 +8,9 @@ from pdcli.profiler.chain import Chain
 
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 BYTES_PER_KIB = 1024
-LABEL_COLUMN_CHARS = 60
+LABEL_COLUMN_CHARS = 52
+SHAPE_SEPARATOR = " -> "
+"""Between a label's op and its output shape (see `measure.node_label`)."""
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -34,7 +36,8 @@ def summarize(chain: Chain, top: int = 10) -> str:
     rows = [
         [
             position,
-            _shorten(node.label or node.name, LABEL_COLUMN_CHARS),
+            _shorten((node.label or node.name).partition(SHAPE_SEPARATOR)[0], LABEL_COLUMN_CHARS),
+            (node.label or "").partition(SHAPE_SEPARATOR)[2],
             node.fwd_ms,
             node.bwd_ms,
             100 * (node.fwd_ms + node.bwd_ms) / total_ms if total_ms > 0 else None,
@@ -45,8 +48,8 @@ def summarize(chain: Chain, top: int = 10) -> str:
     ]
     layers = tabulate(
         rows,
-        headers=["pos", "layer", "fwd ms", "bwd ms", "% time", "activations", "parameters"],
-        floatfmt=("", "", ".3f", ".3f", ".1f", "", ""),
+        headers=["pos", "layer", "output", "fwd ms", "bwd ms", "% time", "activations", "parameters"],
+        floatfmt=("", "", "", ".3f", ".3f", ".1f", "", ""),
         missingval="-",
     )
 

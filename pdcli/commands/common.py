@@ -58,7 +58,7 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
-def load(recipe: Path, overrides: Optional[List[str]], run_name: Optional[str] = None, extra: Optional[List[str]] = None) -> tuple[Loaded, RunDir]:
+def load(recipe: Optional[Path], overrides: Optional[List[str]], run_name: Optional[str] = None, extra: Optional[List[str]] = None) -> tuple[Loaded, RunDir]:
     """Load the recipe with overrides, create the run directory, write the resolved config."""
     items = list(overrides or []) + list(extra or [])
     if run_name:

@@ -1,0 +1,120 @@
+"""`pd plan`: split the model into stages for a cluster -> plan.json; `pd plan diff A B`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from typing_extensions import Annotated
+
+from pdcli.commands.common import ForceOpt, FormatOpt, RunNameOpt, check_format, echo_err, is_tty, load, user_errors
+from pdcli.config.schema import Config
+from pdcli.errors import UserError
+from pdcli.profiler.chain import Chain
+from pdcli.rundir import atomic_write_json, read_json, sha256_file
+
+ArgsArg = Annotated[
+    Optional[List[str]],
+    typer.Argument(
+        help="RECIPE [key=value ...], or `diff A B` (plan files or run directories).", show_default=False
+    ),
+]
+
+
+def gpus_override(cfg: Config, gpus: int) -> list[str]:
+    """`--gpus N` as overrides: a flat cluster of N, or N/inner nodes of the innermost level."""
+    if gpus < 1:
+        raise UserError(f"--gpus: needs at least 1 device, got {gpus}")
+    levels = cfg.cluster.levels
+    if len(levels) == 1 or cfg.num_devices == gpus:
+        if cfg.num_devices == gpus:
+            return []
+        bw = levels[0].bandwidth_bytes_per_s
+        return [f"cluster.levels=[{{devices: {gpus}, bandwidth_bytes_per_s: {bw}}}]"]
+    inner = levels[0].devices
+    if gpus % inner:
+        raise UserError(
+            f"--gpus {gpus}: the cluster has {inner} devices per node (cluster.levels.0.devices); "
+            f"pass a multiple of {inner}, or set cluster.levels yourself"
+        )
+    nodes = levels[1]
+    return [
+        f"cluster.levels=[{{devices: {inner}, bandwidth_bytes_per_s: {levels[0].bandwidth_bytes_per_s}}}, "
+        f"{{devices: {gpus // inner}, bandwidth_bytes_per_s: {nodes.bandwidth_bytes_per_s}}}]"
+    ]
+
+
+def read_profile(path: Path) -> Chain:
+    """A chain from our profile.json or from PipeDream's graph.txt."""
+    if not path.exists():
+        raise UserError(f"--profile: file not found: {path}")
+    if path.suffix == ".txt":
+        from pdcli.profiler.graphtxt import graph_to_chain, load_graph
+
+        return graph_to_chain(load_graph(path))
+    try:
+        return Chain.from_json(read_json(path, "profile"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{path}: not a pd profile ({e})", hint="pass a profile.json from `pd profile` or a PipeDream graph.txt") from None
+
+
+@user_errors
+def plan(
+    args: ArgsArg = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Devices to plan for (sets cluster.levels).")] = None,
+    profile_file: Annotated[Optional[Path], typer.Option("--profile", help="Plan this profile.json or PipeDream graph.txt instead of the run's profile.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the plan here instead of the run directory.")] = None,
+    force: ForceOpt = False,
+    fmt: FormatOpt = "text",
+    run_name: RunNameOpt = None,
+    fail_on_regression: Annotated[Optional[float], typer.Option("--fail-on-regression", help="diff: exit 1 only if predicted throughput drops by more than PCT percent.")] = None,
+) -> None:
+    """Plan stages and replication: `pd plan RECIPE --gpus 8`, `pd plan --profile graph.txt --gpus 16`, `pd plan diff A B`."""
+    check_format(fmt)
+    args = list(args or [])
+    if args[:1] == ["diff"]:
+        diff(args[1:], fmt, fail_on_regression)
+        return
+    recipe = Path(args.pop(0)) if args and args[0].endswith((".yaml", ".yml")) else None
+    if recipe is None and profile_file is None:
+        raise UserError("pd plan needs a recipe (e.g. recipes/quickstart.yaml) or --profile FILE")
+    loaded, run = load(recipe, args, run_name)
+    if gpus is not None:
+        loaded, run = load(recipe, args, run_name, extra=gpus_override(loaded.config, gpus))
+    cfg = loaded.config
+
+    from pdcli.pipeline import ensure_plan, make_plan
+    from pdcli.planner import render_plan
+
+    if profile_file is not None:
+        chain = read_profile(profile_file)
+        plan_json = make_plan(chain, cfg, sha256_file(profile_file))
+        target = out or run / "plan.json"
+        atomic_write_json(target, plan_json)
+        echo_err(f"wrote {target}")
+    else:
+        from pdcli.profiler.step import ensure_profile
+
+        chain, reused = ensure_profile(cfg, run, progress=is_tty())
+        if reused:
+            echo_err(f"profile: reused {run / 'profile.json'}")
+        plan_json, reused = ensure_plan(cfg, run, chain, force=force)
+        echo_err(f"{'reused' if reused else 'wrote'} {run / 'plan.json'}" + (" (inputs unchanged; --force re-plans)" if reused else ""))
+        if out is not None:
+            atomic_write_json(out, plan_json)
+    typer.echo(render_plan(plan_json, chain, fmt))
+
+
+def diff(paths: list[str], fmt: str, fail_on_regression: Optional[float]) -> None:
+    from pdcli.pipeline import load_plan_file
+    from pdcli.planner import diff_plans, render_diff
+
+    if len(paths) != 2:
+        raise UserError(f"pd plan diff takes two plans (files or run directories), got {len(paths)}")
+    a, b = (load_plan_file(Path(p)) for p in paths)
+    result = diff_plans(a, b)
+    typer.echo(render_diff(result, fmt))
+    if fail_on_regression is not None:
+        raise typer.Exit(1 if result.regressed(fail_on_regression) else 0)
+    raise typer.Exit(1 if result.changed else 0)

@@ -1,0 +1,42 @@
+"""`pd train`: ensure profile, plan and stages, then run the pipeline over torch.distributed."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from typing_extensions import Annotated
+
+from pdcli.commands.common import ForceOpt, OverridesArg, RecipeArg, RunNameOpt, echo_err, is_tty, load, user_errors
+
+
+@user_errors
+def train(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    force: ForceOpt = False,
+    run_name: RunNameOpt = None,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="Hosts taking part (torchrun semantics).")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="This host's index among --nnodes.")] = 0,
+    master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Rendezvous host (several hosts).")] = None,
+    master_port: Annotated[Optional[int], typer.Option("--master-port", help="Rendezvous port (default: a free one).")] = None,
+) -> None:
+    """Train RECIPE: one process per device of the plan, running the schedule's action lists."""
+    loaded, run = load(recipe, overrides, run_name)
+    from pdcli.pipeline import ensure_all
+    from pdcli.runtime.launcher import TrainingFailed
+    from pdcli.runtime.step import format_summary, run_training
+
+    cfg = loaded.config
+    _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err, progress=is_tty())
+    echo_err(f"train:   {cfg.schedule.name}, {len(plan_json['stages'])} stages, {cfg.train.steps} steps -> {run / 'train'}")
+    try:
+        result = run_training(
+            cfg, run, plan_json, manifest,
+            nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+            progress=is_tty(),
+        )
+    except TrainingFailed as e:
+        echo_err(f"error: training failed: {e}")
+        raise typer.Exit(1) from None
+    typer.echo(format_summary(result))

@@ -1,0 +1,92 @@
+"""The chain of steps profile -> plan -> compile, each reused while its inputs are unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+from pdcli.config.schema import Config
+from pdcli.errors import UserError
+from pdcli.profiler.chain import Chain
+from pdcli.rundir import RunDir, artifact_inputs_hash, read_json
+
+PLAN = "plan.json"
+Echo = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
+    from pdcli.planner import PlanOptions
+
+    return PlanOptions(
+        schedule=cfg.schedule.name,
+        num_microbatches=cfg.schedule.num_microbatches,
+        batch_size=cfg.data.batch_size,
+        memory_bytes_per_device=cfg.cluster.memory_bytes_per_device,
+        straight=cfg.plan.straight,
+        use_fewer_devices=cfg.plan.use_fewer_devices,
+        cost_model=cfg.plan.cost_model,
+        num_stages=cfg.plan.num_stages,
+        profile_sha256=profile_sha256,
+    )
+
+
+def plan_inputs_hash(cfg: Config, profile_sha256: str) -> str:
+    section = {
+        "plan": asdict(cfg.plan),
+        "cluster": asdict(cfg.cluster),
+        "schedule": asdict(cfg.schedule),
+        "batch_size": cfg.data.batch_size,
+    }
+    return artifact_inputs_hash(section, profile_sha256)
+
+
+def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str, Any]:
+    """Plan `chain` for the cluster, schedule and memory budget of `cfg` (pure: no torch)."""
+    from pdcli.planner import Topology, plan_chain
+
+    topology = Topology.from_levels(cfg.cluster.levels)
+    plan = plan_chain(chain, topology, plan_options(cfg, profile_sha256))
+    return plan.to_json()
+
+
+def ensure_plan(cfg: Config, run: RunDir, chain: Chain, force: bool = False) -> tuple[dict[str, Any], bool]:
+    """(plan, reused): `run/plan.json` made from the run's profile, or reused as is."""
+    record = run.record("profile.json")
+    profile_sha = record.sha256 if record else run.content_hash("profile.json")
+    inputs_hash = plan_inputs_hash(cfg, profile_sha)
+    if not force and run.fresh(PLAN, inputs_hash):
+        return run.read_json(PLAN), True
+    plan = make_plan(chain, cfg, profile_sha)
+    run.write_json(PLAN, plan, inputs_hash)
+    return plan, False
+
+
+def ensure_all(
+    cfg: Config, run: RunDir, force: bool = False, echo: Echo = _quiet, progress: bool = False
+) -> tuple[Chain, dict[str, Any], dict[str, Any]]:
+    """Profile, plan and compile as needed; `force` redoes all three."""
+    from pdcli.compiler.step import ensure_stages
+    from pdcli.profiler.step import ensure_profile
+
+    chain, reused = ensure_profile(cfg, run, force=force, progress=progress)
+    echo(f"profile: {'reused' if reused else 'measured'} {run / 'profile.json'}")
+    plan, reused = ensure_plan(cfg, run, chain, force=force)
+    echo(f"plan:    {'reused' if reused else 'wrote'} {run / PLAN}")
+    manifest, reused = ensure_stages(cfg, run, plan, force=force)
+    echo(f"compile: {'reused' if reused else 'wrote'} {run / 'stages'}")
+    return chain, plan, manifest
+
+
+def load_plan_file(path: Path) -> dict[str, Any]:
+    """A plan from a plan.json or a run directory holding one."""
+    if path.is_dir():
+        path = path / PLAN
+    plan = read_json(path, "plan")
+    if not isinstance(plan, dict) or "stages" not in plan:
+        raise UserError(f"{path}: not a pd plan (no `stages`)", hint="pass a plan.json written by `pd plan`")
+    return plan

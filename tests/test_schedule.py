@@ -1,0 +1,260 @@
+"""Schedules as plain lists: their order, the checker's proof over many shapes, the
+checker catching broken lists, and the simulator's textbook timelines."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdcli.errors import UserError
+from pdcli.planner.simulator import StageCost, simulate
+from pdcli.runtime.checker import ScheduleError, SendMode, check_schedules
+from pdcli.runtime.schedule import (
+    ACTION_TYPES, SCHEDULES, AllReduceGrads, Backward, Forward, FreeWeights, OptimizerStep,
+    RecvActivations, ScheduleSpec, SendActivations, StashDepth, StashWeights,
+    UnknownActionError, build_all, build_schedule, dispatch, replica_for, stash_depth,
+)
+
+
+def compute(actions) -> list[str]:
+    """The compute skeleton of a list: F3, B3, step0 ..."""
+    names = {Forward: "F", Backward: "B"}
+    out = []
+    for a in actions:
+        if isinstance(a, (Forward, Backward)):
+            out.append(f"{names[type(a)]}{a.microbatch_id}")
+        elif isinstance(a, OptimizerStep):
+            out.append(f"step{a.step}")
+    return out
+
+
+def replica_layouts(num_stages: int) -> list[tuple[int, ...] | None]:
+    one_replicated = [tuple(2 if i == j else 1 for i in range(num_stages)) for j in range(num_stages)]
+    return [None, *one_replicated, (2,) * num_stages, (4,) + (1,) * (num_stages - 1)]
+
+
+def all_specs():
+    for name in SCHEDULES:
+        for vertical_sync in ([False, True] if name == "pipedream" else [False]):
+            for num_stages in range(1, 6):
+                for num_microbatches in range(1, 9):
+                    for replicas in replica_layouts(num_stages):
+                        try:
+                            yield ScheduleSpec.make(name, num_stages, num_microbatches, 3,
+                                                    replicas, vertical_sync)
+                        except UserError:
+                            continue  # e.g. 3 microbatches over 2 replicas
+
+
+# ---- orders a reviewer can read ----
+
+
+def test_gpipe_runs_all_forwards_then_all_backwards_then_steps():
+    actions = build_schedule("gpipe", 3, 1, 3, 2)
+    assert compute(actions) == ["F0", "F1", "F2", "B0", "B1", "B2", "step0",
+                                "F3", "F4", "F5", "B3", "B4", "B5", "step1"]
+
+
+def test_1f1b_warms_up_then_alternates_and_flushes():
+    # Stage 1 of 4: warm-up min(S - s - 1, M) = 2 forwards, then one forward one backward.
+    actions = build_schedule("1f1b", 4, 1, 4, 1)
+    assert compute(actions) == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3", "step0"]
+    last = build_schedule("1f1b", 4, 3, 4, 1)
+    assert compute(last) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "step0"]
+
+
+def test_pipedream_steps_after_every_backward_with_stashed_versions():
+    # Stage 0 of 3 keeps S - s = 3 minibatches in flight; no flush.
+    actions = build_schedule("pipedream", 3, 0, 2, 3)
+    assert compute(actions) == ["F0", "F1", "F2", "B0", "step0", "F3", "B1", "step1", "F4", "B2",
+                                "step2", "F5", "B3", "step3", "B4", "step4", "B5", "step5"]
+    versions = [a.weight_version for a in actions if isinstance(a, Forward)]
+    assert versions == [0, 0, 0, 1, 2, 3]  # updates of 0 .. b - 3
+    assert StashWeights(0) in actions and FreeWeights(0) in actions
+
+
+def test_2bw_accumulates_a_minibatch_without_flush():
+    actions = build_schedule("2bw", 2, 0, 2, 3)
+    assert compute(actions) == ["F0", "F1", "B0", "F2", "B1", "step0", "F3", "B2", "F4", "B3",
+                                "step1", "F5", "B4", "B5", "step2"]
+    assert [a.weight_version for a in actions if isinstance(a, Forward)] == [0, 0, 0, 0, 1, 1]
+    assert max(a.num_microbatches for a in actions if isinstance(a, OptimizerStep)) == 2
+
+
+def test_replicas_get_round_robin_microbatches_and_name_their_peers():
+    assert [replica_for(mb, 2) for mb in range(5)] == [0, 1, 0, 1, 0]
+    actions = build_schedule("gpipe", 2, 1, 4, 1, replicas=(2, 1))
+    recvs = [a for a in actions if isinstance(a, RecvActivations)]
+    assert [(a.microbatch_id, a.peer_replica) for a in recvs] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    replica1 = build_schedule("gpipe", 2, 0, 4, 1, replicas=(2, 1), replica_id=1)
+    assert compute(replica1) == ["F1", "F3", "B1", "B3", "step0"]
+    assert AllReduceGrads(0) in replica1 and OptimizerStep(0, 4) in replica1
+
+
+# ---- the checker proves every schedule ----
+
+
+@pytest.mark.parametrize("send_mode", list(SendMode))
+def test_every_schedule_checks_for_1_to_5_stages_1_to_8_microbatches(send_mode):
+    checked = 0
+    for spec in all_specs():
+        replicated_no_flush = max(spec.replicas) > 1 and not spec.is_flush
+        if send_mode is SendMode.RENDEZVOUS and replicated_no_flush:
+            continue  # needs non-blocking sends: see test_replicated_pipedream_needs_eager_sends
+        check_schedules(build_all(spec), spec, send_mode)
+        checked += 1
+    assert checked > (300 if send_mode is SendMode.RENDEZVOUS else 500)
+
+
+def test_replicated_pipedream_needs_eager_sends():
+    spec = ScheduleSpec.make("pipedream", 2, 2, 3, replicas=(2, 1))
+    check_schedules(build_all(spec), spec, SendMode.EAGER)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_schedules(build_all(spec), spec, SendMode.RENDEZVOUS)
+
+
+@pytest.mark.parametrize("name, vertical_sync", [(n, False) for n in SCHEDULES] + [("pipedream", True)])
+def test_declared_stash_depth_is_reached_on_straight_pipelines(name, vertical_sync):
+    for num_stages in range(1, 6):
+        for num_microbatches in (num_stages, 8):
+            spec = ScheduleSpec.make(name, num_stages, num_microbatches, 6, vertical_sync=vertical_sync)
+            report = check_schedules(build_all(spec), spec)
+            for rank, held in enumerate(report.max_depth_by_rank):
+                assert held == spec.stash_depth(rank), (spec, rank)
+
+
+def test_stash_depths_by_formula():
+    assert stash_depth("pipedream", 4, 1, 4) == StashDepth(3, 3)
+    assert stash_depth("pipedream", 4, 1, 4, vertical_sync=True) == StashDepth(4, 3)
+    assert stash_depth("1f1b", 4, 0, 2) == StashDepth(1, 2)
+    assert stash_depth("gpipe", 4, 0, 8, replicas=(2, 1, 1, 1)) == StashDepth(1, 4)
+    assert stash_depth("2bw", 4, 0, 4) == StashDepth(2, 4)
+
+
+# ---- the checker catches broken lists ----
+
+
+def straight(name: str = "1f1b") -> tuple[ScheduleSpec, list[list]]:
+    spec = ScheduleSpec.make(name, 3, 4, 2)
+    return spec, build_all(spec)
+
+
+def test_checker_catches_swapped_send_and_forward_as_an_error():
+    spec, lists = straight()
+    i = next(i for i, a in enumerate(lists[1]) if isinstance(a, SendActivations))
+    lists[1][i - 1], lists[1][i] = lists[1][i], lists[1][i - 1]
+    with pytest.raises(ScheduleError, match="sends activations before their forward"):
+        check_schedules(lists, spec)
+
+
+def test_checker_reports_the_stuck_actions_of_a_deadlock():
+    spec, lists = straight()
+    # The last stage backwards mb 0 before receiving mb 1's activations ... then asks for
+    # mb 1 before mb 0: receive order swapped against the sender's send order.
+    recvs = [i for i, a in enumerate(lists[2]) if isinstance(a, RecvActivations)]
+    lists[2][recvs[0]], lists[2][recvs[1]] = lists[2][recvs[1]], lists[2][recvs[0]]
+    with pytest.raises(ScheduleError, match=r"deadlock.*rank 2 .* RecvActivations\(microbatch_id=1"):
+        check_schedules(lists, spec)
+
+
+def test_checker_catches_backward_before_forward():
+    spec, lists = straight()
+    f = next(i for i, a in enumerate(lists[2]) if isinstance(a, Forward))
+    b = next(i for i, a in enumerate(lists[2]) if isinstance(a, Backward))
+    lists[2][f], lists[2][b] = lists[2][b], lists[2][f]
+    with pytest.raises(ScheduleError, match="backward without a forward"):
+        check_schedules(lists, spec, SendMode.EAGER)
+
+
+def test_checker_catches_a_misplaced_optimizer_step():
+    spec, lists = straight("gpipe")
+    step = next(i for i, a in enumerate(lists[0]) if isinstance(a, OptimizerStep))
+    lists[0].insert(step - 3, lists[0].pop(step))
+    with pytest.raises(ScheduleError, match="gradient covers microbatches"):
+        check_schedules(lists, spec)
+
+
+def test_checker_catches_a_wrong_weight_version_and_a_wrong_peer():
+    spec, lists = straight("pipedream")
+    i = next(i for i, a in enumerate(lists[0]) if isinstance(a, Forward) and a.weight_version > 0)
+    lists[0][i] = dataclasses.replace(lists[0][i], weight_version=0)
+    with pytest.raises(ScheduleError, match="rule says"):
+        check_schedules(lists, spec)
+    spec, lists = straight()
+    i = next(i for i, a in enumerate(lists[0]) if isinstance(a, SendActivations))
+    lists[0][i] = dataclasses.replace(lists[0][i], peer_replica=1)
+    with pytest.raises(ScheduleError, match="names replica 1"):
+        check_schedules(lists, spec)
+
+
+def test_checker_catches_an_exceeded_stash_depth():
+    spec, lists = straight("pipedream")
+    free = next(i for i, a in enumerate(lists[0]) if isinstance(a, FreeWeights))
+    lists[0].append(lists[0].pop(free))  # free the stash only at the very end
+    with pytest.raises(ScheduleError, match="weight versions, declared"):
+        check_schedules(lists, spec)
+
+
+# ---- interpreter form and validation ----
+
+
+def test_every_action_has_a_docstring_and_unknown_actions_are_errors():
+    assert all(t.__doc__ and len(t.__doc__.splitlines()) == 1 for t in ACTION_TYPES)
+    table = {Forward: lambda a: ("fwd", a.microbatch_id)}
+    assert dispatch(table, Forward(3, 0)) == ("fwd", 3)
+    with pytest.raises(UnknownActionError, match="Backward"):
+        dispatch(table, Backward(3, 0))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="zigzag"), "not one of"),
+    (dict(num_microbatches=3, replicas=(2, 1)), "multiple"),
+    (dict(name="2bw", num_stages=4, num_microbatches=2), "two weight buffers"),
+    (dict(name="gpipe", vertical_sync=True), "vertical_sync"),
+    (dict(replicas=(1,)), "entries"),
+])
+def test_bad_parameters_are_user_errors(kwargs, message):
+    args = dict(name="1f1b", num_stages=2, num_microbatches=4, num_steps=2)
+    args.update(kwargs)
+    with pytest.raises(UserError, match=message):
+        ScheduleSpec.make(**args)
+
+
+# ---- simulator ----
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_stages, num_microbatches", [(1, 1), (2, 4), (4, 8), (5, 3)])
+def test_flush_schedules_take_the_textbook_time(name, num_stages, num_microbatches):
+    fwd_ms, bwd_ms = 1.0, 2.0
+    spec = ScheduleSpec.make(name, num_stages, num_microbatches, 3)
+    sim = simulate(spec, [StageCost(fwd_ms, bwd_ms)] * num_stages)
+    textbook_ms = (num_microbatches + num_stages - 1) * (fwd_ms + bwd_ms)
+    assert sim.time_per_minibatch_ms == pytest.approx(textbook_ms)
+    assert sim.makespan_ms == pytest.approx(3 * textbook_ms)
+    bubble = (num_stages - 1) / (num_microbatches + num_stages - 1)
+    assert sim.bubble_fraction == pytest.approx(bubble)
+
+
+def test_pipedream_steady_state_is_the_slowest_stage():
+    costs = [StageCost(1.0, 2.0), StageCost(2.0, 3.0), StageCost(1.0, 1.0)]
+    spec = ScheduleSpec.make("pipedream", 3, 4, 20)
+    sim = simulate(spec, costs)
+    assert sim.time_per_minibatch_ms == pytest.approx(4 * 5.0, rel=0.03)
+    flush = simulate(ScheduleSpec.make("1f1b", 3, 4, 20), costs)
+    assert flush.time_per_minibatch_ms > sim.time_per_minibatch_ms
+
+
+def test_simulated_timeline_respects_each_rank_order_and_communication():
+    spec = ScheduleSpec.make("1f1b", 3, 4, 2, replicas=(1, 2, 1))
+    costs = [StageCost(1.0, 2.0, comm_ms=0.5, optimizer_ms=0.2, allreduce_ms=0.3)] * 3
+    for mode in SendMode:
+        sim = simulate(spec, costs, mode)
+        for rank, timeline in enumerate(sim.timeline):
+            assert [t.action for t in timeline] == build_all(spec)[rank]
+            busy = [t for t in timeline if not isinstance(t.action, SendActivations)]
+            for before, after in zip(busy, busy[1:]):
+                assert after.start_ms >= before.start_ms
+        comm_free = simulate(spec, [dataclasses.replace(c, comm_ms=0.0) for c in costs], mode)
+        assert sim.makespan_ms > comm_free.makespan_ms

@@ -1,0 +1,79 @@
+"""The `pd` cost model: time of one stage and of the whole pipeline, per minibatch.
+
+For a stage with forward/backward time F, B (ms, one minibatch on one device), parameters
+P bytes, r replicas on ranks [a, a + r), and M microbatches per minibatch:
+
+    compute_ms  = (F + B) / r
+    allreduce   = 2 (r - 1) / r * P / bw(a .. a+r-1)           ring all-reduce, slowest level spanned
+    sync_ms     = allreduce            gpipe, 1f1b, 2bw: replicas split a minibatch's
+                                        microbatches and all-reduce once per minibatch
+                = allreduce * M / r    pipedream: each microbatch is a minibatch of its own,
+                                        replicas take them round-robin and all-reduce once
+                                        per round of r
+    comm_in_ms  = 2 * cut_in  / bw(a-1, a)     / r     activations in + gradients out
+    comm_out_ms = 2 * cut_out / bw(a+r-1, a+r) / r     activations out + gradients in
+    stage_ms    = max(compute_ms + sync_ms, comm_in_ms, comm_out_ms)
+
+Transfers run off the compute thread, so a link only limits a stage when it is slower than
+the compute. With S stages and max stage_ms = T:
+
+    time per minibatch = T                      pipedream, 2bw (no flush: steady 1F1B)
+                       = (M + S - 1) / M * T    gpipe, 1f1b (fill and drain every minibatch)
+
+The bubble factor stretches the all-reduce too, which slightly over-estimates flush
+schedules with replicated stages. Every function works on numpy arrays and on floats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pdcli.planner.options import FLUSH_SCHEDULES, PIPEDREAM
+
+MS_PER_S = 1000.0
+
+
+@dataclass(frozen=True)
+class StageTerms:
+    fwd_ms: Any
+    bwd_ms: Any
+    compute_ms: Any
+    sync_ms: Any
+    comm_in_ms: Any
+    comm_out_ms: Any
+    stage_time_ms: Any
+
+
+def ring_allreduce_ms(parameter_bytes: Any, replicas: Any, bandwidth_bytes_per_s: Any) -> Any:
+    r = np.asarray(replicas, dtype=float)
+    return 2.0 * (r - 1.0) / r * np.asarray(parameter_bytes, dtype=float) / bandwidth_bytes_per_s * MS_PER_S
+
+
+def transfer_ms(cut_bytes: Any, bandwidth_bytes_per_s: Any) -> Any:
+    """Activations one way plus gradients back across one cut."""
+    with np.errstate(invalid="ignore"):
+        out = 2.0 * np.asarray(cut_bytes, dtype=float) / bandwidth_bytes_per_s * MS_PER_S
+    return np.where(np.asarray(cut_bytes) == 0, 0.0, out)
+
+
+def pd_stage_terms(fwd_ms: Any, bwd_ms: Any, parameter_bytes: Any, cut_in_bytes: Any,
+                   cut_out_bytes: Any, replicas: Any, sync_bw: Any, in_bw: Any, out_bw: Any,
+                   schedule: str, num_microbatches: int) -> StageTerms:
+    r = np.asarray(replicas, dtype=float)
+    compute = (np.asarray(fwd_ms) + np.asarray(bwd_ms)) / r
+    allreduce = np.where(r > 1, ring_allreduce_ms(parameter_bytes, r, sync_bw), 0.0)
+    sync = allreduce * num_microbatches / r if schedule == PIPEDREAM else allreduce
+    comm_in = transfer_ms(cut_in_bytes, in_bw) / r
+    comm_out = transfer_ms(cut_out_bytes, out_bw) / r
+    stage = np.maximum(np.maximum(compute + sync, comm_in), comm_out)
+    return StageTerms(fwd_ms, bwd_ms, compute, sync, comm_in, comm_out, stage)
+
+
+def bubble_factor(schedule: str, num_microbatches: int, num_stages: Any) -> Any:
+    """Time per minibatch / bottleneck stage time."""
+    if schedule in FLUSH_SCHEDULES:
+        return (num_microbatches + np.asarray(num_stages, dtype=float) - 1.0) / num_microbatches
+    return np.ones(np.shape(num_stages))

@@ -1,0 +1,55 @@
+"""What a plan is asked for: schedule, microbatches, memory limit, search switches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcli.config.schema import COST_MODELS, SCHEDULES
+from pdcli.errors import UserError
+
+PIPEDREAM = "pipedream"
+ONE_F_ONE_B = "1f1b"
+GPIPE = "gpipe"
+TWO_BW = "2bw"
+FLUSH_SCHEDULES = (GPIPE, ONE_F_ONE_B)
+"""Schedules that drain the pipeline every minibatch and so pay the fill/drain bubble."""
+
+COST_PD = "pd"
+COST_PIPEDREAM = "pipedream"
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    schedule: str = PIPEDREAM
+    """`pipedream`, `1f1b`, `gpipe` or `2bw`."""
+    num_microbatches: int = 1
+    """Microbatches per minibatch."""
+    batch_size: int = 1
+    """Minibatch size in samples (the chain's costs are scaled to it when the chain
+    records the batch size it was profiled with, `meta["batch_size"]`)."""
+    memory_bytes_per_device: float | None = None
+    """Memory budget of one device; None = unlimited."""
+    straight: bool = False
+    """One device per stage (no replication)."""
+    use_fewer_devices: bool = False
+    """Allow a plan on fewer devices than the cluster has when that is faster."""
+    cost_model: str = COST_PD
+    """`pd` (schedule-aware) or `pipedream` (PipeDream's optimizer, exact)."""
+    num_stages: int | None = None
+    """Force exactly this many stages; None = the search decides."""
+    profile_sha256: str | None = None
+    """Recorded in the plan's inputs when given."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.cost_model not in COST_MODELS:
+            raise UserError(f"cost model {self.cost_model!r} is not one of {', '.join(COST_MODELS)}")
+        if self.num_microbatches < 1:
+            raise UserError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if self.batch_size < 1:
+            raise UserError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.memory_bytes_per_device is not None and not self.memory_bytes_per_device > 0:
+            raise UserError(f"memory_bytes_per_device must be > 0, got {self.memory_bytes_per_device}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise UserError(f"num_stages must be >= 1, got {self.num_stages}")

@@ -1,0 +1,176 @@
+"""PipeDream's cost model and hierarchical search (`cost_model="pipedream"`), vectorized.
+
+Reproduces `compute_partitioning` / `analyze_partitioning` of msr-fiddle/pipedream
+`optimizer/optimizer_graph_hierarchical.py` with activation compression ratio 1:
+A[i, j, m] is the best time per minibatch (seconds) of the positions i..j (row i = start
+right after position i-1) on m + 1 machines of one level. One stage on m + 1 replicas costs
+(compute + 4 m P / (bw (m + 1)) / machines_per_machine) / (m + 1); adding a last stage
+(k, j] on m' replicas after a split at k (a DAG ancestor of j) costs
+max(A[i, k, m - m'], (compute + 4 (m' - 1) P / (bw m')) / m', 2 out_k / (bw m'),
+2 out_j / (bw m')). Levels are solved innermost first; a level's best time with all its
+machines becomes the compute time of the next level. PipeDream's quirks are kept (the
+first stage of a range pays no transfers; the outer levels divide only the one-stage
+all-reduce by the inner machine count), since the point is to reproduce its optimum.
+The (i, k, j) triple loop is a vectorized min-max product, chunked by rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdcli.planner.options import PlanOptions
+from pdcli.planner.space import SplitSpace
+from pdcli.planner.topology import Topology
+
+ACTIVATION_COMPRESSION_RATIO = 1.0
+ALLREDUCE_FACTOR = 4.0
+"""PipeDream charges 4 (m - 1) / m * P / bw for the all-reduce of P bytes over m replicas."""
+TRANSFER_FACTOR = 2.0
+MAX_CHUNK_ELEMENTS = 4_000_000
+
+
+@dataclass(frozen=True, eq=False)
+class LevelTable:
+    time_s: np.ndarray
+    """(n + 1, n, machines): best time of rows i..j on m + 1 machines; inf = impossible."""
+    split_k: np.ndarray
+    """Position before the last stage, or -1 when the range is one stage."""
+    split_m: np.ndarray
+    machines: np.ndarray
+    """Replicas of the last stage."""
+
+
+@dataclass(frozen=True)
+class PdStage:
+    """One stage of a PipeDream plan, with the level-by-level stages that contain it."""
+
+    start: int
+    end: int
+    ranks: tuple[int, ...]
+    path: tuple[tuple[int, int, int, int, bool], ...]
+    """(level, start, end, machines, first stage of its range) from the top level down."""
+
+
+def _level(ct: np.ndarray, psz: np.ndarray, asz: np.ndarray, oas: np.ndarray, split_ok: np.ndarray,
+           machines: int, bw: float, within: int, options: PlanOptions, final: bool) -> LevelTable:
+    rows, n = ct.shape
+    mem = options.memory_bytes_per_device
+    time = np.full((rows, n, machines), np.inf)
+    split_k = np.full((rows, n, machines), -1, dtype=np.int32)
+    split_m = np.zeros((rows, n, machines), dtype=np.int32)
+    reps = np.zeros((rows, n, machines), dtype=np.int32)
+    for m in range(1 if options.straight else machines):
+        dp = ALLREDUCE_FACTOR * m * psz / (bw * (m + 1)) / within
+        value = (ct + dp) / (m + 1)
+        if mem is not None:
+            value = np.where(math.ceil((machines - (m + 1)) / (m + 1)) * (asz + psz) > mem, np.inf, value)
+        time[:, :, m], reps[:, :, m] = value, m + 1
+    row_ids = np.arange(1 if final else rows)
+    later = np.arange(n)[None, :] > row_ids[:, None]  # the search only updates j > i
+    comm_in = TRANSFER_FACTOR * oas / bw / ACTIVATION_COMPRESSION_RATIO
+    comm_out = np.where(np.arange(n) < n - 1, comm_in, 0.0)
+    for m in range(1, machines):
+        if options.use_fewer_devices:
+            carry = later & (time[row_ids, :, m - 1] < time[row_ids, :, m])
+            for arr in (time, split_k, split_m, reps):
+                arr[row_ids, :, m] = np.where(carry, arr[row_ids, :, m - 1], arr[row_ids, :, m])
+        for mp in (1,) if options.straight else range(1, m + 1):
+            last = (ct[1:, :] + ALLREDUCE_FACTOR * (mp - 1) * psz[1:, :] / (bw * mp)) / mp  # [k, j]
+            ok = split_ok & np.isfinite(last)
+            if mem is not None:
+                ok &= (asz[1:, :] + psz[1:, :]) * math.ceil((machines - (m + 1)) / mp) <= mem
+            cost = np.maximum(np.maximum(last, comm_in[:, None] / mp), comm_out[None, :] / mp)
+            cost = np.where(ok, cost, np.inf)
+            _minmax_update(time, split_k, split_m, reps, row_ids, later, cost, m, mp)
+    return LevelTable(time, split_k, split_m, reps)
+
+
+def _minmax_update(time: np.ndarray, split_k: np.ndarray, split_m: np.ndarray, reps: np.ndarray,
+                   row_ids: np.ndarray, later: np.ndarray, cost: np.ndarray, m: int, mp: int) -> None:
+    """time[i, j, m] = min(time[i, j, m], min_k max(time[i, k, m - mp], cost[k, j])), j > i."""
+    n = cost.shape[0]
+    chunk = max(1, MAX_CHUNK_ELEMENTS // (n * n))
+    for lo in range(0, len(row_ids), chunk):
+        rows = row_ids[lo : lo + chunk]
+        k0 = int(rows[0])  # time[i, k] is inf for k < i: skip those k
+        prev = time[rows, k0:, m - mp]  # (rows, k)
+        total = np.maximum(prev[:, :, None], cost[None, k0:, :])  # (rows, k, j)
+        arg = total.argmin(axis=1)
+        cand = np.take_along_axis(total, arg[:, None, :], axis=1)[:, 0, :]
+        better = later[lo : lo + chunk] & (cand < time[rows, :, m])
+        time[rows, :, m] = np.where(better, cand, time[rows, :, m])
+        split_k[rows, :, m] = np.where(better, arg + k0, split_k[rows, :, m])
+        split_m[rows, :, m] = np.where(better, m - mp, split_m[rows, :, m])
+        reps[rows, :, m] = np.where(better, mp, reps[rows, :, m])
+
+
+def _partition(table: LevelTable, start: int, end: int, machines: int) -> list[tuple[int, int, int]]:
+    """(start, end, machines) of each stage of rows start..end-1 on all machines (in order)."""
+    stages, j, m = [], end - 1, machines - 1
+    while table.split_k[start, j, m] >= 0:
+        k = int(table.split_k[start, j, m])
+        stages.append((k + 1, j + 1, int(table.machines[start, j, m])))
+        j, m = k, int(table.split_m[start, j, m])
+    stages.append((start, j + 1, int(table.machines[start, j, m])))
+    return stages[::-1]
+
+
+def _matrices(space: SplitSpace, scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """PipeDream's compute_times (s), parameter_sizes, activation_sizes as (n + 1, n) rows."""
+    def rows(covered: np.ndarray) -> np.ndarray:
+        r = space.range_matrix(covered)[:, 1:]  # [i, j] = positions i..j
+        return np.concatenate((r, np.full((1, space.num_positions), np.nan)))
+
+    ct = rows((space.covered_fwd_ms + space.covered_bwd_ms) * scale / 1000.0)
+    psz = rows(space.covered_parameter_bytes)
+    asz = rows(space.covered_activation_bytes * scale)
+    return np.nan_to_num(ct, nan=np.inf), np.nan_to_num(psz), np.nan_to_num(asz)
+
+
+def pipedream_search(space: SplitSpace, topology: Topology, options: PlanOptions,
+                     scale: float) -> tuple[float, list[PdStage]] | None:
+    """PipeDream's optimum (seconds per minibatch) and its stages; None when infeasible."""
+    ct, psz, asz = _matrices(space, scale)
+    oas = space.cut_bytes * scale
+    tables, within = [], 1
+    for index, level in enumerate(topology.levels):
+        table = _level(ct, psz, asz, oas, space.split_ok, level.devices, level.bandwidth_bytes_per_s,
+                       within, options, final=index == len(topology.levels) - 1)
+        tables.append(table)
+        ct, within = table.time_s[:, :, -1].copy(), level.devices
+    best = float(tables[-1].time_s[0, space.num_positions - 1, -1])
+    if not np.isfinite(best):
+        return None
+    unit = [1]
+    for level in topology.levels[:-1]:
+        unit.append(unit[-1] * level.devices)
+    stages: list[PdStage] = []
+
+    def expand(lv: int, start: int, end: int, bases: list[int], path: tuple) -> None:
+        offset = 0
+        for first, (s, e, nm) in enumerate(_partition(tables[lv], start, end, topology.levels[lv].devices)):
+            new_bases = [b + (offset + q) * unit[lv] for b in bases for q in range(nm)]
+            step = path + ((lv, s, e, nm, first == 0),)
+            if lv == 0:
+                stages.append(PdStage(s, e, tuple(sorted(new_bases)), step))
+            else:
+                expand(lv - 1, s, e, new_bases, step)
+            offset += nm
+
+    expand(len(tables) - 1, 0, space.num_positions, [0], ())
+    return best, stages
+
+
+def pipedream_data_parallel_s(space: SplitSpace, topology: Topology, scale: float) -> float:
+    """PipeDream's data-parallel time per minibatch on every device of the cluster."""
+    total = float(space.covered_fwd_ms[-1] + space.covered_bwd_ms[-1]) * scale / 1000.0
+    params = float(space.covered_parameter_bytes[-1])
+    within = 1
+    for level in topology.levels:
+        m = level.devices
+        total = (total + ALLREDUCE_FACTOR * (m - 1) * params / (level.bandwidth_bytes_per_s * m) / within) / m
+        within = m
+    return total

@@ -1,0 +1,173 @@
+"""The `pd` partition search: PipeDream's dynamic program over (chain suffix, devices, stages).
+
+The program runs over suffixes: V[t, i, d] is the smallest bottleneck stage time of the
+chain positions [i, n) split into t + 1 stages on d devices whose ranks are the last d
+ranks [E - d, E) of the plan. A suffix knows what follows each stage, so the schedule's
+memory (devices and stages from a stage to the end) is exact, and so are the bandwidths
+(the ranks are known). The stage-count axis is kept only when something depends on it
+(the bubble of flush schedules, 1F1B/2BW activation memory, a forced stage count);
+otherwise all counts share one layer. Every transition is vectorized over (start, end)
+pairs: the Python loops run over devices, replicas and nothing else.
+
+A plan on fewer than all devices is shifted to start at rank 0; that is exact when the
+shift is a multiple of the topology's alignment, so a non-uniform cluster is searched with
+one anchor E per residue class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from pdcli.planner.costs import bubble_factor, pd_stage_terms
+from pdcli.planner.memory import stage_memory
+from pdcli.planner.options import FLUSH_SCHEDULES, ONE_F_ONE_B, TWO_BW, PlanOptions
+from pdcli.planner.space import SplitSpace
+from pdcli.planner.topology import Topology
+
+StageCost = Callable[[int, int], np.ndarray]
+"""(suffix devices d, replicas r) -> cost of [i, e) as first stage, shape (L or 1, n, n + 1)."""
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    start: int
+    end: int
+    replicas: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    stages: tuple[StageChoice, ...]
+    objective: float
+    """Time per minibatch (ms) for the time search; peak stage memory for the memory search."""
+
+
+def needs_stage_axis(options: PlanOptions) -> bool:
+    memory_by_stage = options.memory_bytes_per_device is not None and options.schedule in (ONE_F_ONE_B, TWO_BW)
+    return options.schedule in FLUSH_SCHEDULES or options.num_stages is not None or memory_by_stage
+
+
+class PdCosts:
+    """Stage costs of the `pd` model for every (start, end) at once, for one anchor."""
+
+    def __init__(self, space: SplitSpace, topology: Topology, options: PlanOptions,
+                 scale: float, anchor: int, num_layers: int) -> None:
+        n = space.num_positions
+        self.options, self.anchor, self.num_layers = options, anchor, num_layers
+        self.fwd = space.range_matrix(space.covered_fwd_ms) * scale
+        self.bwd = space.range_matrix(space.covered_bwd_ms) * scale
+        self.params = space.range_matrix(space.covered_parameter_bytes)
+        self.acts = space.range_matrix(space.covered_activation_bytes) * scale
+        self.valid = space.valid_stages() & ~np.isnan(self.fwd)
+        cut = space.cut_bytes * scale
+        self.cut_in = np.concatenate(([0.0], cut[: n - 1]))[:, None]  # stage starting at i
+        self.cut_out = np.concatenate(([0.0], cut[: n - 1], [0.0]))[None, :]  # ending at e
+        self.bw = topology.span_bandwidth_matrix()
+        self.stages_from = np.arange(1, num_layers + 1, dtype=float)[:, None, None]
+
+    def _link(self, a: int, b: int) -> float:
+        return float(self.bw[a, b]) if 0 <= a and b < self.bw.shape[0] else np.inf
+
+    def _memory(self, d: int, r: int) -> np.ndarray:
+        o = self.options
+        return stage_memory(o.schedule, self.params, self.acts, r, d, self.stages_from,
+                            o.num_microbatches).total_bytes
+
+    def time(self, d: int, r: int) -> np.ndarray:
+        a = self.anchor - d
+        terms = pd_stage_terms(self.fwd, self.bwd, self.params, self.cut_in, self.cut_out, r,
+                               self._link(a, a + r - 1), self._link(a - 1, a),
+                               self._link(a + r - 1, a + r), self.options.schedule,
+                               self.options.num_microbatches)
+        out = np.where(self.valid, terms.stage_time_ms, np.inf)[None]
+        limit = self.options.memory_bytes_per_device
+        if limit is not None:
+            out = np.where(self._memory(d, r) <= limit, out, np.inf)
+        return out
+
+    def memory(self, d: int, r: int) -> np.ndarray:
+        return np.where(self.valid, self._memory(d, r), np.inf)
+
+
+def suffix_minmax(n: int, anchor: int, num_layers: int, layered: bool, straight: bool,
+                  cost: StageCost) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """min over splits of max stage cost; returns V[t, i, d] and the argmin (end, replicas)."""
+    shape = (num_layers, n + 1, anchor + 1)
+    value = np.full(shape, np.inf)
+    best_end = np.zeros(shape, dtype=np.int32)
+    best_r = np.zeros(shape, dtype=np.int32)
+
+    def update(layers: slice, cand: np.ndarray, end: np.ndarray | int, d: int, r: int) -> None:
+        current = value[layers, :n, d]
+        better = cand < current
+        value[layers, :n, d] = np.where(better, cand, current)
+        best_end[layers, :n, d] = np.where(better, end, best_end[layers, :n, d])
+        best_r[layers, :n, d] = np.where(better, r, best_r[layers, :n, d])
+
+    for d in range(1, anchor + 1):
+        for r in (1,) if straight else range(1, d + 1):
+            c = cost(d, r)
+            if r == d:  # the suffix is one stage [i, n)
+                update(slice(0, 1), c[:1, :, n], n, d, r)
+            if d == r or (layered and num_layers == 1):
+                continue
+            src, dst = (slice(0, num_layers - 1), slice(1, num_layers)) if layered else (slice(0, 1), slice(0, 1))
+            stage = c[dst, :, :n] if c.shape[0] > 1 else c[:, :, :n]
+            rest = value[src, :n, d - r]  # rest[t, e]: the suffix after the stage starts at e
+            total = np.maximum(stage, rest[:, None, :])
+            end = total.argmin(axis=2)
+            update(dst, np.take_along_axis(total, end[:, :, None], axis=2)[:, :, 0], end, d, r)
+    return value, best_end, best_r
+
+
+def _anchors(topology: Topology, options: PlanOptions) -> list[int]:
+    total = topology.num_devices
+    if not options.use_fewer_devices or topology.is_uniform:
+        return [total]
+    return [total - s for s in range(min(topology.alignment, total))]
+
+
+def pd_search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
+              minimize: str = "time") -> SearchResult | None:
+    """Best plan under the `pd` model (minimize="time"), or the plan with the smallest peak
+    stage memory (minimize="memory"); None when nothing is feasible."""
+    n, total = space.num_positions, topology.num_devices
+    layered = needs_stage_axis(options)
+    max_stages = min(n, total) if options.num_stages is None else options.num_stages
+    num_layers = max_stages if layered else 1
+    align = 1 if topology.is_uniform else topology.alignment
+    best: tuple[float, int, int, int] | None = None
+    runs = {}
+    for anchor in _anchors(topology, options):
+        costs = PdCosts(space, topology, options, scale, anchor, num_layers)
+        fn = costs.time if minimize == "time" else costs.memory
+        value, ends, reps = suffix_minmax(n, anchor, num_layers, layered, options.straight, fn)
+        runs[anchor] = (ends, reps)
+        for d in range(1, anchor + 1):
+            if (d != total and not options.use_fewer_devices) or (anchor - d) % align:
+                continue
+            layers = range(num_layers) if options.num_stages is None else [options.num_stages - 1]
+            for t in layers:
+                if not layered and t > 0:
+                    break
+                v = float(value[t, 0, d])
+                if minimize == "time":
+                    v *= float(bubble_factor(options.schedule, options.num_microbatches, t + 1)) if layered else 1.0
+                key = (v, d, t, -anchor)
+                if np.isfinite(v) and (best is None or key < best):
+                    best = key
+    if best is None:
+        return None
+    v, d_used, t, neg_anchor = best
+    ends, reps = runs[-neg_anchor]
+    stages, i, d = [], 0, d_used
+    while i < n:
+        e, r = int(ends[t, i, d]), int(reps[t, i, d])
+        first = d_used - d
+        stages.append(StageChoice(i, e, r, tuple(range(first, first + r))))
+        i, d, t = e, d - r, (t - 1 if layered else t)
+    return SearchResult(tuple(stages), v)

@@ -1,0 +1,118 @@
+"""The search space a chain offers: cost of every stage range, valid split points, cut sizes.
+
+A stage is a range [start, end) of chain positions. For a chain from our profiler every
+range is valid and its cost is a difference of prefix sums. For a chain imported from a
+PipeDream graph.txt the positions are antichain states and the antichain DAG can branch:
+a stage ending at position j may only start right after one of j's DAG ancestors, and it
+holds the graph nodes covered by state j but not by the state before it
+(`chain.meta["antichain_dag"]`, written by `pdcli.profiler.graphtxt`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdcli.profiler.chain import Chain
+
+ANTICHAIN_META = "antichain_dag"
+
+
+@dataclass(frozen=True, eq=False)
+class SplitSpace:
+    """Covered totals per position and the valid (start, end) pairs, as numpy arrays."""
+
+    num_positions: int
+    covered_fwd_ms: np.ndarray
+    """covered_fwd_ms[j]: forward time of everything at or before position j."""
+    covered_bwd_ms: np.ndarray
+    covered_parameter_bytes: np.ndarray
+    covered_activation_bytes: np.ndarray
+    """Bytes a stage keeps for its backward per minibatch (activations + saved tensors)."""
+    cut_bytes: np.ndarray
+    """cut_bytes[j]: bytes crossing a cut right after position j (0 after the last)."""
+    split_ok: np.ndarray
+    """split_ok[k, j]: a stage ending at j may start right after k (k < j)."""
+    covered_masks: tuple[int, ...] | None
+    """Imported chains: bit b set when member b (chain member order) is covered."""
+    member_order: tuple[str, ...]
+    position_members: tuple[tuple[str, ...], ...]
+    """Per position: its members, or its own name when it has none."""
+
+    @classmethod
+    def from_chain(cls, chain: Chain) -> "SplitSpace":
+        n = len(chain.nodes)
+        position_members = tuple(node.members or (node.name,) for node in chain.nodes)
+        member_order = tuple(m for members in position_members for m in members)
+        cut = np.zeros(n)
+        cut[: n - 1] = np.asarray(chain.cut_bytes, dtype=float)
+        dag = chain.meta.get(ANTICHAIN_META) if isinstance(chain.meta, dict) else None
+        if dag:
+            split_ok = np.zeros((n, n), dtype=bool)
+            for j, mask in enumerate(dag["ancestors_hex"]):
+                bits = int(mask, 16)
+                for k in range(j):
+                    split_ok[k, j] = bool((bits >> k) & 1)
+            return cls(
+                num_positions=n,
+                covered_fwd_ms=np.asarray(dag["covered_fwd_ms"], dtype=float),
+                covered_bwd_ms=np.asarray(dag["covered_bwd_ms"], dtype=float),
+                covered_parameter_bytes=np.asarray(dag["covered_parameter_bytes"], dtype=float),
+                covered_activation_bytes=np.asarray(dag["covered_activation_bytes"], dtype=float),
+                cut_bytes=cut,
+                split_ok=split_ok,
+                covered_masks=tuple(int(m, 16) for m in dag["covered_hex"]),
+                member_order=member_order,
+                position_members=position_members,
+            )
+
+        def cum(values: list[float]) -> np.ndarray:
+            return np.cumsum(np.asarray(values, dtype=float))
+
+        nodes = chain.nodes
+        return cls(
+            num_positions=n,
+            covered_fwd_ms=cum([x.fwd_ms for x in nodes]),
+            covered_bwd_ms=cum([x.bwd_ms for x in nodes]),
+            covered_parameter_bytes=cum([x.parameter_bytes for x in nodes]),
+            covered_activation_bytes=cum([x.activation_bytes + x.backward_memory_bytes for x in nodes]),
+            cut_bytes=cut,
+            split_ok=np.triu(np.ones((n, n), dtype=bool), k=1),
+            covered_masks=None,
+            member_order=member_order,
+            position_members=position_members,
+        )
+
+    # -- ranges ---------------------------------------------------------------------------
+    def range_matrix(self, covered: np.ndarray) -> np.ndarray:
+        """R[i, e] = total over stage [i, e) (covered[e-1] - covered[i-1]); nan unless i < e."""
+        n = self.num_positions
+        before = np.concatenate(([0.0], covered[:-1]))  # before[i] = covered[i-1]
+        out = covered[None, :] - before[:, None]  # (start i, last position e-1)
+        out = np.concatenate((np.full((n, 1), np.nan), out), axis=1)  # column e = last+1
+        start, end = np.arange(n)[:, None], np.arange(n + 1)[None, :]
+        return np.where(end > start, out, np.nan)
+
+    def valid_stages(self) -> np.ndarray:
+        """V[i, e]: [i, e) is a valid stage (starts at 0 or right after an ancestor of e-1)."""
+        n = self.num_positions
+        out = np.zeros((n, n + 1), dtype=bool)
+        out[0, 1:] = True
+        out[1:, 1:] = self.split_ok  # out[i, e] = split_ok[i-1, e-1]
+        return out
+
+    def range_total(self, covered: np.ndarray, start: int, end: int) -> float:
+        return float(covered[end - 1] - (covered[start - 1] if start > 0 else 0.0))
+
+    def stage_members(self, start: int, end: int) -> list[str]:
+        """Graph nodes (or chain positions) that a stage [start, end) holds, in order."""
+        if self.covered_masks is None:
+            return [m for members in self.position_members[start:end] for m in members]
+        last = self.covered_masks[end - 1]
+        before = self.covered_masks[start - 1] if start > 0 else 0
+        if start == 0:  # inputs PipeDream removed sit in no covered set: stage 0 owns them
+            before = 0
+            last |= ((1 << len(self.member_order)) - 1) & ~self.covered_masks[-1]
+        bits = last & ~before
+        return [m for b, m in enumerate(self.member_order) if (bits >> b) & 1]

@@ -1,0 +1,230 @@
+"""PipeDream `graph.txt` profiles: read, write, and linearize into a `Chain` of antichain states.
+
+The linearization follows PipeDream's optimizer (msr-fiddle/pipedream,
+`optimizer/optimizer_graph_hierarchical.py` with `graph/graph.py`): sources whose layer
+starts with `Input` and sinks whose layer starts with `__getitem__` are dropped, the DAG of
+(augmented) antichains is built breadth-first from the first remaining source, and its
+states are ordered by PipeDream's depth-first topological sort. Each state is one chain
+position. A state "covers" every graph node at or before its augmented antichain.
+
+Because the antichain DAG can branch (ResNet, GNMT), a prefix of the chain is not always a
+state's covered set. The exact structure PipeDream's search uses is therefore kept in
+`chain.meta["antichain_dag"]` (see `AntichainMeta`); `pdcli.planner` reads it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from pdcli.errors import UserError
+from pdcli.profiler.chain import Chain, ChainNode
+
+INPUT_PREFIX = "Input"
+UNUSED_SINK_PREFIX = "__getitem__"
+SOURCE_NAME = "pipedream_graph_txt"
+_META_KEYS = ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    """One `nodeN -- <layer> -- key=value, ...` line of a graph.txt."""
+
+    node_id: str
+    desc: str
+    fwd_ms: float
+    bwd_ms: float
+    activation_bytes: tuple[float, ...]
+    """One entry per output tensor (graph.txt writes `[a; b]` when there are several)."""
+    parameter_bytes: float
+    stage_id: int | None = None
+
+    @property
+    def total_activation_bytes(self) -> float:
+        return float(sum(self.activation_bytes))
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A graph.txt: nodes and edges in file order."""
+
+    nodes: tuple[GraphNode, ...]
+    edges: tuple[tuple[str, str], ...]
+
+
+# -- parse / write --------------------------------------------------------------------------
+
+
+def _parse_number(text: str, key: str, where: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise UserError(f"{where}: {key}={text!r} is not a number") from None
+
+
+def _parse_node(line: str, where: str) -> GraphNode:
+    tokens = line.split(" -- ")
+    if len(tokens) < 3:
+        raise UserError(
+            f"{where}: expected `nodeN -- <layer> -- forward_compute_time=..., ...`, got {line[:80]!r}"
+        )
+    stage_id = None
+    if len(tokens) > 3:
+        match = re.fullmatch(r"stage_id=(-?\d+)", tokens[3].strip())
+        if match is None:
+            raise UserError(f"{where}: unexpected 4th field {tokens[3][:40]!r} (expected stage_id=N)")
+        stage_id = int(match.group(1))
+    values: dict[str, str] = {}
+    for item in tokens[2].split(", "):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"{where}: field {item[:40]!r} is not key=value")
+        values[key.strip()] = value.strip()
+    missing = [k for k in _META_KEYS if k not in values]
+    if missing:
+        raise UserError(f"{where}: missing {', '.join(missing)}")
+    act_text = values["activation_size"]
+    if act_text.startswith("["):
+        parts = act_text.strip("[]").split(";")
+        acts = tuple(_parse_number(p.strip(), "activation_size", where) for p in parts if p.strip())
+    else:
+        acts = (_parse_number(act_text, "activation_size", where),)
+    return GraphNode(
+        node_id=tokens[0].strip(),
+        desc=tokens[1],
+        fwd_ms=_parse_number(values["forward_compute_time"], "forward_compute_time", where),
+        bwd_ms=_parse_number(values["backward_compute_time"], "backward_compute_time", where),
+        activation_bytes=acts,
+        parameter_bytes=_parse_number(values["parameter_size"], "parameter_size", where),
+        stage_id=stage_id,
+    )
+
+
+def parse_graph(text: str, source: str = "<graph.txt>") -> Graph:
+    """Parse graph.txt text; `source` names the file in error messages."""
+    nodes: dict[str, GraphNode] = {}
+    edges: list[tuple[str, str]] = []
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        where = f"{source}:{lineno}"
+        tokens = line.split(" -- ")
+        if len(tokens) == 2 and "=" not in line:
+            src, dst = (t.strip() for t in tokens)
+            for end in (src, dst):
+                if end not in nodes:
+                    raise UserError(f"{where}: edge names unknown node {end!r} (nodes come first)")
+            edges.append((src, dst))
+            continue
+        node = _parse_node(line, where)
+        if node.node_id in nodes:
+            raise UserError(f"{where}: node {node.node_id!r} is defined twice")
+        nodes[node.node_id] = node
+    if not nodes:
+        raise UserError(f"{source}: no nodes found (is this a PipeDream graph.txt?)")
+    return Graph(nodes=tuple(nodes.values()), edges=tuple(edges))
+
+
+def load_graph(path: str | Path) -> Graph:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"graph file not found: {path}")
+    return parse_graph(path.read_text(), str(path))
+
+
+def format_graph(graph: Graph) -> str:
+    """graph.txt text; numbers are written exactly (repr), so parsing it gives `graph` back."""
+    lines = []
+    for n in graph.nodes:
+        acts = n.activation_bytes
+        act = repr(acts[0]) if len(acts) == 1 else "[" + "; ".join(repr(a) for a in acts) + "]"
+        stage = "" if n.stage_id is None else f" -- stage_id={n.stage_id}"
+        lines.append(
+            f"{n.node_id} -- {n.desc} -- forward_compute_time={n.fwd_ms!r}, "
+            f"backward_compute_time={n.bwd_ms!r}, activation_size={act}, "
+            f"parameter_size={n.parameter_bytes!r}{stage}"
+        )
+    lines += [f"\t{a} -- {b}" for a, b in graph.edges]
+    return "\n".join(lines) + "\n"
+
+
+def write_graph(graph: Graph, path: str | Path) -> None:
+    from pdcli.rundir import atomic_write_text
+
+    atomic_write_text(path, format_graph(graph))
+
+
+# -- chain <-> graph ------------------------------------------------------------------------
+
+
+def graph_to_chain(graph: Graph, source: str = "") -> Chain:
+    """Linearize `graph` into PipeDream's antichain states, one chain position per state."""
+    from pdcli.planner.antichain import antichain_states
+
+    lin = antichain_states(graph)
+    by_id = {n.node_id: n for n in graph.nodes}
+    seen: set[str] = set()
+    nodes: list[ChainNode] = []
+    for i, state in enumerate(lin.states):
+        new = [m for m in state.covered if m not in seen]
+        seen.update(new)
+        members = (tuple(lin.inputs) if i == 0 else ()) + tuple(new)
+        label = ", ".join(by_id[m].desc.split("(")[0] for m in new) or "(no new layers)"
+        nodes.append(
+            ChainNode(
+                name=state.name,
+                label=label if len(label) <= 60 else label[:57] + "...",
+                fwd_ms=float(sum(by_id[m].fwd_ms for m in new)),
+                bwd_ms=float(sum(by_id[m].bwd_ms for m in new)),
+                parameter_bytes=int(round(sum(by_id[m].parameter_bytes for m in new))),
+                activation_bytes=int(round(sum(by_id[m].total_activation_bytes for m in new))),
+                members=members,
+            )
+        )
+    order = [m for node in nodes for m in node.members]
+    bit = {m: b for b, m in enumerate(order)}
+    meta: dict[str, Any] = {
+        "source": SOURCE_NAME,
+        "graph_file": Path(source).name if source else "",
+        "unused_sinks": list(lin.unused_sinks),
+        "antichain_dag": {
+            "ancestors_hex": [_mask_hex(s.ancestors) for s in lin.states],
+            "covered_hex": [_mask_hex(bit[m] for m in s.covered) for s in lin.states],
+            "covered_fwd_ms": [s.fwd_ms for s in lin.states],
+            "covered_bwd_ms": [s.bwd_ms for s in lin.states],
+            "covered_parameter_bytes": [s.parameter_bytes for s in lin.states],
+            "covered_activation_bytes": [s.activation_bytes for s in lin.states],
+        },
+    }
+    return Chain(
+        nodes=tuple(nodes),
+        cut_bytes=tuple(int(round(s.output_activation_bytes)) for s in lin.states[:-1]),
+        input_bytes=int(round(sum(by_id[m].total_activation_bytes for m in lin.inputs))),
+        meta=meta,
+    )
+
+
+def _mask_hex(bits: Sequence[int] | Any) -> str:
+    value = 0
+    for b in bits:
+        value |= 1 << int(b)
+    return format(value, "x")
+
+
+def chain_to_graph(chain: Chain) -> Graph:
+    """One of our chains as a linear graph.txt (an `Input0` node first, then one node per position)."""
+    nodes = [GraphNode("node0", "Input0", 0.0, 0.0, (float(chain.input_bytes),), 0.0)]
+    for i, n in enumerate(chain.nodes):
+        desc = " ".join(n.label.replace(" -- ", " - ").split()) or n.name
+        if desc.startswith((INPUT_PREFIX, UNUSED_SINK_PREFIX)):
+            desc = f"layer {desc}"  # these prefixes make PipeDream drop the node
+        act = chain.cut_bytes[i] if i < len(chain.cut_bytes) else n.activation_bytes
+        nodes.append(
+            GraphNode(f"node{i + 1}", desc, float(n.fwd_ms), float(n.bwd_ms), (float(act),),
+                      float(n.parameter_bytes))
+        )
+    edges = tuple((f"node{i}", f"node{i + 1}") for i in range(len(chain.nodes)))
+    return Graph(nodes=tuple(nodes), edges=edges)

@@ -18,6 +18,15 @@ from pdcli.errors import UserError
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one thread is faster than two on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def source(name: str, batch_size: int = 8, seed: int = 0, **kwargs: Any):
     return build_data(DataConfig(name=name, kwargs=kwargs, seed=seed), batch_size)
 
@@ -144,6 +153,12 @@ def test_split_into_microbatches_keeps_order() -> None:
     assert torch.equal(torch.cat([p.inputs[1] for p in parts]), batch.inputs[1])
     with pytest.raises(ValueError, match=r"cannot split a batch of 8 samples into 3 equal"):
         batch.split(3)
+
+
+def test_batch_to_device_keeps_contents() -> None:
+    batch = source("synthetic_seq2seq", batch_size=2, vocab_size=30, seq_len=5).batch(0)
+    moved = batch.to("cpu")
+    assert moved.equal(batch) and moved is not batch
 
 
 def test_batch_rejects_tensors_of_different_lengths() -> None:

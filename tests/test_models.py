@@ -19,6 +19,15 @@ from pdcli.models import LOSSES, MODELS, build_loss, build_model, list_models
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one thread is faster than two on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 # Tiny size of each built-in model and the data set (name, kwargs) that feeds it.
 TINY: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     "mlp": ({"in_features": 64, "hidden": 16, "num_layers": 3}, "digits", {}),
@@ -135,6 +144,26 @@ def test_resnet_has_skip_connections_in_the_graph() -> None:
     traced = torch.fx.symbolic_trace(model)
     adds = [n for n in traced.graph.nodes if n.op == "call_function" and "add" in str(n.target)]
     assert len(adds) == 8  # one per BasicBlock
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("resnet18", {"width": 2, "image_size": 64, "num_classes": 5}),
+        ("resnet50", {"width": 2, "image_size": 64, "num_classes": 5}),
+        ("alexnet", {"width": 0.0625, "image_size": 64, "num_classes": 5, "fc_hidden": 8}),
+        ("vgg16", {"width": 0.0625, "image_size": 64, "num_classes": 5, "fc_hidden": 8, "batch_norm": True}),
+    ],
+)
+def test_image_models_with_the_large_image_stem(name: str, kwargs: dict[str, Any]) -> None:
+    model = build_model(ModelConfig(name=name, kwargs=kwargs))
+    images = torch.randn(2, 3, 64, 64)
+    traced = torch.fx.symbolic_trace(model.eval())
+    with torch.no_grad():
+        assert model(images).shape == (2, 5)
+        torch.testing.assert_close(traced(images), model(images))
+    first_conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    assert first_conv.stride[0] > 1 or name == "vgg16"  # ImageNet stems downsample at once
 
 
 @pytest.mark.parametrize("model_file", sorted((CONFIGS / "model").glob("*.yaml")), ids=lambda p: p.stem)

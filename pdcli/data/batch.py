@@ -41,6 +41,10 @@ class Batch:
             for i in range(num_microbatches)
         ]
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch with every tensor on `device`."""
+        return Batch(inputs=tuple(t.to(device) for t in self.inputs), target=self.target.to(device))
+
     def equal(self, other: Batch) -> bool:
         """Same number of inputs and bit-identical tensors."""
         return len(self.inputs) == len(other.inputs) and all(

@@ -144,6 +144,7 @@ class _Process:
     reduced: frozenset[int] | None = None  # after AllReduceGrads: microbatches of all replicas
     max_versions: int = 1
     max_activation_sets: int = 0
+    declared: StashDepth = StashDepth(0, 0)  # set from the spec: what may be held
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,8 @@ def check_schedules(lists_by_rank: Sequence[Sequence[Action]], spec: ScheduleSpe
                     send_mode: SendMode = SendMode.RENDEZVOUS) -> CheckReport:
     """Replay all lists together; ScheduleError listing every problem found."""
     procs = [_Process(*spec.stage_replica_of(rank)) for rank in range(spec.num_ranks)]
+    for proc in procs:
+        proc.declared = spec.stash_depth(proc.stage_id)
     problems: list[str] = []
     num_events = 0
     for event in lockstep(lists_by_rank, spec, send_mode):
@@ -186,7 +189,7 @@ def _apply(spec: ScheduleSpec, p: _Process, action: Action) -> str | None:
     problem = _apply_unchecked_depth(spec, p, action)
     p.max_versions = max(p.max_versions, len(p.stash | {p.version}))
     p.max_activation_sets = max(p.max_activation_sets, len(p.in_flight))
-    declared = spec.stash_depth(p.stage_id)
+    declared = p.declared
     if problem is None and p.max_versions > declared.weight_versions:
         problem = f"holds {p.max_versions} weight versions, declared {declared.weight_versions}"
     if problem is None and p.max_activation_sets > declared.activation_sets:

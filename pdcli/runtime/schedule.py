@@ -358,8 +358,8 @@ def _compute_order(spec: ScheduleSpec, stage_id: int, replica_id: int) -> tuple[
     """Forward/Backward/AllReduceGrads/OptimizerStep of one process, versions filled in."""
     own = spec.microbatches_of(stage_id, replica_id)
     if spec.is_flush:  # a flush per minibatch: the pipeline drains before each step
-        per_minibatch = [[mb for mb in own if mb // spec.num_microbatches == t]
-                         for t in range(spec.num_steps)]
+        per_replica = spec.num_microbatches // spec.replicas[stage_id]
+        per_minibatch = [own[t * per_replica:(t + 1) * per_replica] for t in range(spec.num_steps)]
         gpipe = spec.name == GPIPE
         order = [a for chunk in per_minibatch
                  for a in one_f_one_b(chunk, len(chunk) if gpipe else spec.num_in_flight(stage_id))]
@@ -394,9 +394,15 @@ def _receive_first(spec: ScheduleSpec, stage_id: int, sent: int, needed: int) ->
     replica_id = replica_for(sent, next_r)
     if replica_for(needed, next_r) != replica_id:
         return False
-    order = _compute_order(spec, stage_id + 1, replica_id)
-    return order.index(Backward(needed, spec.weight_version(stage_id + 1, needed))) < order.index(
-        Forward(sent, spec.weight_version(stage_id + 1, sent)))
+    position = _positions(spec, stage_id + 1, replica_id)
+    return position[Backward, needed] < position[Forward, sent]
+
+
+@lru_cache(maxsize=256)
+def _positions(spec: ScheduleSpec, stage_id: int, replica_id: int) -> dict[tuple[type, int], int]:
+    """(Forward or Backward, microbatch_id) -> index in the process's compute order."""
+    return {(type(a), a.microbatch_id): i for i, a in enumerate(_compute_order(spec, stage_id, replica_id))
+            if isinstance(a, (Forward, Backward))}
 
 
 def _add_communication(spec: ScheduleSpec, stage_id: int, compute: Sequence[Action]) -> list[Action]:

@@ -53,7 +53,7 @@ def _load(path: Path, key: str) -> Any:
 
 
 def tensor_file(path: str = "", target_path: str | None = None) -> Examples:
-    """Tensors from files: `path` alone holds {inputs, target} (.pt dict / .npz), or inputs + `target_path`."""
+    """Tensors from files: `path` holds {inputs, target} (.pt dict, .npz), or inputs + `target_path`."""
     if not path:
         raise UserError("data.kwargs.path: tensor_file needs a path", hint="e.g. data.kwargs.path=train.pt")
     inputs_file = _existing(path, "data.kwargs.path")

@@ -19,7 +19,10 @@ def synthetic_images(
 ) -> Synthetic:
     """Images (C, H, W) = a fixed random pattern of their class + Gaussian noise; int64 labels."""
     if min(channels, image_size, num_classes) < 1:
-        raise ValueError(f"channels, image_size, num_classes must be >= 1, got {channels}, {image_size}, {num_classes}")
+        raise ValueError(
+            f"synthetic_images needs channels, image_size, num_classes >= 1; "
+            f"got {channels}, {image_size}, {num_classes}"
+        )
     shape = (channels, image_size, image_size)
 
     @lru_cache(maxsize=2)
@@ -40,7 +43,9 @@ def synthetic_images(
     )
 
 
-def synthetic_tokens(vocab_size: int = 256, seq_len: int = 64, max_step: int = 3, noise_prob: float = 0.05) -> Synthetic:
+def synthetic_tokens(
+    vocab_size: int = 256, seq_len: int = 64, max_step: int = 3, noise_prob: float = 0.05
+) -> Synthetic:
     """LM token streams x[t+1] = x[t] + d (mod vocab), d in 1..max_step per sequence, some noise.
 
     inputs = tokens[:-1], target = tokens[1:], both int64 (batch, seq_len).
@@ -74,7 +79,9 @@ def synthetic_seq2seq(vocab_size: int = 64, seq_len: int = 16, reverse: bool = T
     inputs = (src, tgt_in = [BOS] + tgt[:-1]), target = tgt; all int64 (batch, seq_len).
     """
     if vocab_size < 2 or seq_len < 1:
-        raise ValueError(f"synthetic_seq2seq needs vocab_size >= 2, seq_len >= 1; got {vocab_size}, {seq_len}")
+        raise ValueError(
+            f"synthetic_seq2seq needs vocab_size >= 2, seq_len >= 1; got {vocab_size}, {seq_len}"
+        )
 
     def make_batch(seed: int, index: int, batch_size: int) -> Batch:
         rng = rng_for(seed, BATCH_STREAM, index)

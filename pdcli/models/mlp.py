@@ -5,7 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 
-def mlp(in_features: int = 64, hidden: int = 128, num_layers: int = 8, num_classes: int = 10) -> nn.Sequential:
+def mlp(
+    in_features: int = 64, hidden: int = 128, num_layers: int = 8, num_classes: int = 10
+) -> nn.Sequential:
     """MLP: flatten, `num_layers` Linear+ReLU layers of width `hidden`, a Linear classifier."""
     if num_layers < 1:
         raise ValueError(f"mlp needs num_layers >= 1, got {num_layers}")

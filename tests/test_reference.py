@@ -223,3 +223,11 @@ def test_stage_reading_an_unknown_name_is_an_error():
     stages = [StageSpec(nn.Linear(4, 1), ("x",), ("y",)), StageSpec(nn.Identity(), ("nope",), ("z",))]
     with pytest.raises(ValueError, match="nope"):
         reference_train(stages, mse, make_batches(1, 2, 4), "gpipe", 1, sgd)
+
+
+def test_2bw_replicated_stage_equals_2bw_straight():
+    batches = make_batches(3, 8, 4)
+    straight = reference_train(make_stages(), mse, batches, "2bw", 4, sgd)
+    replicated = reference_train(make_stages(), mse, batches, "2bw", 4, sgd, replicas=(2, 1, 2))
+    assert_states_close(replicated.state_dicts, straight.state_dicts)
+    assert replicated.losses == pytest.approx(straight.losses, rel=1e-6)

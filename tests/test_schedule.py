@@ -258,3 +258,10 @@ def test_simulated_timeline_respects_each_rank_order_and_communication():
                 assert after.start_ms >= before.start_ms
         comm_free = simulate(spec, [dataclasses.replace(c, comm_ms=0.0) for c in costs], mode)
         assert sim.makespan_ms > comm_free.makespan_ms
+
+
+def test_checker_rejects_an_unknown_action_type():
+    spec, lists = straight()
+    lists[0].insert(0, "Forward(0)")
+    with pytest.raises(ScheduleError, match="unknown action"):
+        check_schedules(lists, spec)

@@ -187,14 +187,13 @@ def check_schedules(lists_by_rank: Sequence[Sequence[Action]], spec: ScheduleSpe
 def _apply(spec: ScheduleSpec, p: _Process, action: Action) -> str | None:
     """Update `p` with one completed action; a description of what is wrong, if anything."""
     problem = _apply_unchecked_depth(spec, p, action)
-    p.max_versions = max(p.max_versions, len(p.stash | {p.version}))
-    p.max_activation_sets = max(p.max_activation_sets, len(p.in_flight))
-    declared = p.declared
-    if problem is None and p.max_versions > declared.weight_versions:
-        problem = f"holds {p.max_versions} weight versions, declared {declared.weight_versions}"
-    if problem is None and p.max_activation_sets > declared.activation_sets:
-        problem = (f"holds {p.max_activation_sets} activation sets, "
-                   f"declared {declared.activation_sets}")
+    versions, activation_sets = len(p.stash | {p.version}), len(p.in_flight)
+    p.max_versions = max(p.max_versions, versions)
+    p.max_activation_sets = max(p.max_activation_sets, activation_sets)
+    if problem is None and versions > p.declared.weight_versions:
+        problem = f"holds {versions} weight versions, declared {p.declared.weight_versions}"
+    if problem is None and activation_sets > p.declared.activation_sets:
+        problem = f"holds {activation_sets} activation sets, declared {p.declared.activation_sets}"
     return problem
 
 

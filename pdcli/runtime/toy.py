@@ -55,10 +55,10 @@ def _stage_source(k: int, num_stages: int, in_features: int, width: int, num_cla
         args, body = "x", ["a = self.fc(x.flatten(1))", "h0 = F.relu(a)", "g0 = torch.tanh(a)"]
         outs = ["h0", "g0"]
     elif k == 1:
-        args, body = "g0, h0", ["h1 = F.relu(self.fc(h0)) + g0"]
+        args, body = "h0, g0", ["h1 = F.relu(self.fc(h0)) + g0"]
         outs = ["h1"]
     elif k == 2:
-        args, body = "h0, h1", ["h2 = F.relu(self.fc(h1)) + h0"]
+        args, body = "h1, h0", ["h2 = F.relu(self.fc(h1)) + h0"]
         outs = ["h2"]
     else:
         args, body = f"h{k - 1}", [f"h{k} = F.relu(self.fc(h{k - 1}))"]
@@ -127,3 +127,20 @@ def toy_plan(replicas: list[int]) -> dict[str, Any]:
         stages.append({"stage_id": k, "start": k, "end": k + 1, "replicas": r, "ranks": list(range(rank, rank + r))})
         rank += r
     return {"version": 1, "inputs": {}, "stages": stages, "pipeline": {}}
+
+
+def write_toy_run(run_dir: Path, cfg: Any, replicas: list[int], seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A complete toy run directory (config.yaml, stages/, plan) for `cfg`; returns (plan, manifest).
+
+    `cfg.data` must yield 16 features per sample (e.g. synthetic_images 1x4x4, 4 classes).
+    """
+    from omegaconf import OmegaConf
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    torch.manual_seed(seed)
+    model = ToyNet(len(replicas))
+    manifest = write_toy_stages(run_dir / "stages", model, cfg.data.batch_size // cfg.schedule.num_microbatches)
+    plan = toy_plan(replicas)
+    (run_dir / "plan.json").write_text(json.dumps(plan, indent=1))
+    return plan, manifest

@@ -94,34 +94,59 @@ class PdCosts:
 
 
 def suffix_minmax(n: int, anchor: int, num_layers: int, layered: bool, straight: bool,
-                  cost: StageCost) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """min over splits of max stage cost; returns V[t, i, d] and the argmin (end, replicas)."""
-    shape = (num_layers, n + 1, anchor + 1)
-    value = np.full(shape, np.inf)
-    best_end = np.zeros(shape, dtype=np.int32)
-    best_r = np.zeros(shape, dtype=np.int32)
+                  cost: StageCost) -> np.ndarray:
+    """V[t, i, d] = min over splits of the max stage cost (inf when impossible).
 
-    def update(layers: slice, cand: np.ndarray, end: np.ndarray | int, d: int, r: int) -> None:
-        current = value[layers, :n, d]
-        better = cand < current
-        value[layers, :n, d] = np.where(better, cand, current)
-        best_end[layers, :n, d] = np.where(better, end, best_end[layers, :n, d])
-        best_r[layers, :n, d] = np.where(better, r, best_r[layers, :n, d])
-
+    Only values are kept; `trace_back` recomputes the argmin along the chosen path, which
+    is cheaper than carrying argmin tables through every transition."""
+    value = np.full((num_layers, n + 1, anchor + 1), np.inf)
     for d in range(1, anchor + 1):
         for r in (1,) if straight else range(1, d + 1):
             c = cost(d, r)
             if r == d:  # the suffix is one stage [i, n)
-                update(slice(0, 1), c[:1, :, n], n, d, r)
-            if d == r or (layered and num_layers == 1):
+                value[0, :n, d] = np.minimum(value[0, :n, d], c[0, :, n])
                 continue
-            src, dst = (slice(0, num_layers - 1), slice(1, num_layers)) if layered else (slice(0, 1), slice(0, 1))
+            if layered:  # t + 1 stages on d devices need t + 1 <= d
+                top = min(num_layers, d - r + 1)
+                if top < 2:
+                    continue
+                src, dst = slice(0, top - 1), slice(1, top)
+            else:
+                src = dst = slice(0, 1)
             stage = c[dst, :, :n] if c.shape[0] > 1 else c[:, :, :n]
             rest = value[src, :n, d - r]  # rest[t, e]: the suffix after the stage starts at e
-            total = np.maximum(stage, rest[:, None, :])
-            end = total.argmin(axis=2)
-            update(dst, np.take_along_axis(total, end[:, :, None], axis=2)[:, :, 0], end, d, r)
-    return value, best_end, best_r
+            value[dst, :n, d] = np.minimum(value[dst, :n, d], np.maximum(stage, rest[:, None, :]).min(axis=2))
+    return value
+
+
+def trace_back(value: np.ndarray, layered: bool, straight: bool, cost: StageCost,
+               layer: int, devices: int) -> list[tuple[int, int, int, int]]:
+    """(start, end, replicas, devices of the suffix) of each stage of the plan V[layer, 0, devices]."""
+    n = value.shape[1] - 1
+    stages, i, t, d = [], 0, layer, devices
+    while i < n:
+        target = value[t, i, d]
+        for r in (1,) if straight else range(1, d + 1):
+            c = cost(d, r)
+            row = c[t if c.shape[0] > 1 else 0, i]
+            if r == d:
+                if t == 0 and row[n] == target:
+                    stages.append((i, n, r, d))
+                    return stages
+                continue
+            prev = value[t - 1 if layered else t, :n, d - r] if (t > 0 or not layered) else None
+            if prev is None:
+                continue
+            total = np.maximum(row[:n], prev)
+            hits = np.flatnonzero(total == target)
+            if hits.size:
+                e = int(hits[0])
+                stages.append((i, e, r, d))
+                i, d, t = e, d - r, (t - 1 if layered else t)
+                break
+        else:
+            raise AssertionError(f"trace_back: no choice reproduces V[{t}, {i}, {d}] = {target}")
+    return stages
 
 
 def _anchors(topology: Topology, options: PlanOptions) -> list[int]:
@@ -145,8 +170,8 @@ def pd_search(space: SplitSpace, topology: Topology, options: PlanOptions, scale
     for anchor in _anchors(topology, options):
         costs = PdCosts(space, topology, options, scale, anchor, num_layers)
         fn = costs.time if minimize == "time" else costs.memory
-        value, ends, reps = suffix_minmax(n, anchor, num_layers, layered, options.straight, fn)
-        runs[anchor] = (ends, reps)
+        value = suffix_minmax(n, anchor, num_layers, layered, options.straight, fn)
+        runs[anchor] = (value, fn)
         for d in range(1, anchor + 1):
             if (d != total and not options.use_fewer_devices) or (anchor - d) % align:
                 continue
@@ -155,19 +180,17 @@ def pd_search(space: SplitSpace, topology: Topology, options: PlanOptions, scale
                 if not layered and t > 0:
                     break
                 v = float(value[t, 0, d])
-                if minimize == "time":
-                    v *= float(bubble_factor(options.schedule, options.num_microbatches, t + 1)) if layered else 1.0
+                if minimize == "time" and layered:
+                    v *= float(bubble_factor(options.schedule, options.num_microbatches, t + 1))
                 key = (v, d, t, -anchor)
                 if np.isfinite(v) and (best is None or key < best):
                     best = key
     if best is None:
         return None
     v, d_used, t, neg_anchor = best
-    ends, reps = runs[-neg_anchor]
-    stages, i, d = [], 0, d_used
-    while i < n:
-        e, r = int(ends[t, i, d]), int(reps[t, i, d])
+    value, fn = runs[-neg_anchor]
+    stages = []
+    for start, end, r, d in trace_back(value, layered, options.straight, fn, t, d_used):
         first = d_used - d
-        stages.append(StageChoice(i, e, r, tuple(range(first, first + r))))
-        i, d, t = e, d - r, (t - 1 if layered else t)
+        stages.append(StageChoice(start, end, r, tuple(range(first, first + r))))
     return SearchResult(tuple(stages), v)

@@ -38,17 +38,20 @@ class SplitSpace:
     """Imported chains: bit b set when member b (chain member order) is covered."""
     member_order: tuple[str, ...]
     position_members: tuple[tuple[str, ...], ...]
-    """Per position: its members, or its own name when it has none."""
+    """Per position, what a plan lists in `node_names`: the chain node's name (our chains,
+    which the compiler checks), or the graph nodes it merges (imported chains)."""
 
     @classmethod
     def from_chain(cls, chain: Chain) -> "SplitSpace":
         n = len(chain.nodes)
-        position_members = tuple(node.members or (node.name,) for node in chain.nodes)
-        member_order = tuple(m for members in position_members for m in members)
+        position_members = tuple((node.name,) for node in chain.nodes)
+        member_order = tuple(node.name for node in chain.nodes)
         cut = np.zeros(n)
         cut[: n - 1] = np.asarray(chain.cut_bytes, dtype=float)
         dag = chain.meta.get(ANTICHAIN_META) if isinstance(chain.meta, dict) else None
         if dag:
+            position_members = tuple(node.members or (node.name,) for node in chain.nodes)
+            member_order = tuple(m for members in position_members for m in members)
             split_ok = np.zeros((n, n), dtype=bool)
             for j, mask in enumerate(dag["ancestors_hex"]):
                 bits = int(mask, 16)
@@ -99,7 +102,7 @@ class SplitSpace:
         n = self.num_positions
         out = np.zeros((n, n + 1), dtype=bool)
         out[0, 1:] = True
-        out[1:, 1:] = self.split_ok  # out[i, e] = split_ok[i-1, e-1]
+        out[1:, 1:] = self.split_ok[: n - 1, :]  # out[i, e] = split_ok[i-1, e-1]
         return out
 
     def range_total(self, covered: np.ndarray, start: int, end: int) -> float:

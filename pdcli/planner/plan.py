@@ -1,0 +1,117 @@
+"""The plan: stages, replication, ranks and predictions, and its `plan.json` form.
+
+`plan.json` (consumed by the compiler and the runtime):
+
+    {"version": 1,
+     "inputs": {"profile_sha256"?, "cost_model", "schedule", "num_microbatches", "batch_size",
+                "topology": {"levels": [...]}, "memory_bytes_per_device", "straight",
+                "use_fewer_devices", "num_stages"},
+     "stages": [{"stage_id", "start", "end", "first_node", "last_node", "node_names",
+                 "replicas", "ranks", "predicted": {PREDICTED_KEYS}}],
+     "pipeline": {PIPELINE_KEYS}}
+
+`start`/`end` are half-open chain positions. Times are ms per minibatch of `batch_size`
+samples; `fwd_ms`/`bwd_ms` are the stage's whole minibatch on one replica, the other terms
+are per minibatch with the replicas sharing the work. Floats are rounded to 9 significant
+digits so the same inputs give byte-identical files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PLAN_VERSION = 1
+SIGNIFICANT_DIGITS = 9
+PREDICTED_KEYS = (
+    "fwd_ms", "bwd_ms", "compute_ms", "sync_ms", "comm_in_ms", "comm_out_ms", "stage_time_ms",
+    "weights_bytes", "stashed_weights_bytes", "activations_bytes", "total_bytes",
+)
+PIPELINE_KEYS = (
+    "time_per_minibatch_ms", "throughput_samples_per_s", "data_parallel_time_per_minibatch_ms",
+    "speedup_over_data_parallel", "num_devices", "num_devices_used", "bottleneck_stage",
+)
+
+
+def round_float(value: float) -> float:
+    """`value` to SIGNIFICANT_DIGITS digits (deterministic text in plan.json)."""
+    return float(f"{float(value):.{SIGNIFICANT_DIGITS}g}")
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, float):
+        return round_float(value)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return round_float(float(value))  # numpy scalars
+
+
+@dataclass(frozen=True)
+class Stage:
+    stage_id: int
+    start: int
+    end: int
+    first_node: str
+    last_node: str
+    node_names: tuple[str, ...]
+    replicas: int
+    ranks: tuple[int, ...]
+    predicted: dict[str, float]
+    """PREDICTED_KEYS -> value (ms or bytes)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage_id": self.stage_id, "start": self.start, "end": self.end,
+            "first_node": self.first_node, "last_node": self.last_node,
+            "node_names": list(self.node_names), "replicas": self.replicas,
+            "ranks": list(self.ranks),
+            "predicted": {k: _clean(self.predicted[k]) for k in PREDICTED_KEYS},
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "Stage":
+        return cls(
+            stage_id=int(obj["stage_id"]), start=int(obj["start"]), end=int(obj["end"]),
+            first_node=str(obj.get("first_node", "")), last_node=str(obj.get("last_node", "")),
+            node_names=tuple(obj.get("node_names", ())), replicas=int(obj["replicas"]),
+            ranks=tuple(int(r) for r in obj["ranks"]), predicted=dict(obj.get("predicted", {})),
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    inputs: dict[str, Any]
+    stages: tuple[Stage, ...]
+    pipeline: dict[str, Any]
+    """PIPELINE_KEYS -> value."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def time_per_minibatch_ms(self) -> float:
+        return float(self.pipeline["time_per_minibatch_ms"])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": PLAN_VERSION,
+            "inputs": _clean(self.inputs),
+            "stages": [s.to_json() for s in self.stages],
+            "pipeline": {k: _clean(self.pipeline[k]) for k in PIPELINE_KEYS},
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "Plan":
+        version = obj.get("version")
+        if version != PLAN_VERSION:
+            raise ValueError(f"plan version {version!r} is not supported (expected {PLAN_VERSION})")
+        return cls(
+            inputs=dict(obj.get("inputs", {})),
+            stages=tuple(Stage.from_json(s) for s in obj["stages"]),
+            pipeline=dict(obj.get("pipeline", {})),
+        )

@@ -1,0 +1,79 @@
+"""`pd plan` output: the stage table (bottleneck marked `*`) and the pipeline summary line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tabulate import tabulate
+
+from pdcli.planner.plan import Plan
+from pdcli.profiler.chain import Chain
+from pdcli.profiler.summary import format_bytes
+from pdcli.rundir import canonical_json
+
+FORMATS = ("text", "markdown", "json")
+TABLE_STYLE = {"text": "simple", "markdown": "github"}
+LABEL_CHARS = 28
+BOTTLENECK_MARK = "*"
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= LABEL_CHARS else text[: LABEL_CHARS - 3] + "..."
+
+
+def format_ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> `0-2,5`."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _label(chain: Chain | None, position: int, name: str) -> str:
+    if chain is not None and 0 <= position < len(chain.nodes) and chain.nodes[position].name == name:
+        return _short(chain.nodes[position].label or name)
+    return _short(name)
+
+
+def summary_line(pipeline: dict[str, Any]) -> str:
+    return (
+        f"time per minibatch {pipeline['time_per_minibatch_ms']:.4g} ms, "
+        f"{pipeline['throughput_samples_per_s']:.4g} samples/s, "
+        f"{pipeline['speedup_over_data_parallel']:.3g}x data parallel "
+        f"({pipeline['data_parallel_time_per_minibatch_ms']:.4g} ms), "
+        f"{pipeline['num_devices_used']} of {pipeline['num_devices']} devices, "
+        f"bottleneck stage {pipeline['bottleneck_stage']}"
+    )
+
+
+def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "text") -> str:
+    plan_json = plan.to_json() if isinstance(plan, Plan) else plan
+    if fmt == "json":
+        return canonical_json(plan_json).rstrip("\n")
+    if fmt not in TABLE_STYLE:
+        raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+    bottleneck = plan_json["pipeline"]["bottleneck_stage"]
+    rows = []
+    for s in plan_json["stages"]:
+        p = s["predicted"]
+        rows.append([
+            f"{s['stage_id']}{BOTTLENECK_MARK if s['stage_id'] == bottleneck else ''}",
+            _label(chain, s["start"], s["first_node"]),
+            _label(chain, s["end"] - 1, s["last_node"]),
+            f"[{s['start']}, {s['end']})",
+            s["replicas"],
+            format_ranks(s["ranks"]),
+            p["fwd_ms"], p["bwd_ms"], p["sync_ms"], max(p["comm_in_ms"], p["comm_out_ms"]),
+            p["stage_time_ms"], format_bytes(p["total_bytes"]),
+        ])
+    headers = ["stage", "first layer", "last layer", "positions", "replicas", "ranks",
+               "fwd ms", "bwd ms", "sync ms", "comm ms", "stage ms", "memory"]
+    table = tabulate(rows, headers=headers, tablefmt=TABLE_STYLE[fmt], floatfmt=".4g")
+    inputs = plan_json.get("inputs", {})
+    head = (f"plan: {len(rows)} stages, schedule {inputs.get('schedule', '?')}, "
+            f"cost model {inputs.get('cost_model', '?')} ({BOTTLENECK_MARK} = bottleneck)")
+    return f"{head}\n\n{table}\n\n{summary_line(plan_json['pipeline'])}"

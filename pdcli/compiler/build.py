@@ -30,6 +30,6 @@ def compile_stages(
     """
     gm = trace_model(model)
     parts = split_graph(gm, boundaries, example_inputs)
-    manifest = write_stages(parts, gm, out_dir, loss)
+    manifest = write_stages(parts, gm, out_dir, loss, state_keys=model.state_dict().keys())
     report = verify_stages(model, example_inputs, out_dir, seed=seed)
     return manifest, report

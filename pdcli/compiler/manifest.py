@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.fx as fx
@@ -56,9 +56,19 @@ def stage_entry(part: StagePart, param_names: dict[str, str]) -> dict[str, Any]:
 
 
 def write_stages(
-    parts: Sequence[StagePart], gm: fx.GraphModule, out_dir: str | Path, loss: str
+    parts: Sequence[StagePart],
+    gm: fx.GraphModule,
+    out_dir: str | Path,
+    loss: str,
+    state_keys: Iterable[str] | None = None,
 ) -> dict[str, Any]:
-    """Write every stage's module, weights (by original name) and the manifest; return it."""
+    """Write every stage's module, weights (by original name) and the manifest; return it.
+
+    `state_keys`: the original model's `state_dict()` names (default: `gm`'s, which lists
+    root-level non-persistent buffers as persistent). Each .pt holds the stage's part of the
+    model's state dict plus any non-persistent buffers it needs (load_stage restores both).
+    """
+    keys = set(gm.state_dict() if state_keys is None else state_keys)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     check_shared_parameters(parts, gm)
@@ -66,7 +76,7 @@ def write_stages(
     for part in parts:
         k = part.stage_id
         py_path = out_dir / f"stage_{k}.py"
-        atomic_write_text(py_path, stage_source(part, gm, len(parts)))
+        atomic_write_text(py_path, stage_source(part, gm, len(parts), keys))
         # Build the written file and fill it from the original: what is saved is exactly what
         # the generated module holds, under the names it holds them.
         built = import_stage_file(py_path).build()

@@ -185,19 +185,39 @@ class _StageBuilder:
         self.recomputed: list[str] = []
         self.baked: list[str] = []
 
-    def add_placeholders(self, node: fx.Node) -> None:
-        """Placeholders for the tensor leaves of `node`; env maps it to the rebuilt structure."""
+    def add_placeholders(
+        self, node: fx.Node, needed: set[tuple[int, ...]] | None
+    ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """Placeholders for the tensor leaves of `node` under the `needed` index prefixes (None:
+        all); env maps `node` to the rebuilt structure, unneeded leaves as None. Returns
+        (path, sample tensor) of each placeholder, in order."""
+        made: list[tuple[tuple[int, ...], torch.Tensor]] = []
 
         def rebuild(value: Any, path: tuple[int, ...]) -> Any:
+            if needed is not None and path and not any(path[: len(p)] == p for p in needed):
+                return None  # e.g. an LSTM's (h, c) when the stage reads only its output
             if isinstance(value, (tuple, list)):  # namedtuples/structseqs become plain tuples
                 items = [rebuild(v, (*path, i)) for i, v in enumerate(value)]
                 return items if isinstance(value, list) else tuple(items)
             if isinstance(value, torch.Tensor):
+                made.append((path, value))
                 return self.graph.placeholder(_wire_name(node, path))
             _check_literal(node.name, value)
             return value
 
         self.env[node] = rebuild(self.values[node], ())
+        return made
+
+    def protect_inputs(self, local: Sequence[fx.Node]) -> None:
+        """Clone a received tensor before an in-place op on it (`ReLU(inplace=True)` right
+        after a cut): autograd refuses in-place ops on the leaf tensor a stage receives."""
+        for node in local:
+            first = node.args[0] if node.args else None
+            if not isinstance(first, fx.Node) or not isinstance(self.env.get(first), fx.Node):
+                continue
+            received = self.env[first]
+            if received.op == "placeholder" and _is_inplace(node, self.gm):
+                self.env[first] = self.graph.call_method("clone", (received,))
 
     def lookup(self, node: fx.Node) -> Any:
         if node in self.env:
@@ -217,18 +237,33 @@ class _StageBuilder:
     def copy(self, node: fx.Node) -> None:
         self.env[node] = self.graph.node_copy(node, self.lookup)
 
-    def leaf_outputs(self, node: fx.Node) -> list[tuple[str, fx.Node]]:
-        """(wire name, graph node) of each tensor leaf of a local `node`, adding getitem nodes."""
-        out = []
-        for path, leaf in _leaves(self.values[node]):
-            if not isinstance(leaf, torch.Tensor):
+    def leaf_output(self, node: fx.Node, path: tuple[int, ...]) -> fx.Node:
+        """The graph node of the leaf at `path` of a local `node`, adding getitem nodes."""
+        arg: Any = self.env[node]
+        for depth, i in enumerate(path):
+            name = _wire_name(node, path) if depth == len(path) - 1 else None
+            arg = self.graph.create_node("call_function", operator.getitem, (arg, i), name=name)
+        return arg
+
+
+def _is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Does `node` overwrite its first argument?"""
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    name = getattr(node.target, "__name__", str(node.target))
+    return bool(node.kwargs.get("inplace")) or (name.endswith("_") and not name.endswith("__"))
+
+
+def _needed_paths(node: fx.Node, users: Sequence[fx.Node]) -> set[tuple[int, ...]] | None:
+    """Index prefixes of `node`'s value that `users` read: {(0,)} when they all do `node[0]`."""
+    paths: set[tuple[int, ...]] = set()
+    for user in users:
+        if user.op == "call_function" and user.target is operator.getitem and user.args[0] is node:
+            if isinstance(user.args[1], int):
+                paths.add((user.args[1],))
                 continue
-            arg: Any = self.env[node]
-            for depth, i in enumerate(path):
-                name = _wire_name(node, path) if depth == len(path) - 1 else None
-                arg = self.graph.create_node("call_function", operator.getitem, (arg, i), name=name)
-            out.append((_wire_name(node, path), arg))
-        return out
+        return None
+    return paths
 
 
 def _live_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -299,33 +334,32 @@ def split_graph(
         return _has_tensor(values[node])
 
     builders = [_StageBuilder(gm, values, k) for k in range(num_stages)]
-    consumers: dict[fx.Node, list[int]] = {}
+    inputs: list[list[StageInput]] = [[] for _ in range(num_stages)]
+    leaf_consumers: dict[fx.Node, dict[tuple[int, ...], list[int]]] = {}
     for k, builder in enumerate(builders):
+        local = set(stage_nodes[k]) | ({output_node} if k == num_stages - 1 else set())
         for node in consumed[k]:
-            if is_wire(node):
-                builder.add_placeholders(node)
+            if not _has_tensor(values[node]):
+                continue  # recomputed or baked by `lookup` when a user is copied
+            needed = _needed_paths(node, [u for u in node.users if u in local])
+            for path, leaf in builder.add_placeholders(node, needed):
+                inputs[k].append(StageInput(_wire(_wire_name(node, path), leaf), stage_of[node]))
                 if stage_of[node] != DATA:
-                    consumers.setdefault(node, []).append(k)
+                    leaf_consumers.setdefault(node, {}).setdefault(path, []).append(k)
+        builder.protect_inputs(stage_nodes[k])
         for node in stage_nodes[k]:
             builder.copy(node)
 
     parts = []
     for k, builder in enumerate(builders):
-        inputs = []
-        for node in consumed[k]:
-            if not is_wire(node):
-                continue
-            for path, leaf in _leaves(values[node]):
-                if isinstance(leaf, torch.Tensor):
-                    inputs.append(StageInput(_wire(_wire_name(node, path), leaf), stage_of[node]))
         outputs: list[StageOutput] = []
         returned: list[Any] = []
         for node in stage_nodes[k]:
-            if node in consumers:
-                for name, graph_node in builder.leaf_outputs(node):
-                    leaf = _value_at(values[node], name, node)
-                    outputs.append(StageOutput(_wire(name, leaf), tuple(consumers[node])))
-                    returned.append(graph_node)
+            for path, leaf in _leaves(values[node]):
+                peers = leaf_consumers.get(node, {}).get(path)
+                if peers:
+                    outputs.append(StageOutput(_wire(_wire_name(node, path), leaf), tuple(peers)))
+                    returned.append(builder.leaf_output(node, path))
         if k == num_stages - 1:
             outputs.append(StageOutput(_wire(OUTPUT_NAME, values[result]), (LOSS,)))
             returned.append(builder.lookup(result))
@@ -338,17 +372,10 @@ def split_graph(
                 start=boundaries[k][0],
                 end=boundaries[k][1],
                 module=module,
-                inputs=tuple(inputs),
+                inputs=tuple(inputs[k]),
                 outputs=tuple(outputs),
                 recomputed=tuple(builder.recomputed),
                 baked=tuple(builder.baked),
             )
         )
     return parts
-
-
-def _value_at(value: Any, wire_name: str, node: fx.Node) -> torch.Tensor:
-    for path, leaf in _leaves(value):
-        if _wire_name(node, path) == wire_name:
-            return leaf
-    raise AssertionError(f"no leaf {wire_name} in {node.name}")

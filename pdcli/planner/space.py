@@ -49,8 +49,8 @@ class SplitSpace:
         cut = np.zeros(n)
         cut[: n - 1] = np.asarray(chain.cut_bytes, dtype=float)
         dag = chain.meta.get(ANTICHAIN_META) if isinstance(chain.meta, dict) else None
-        if dag:
-            position_members = tuple(node.members or (node.name,) for node in chain.nodes)
+        if dag:  # members are exactly the graph nodes, so bit b of a mask is member b
+            position_members = tuple(tuple(node.members) for node in chain.nodes)
             member_order = tuple(m for members in position_members for m in members)
             split_ok = np.zeros((n, n), dtype=bool)
             for j, mask in enumerate(dag["ancestors_hex"]):

@@ -19,7 +19,10 @@ THREADS_PER_WORKER = 1
 WORKER_SILENCE_TIMEOUT_S = 60.0
 """`train.timeout_s`: a worker silent this long stops the job (pd's own watchdog)."""
 METRIC_FIELD = "samples_per_s"
+FINAL_FIELD = "final"
+"""pd's last metrics line (`"final": true`) is a whole-run summary, not a step."""
 RECIPE_NAME = "bench_runtime.yaml"
+RUNS_DIR = "runs"
 LR = 0.01
 
 
@@ -38,11 +41,12 @@ def pd_executable() -> Path:
     return Path(sys.executable).parent / "pd"
 
 
-def recipe(shape: BenchShape, schedule_name: str, run_root: Path) -> dict[str, Any]:
+def recipe(shape: BenchShape, run_root: Path) -> dict[str, Any]:
     """The recipe: the benchmark MLP on synthetic `width`-feature inputs, 2 stages on 2 devices.
 
     The inputs are `synthetic_images` of shape (width, 1, 1): the MLP flattens them to
-    `width` features, which gives any width without a data file.
+    `width` features, which gives any width without a data file. The schedule and the run
+    name are command-line overrides (`overrides`), one recipe serves every row.
     """
     return {
         "model": {"name": "mlp", "kwargs": model_kwargs(shape)},
@@ -54,7 +58,7 @@ def recipe(shape: BenchShape, schedule_name: str, run_root: Path) -> dict[str, A
         },
         "cluster": {"levels": [{"devices": NUM_STAGES}], "device": "cpu"},
         "plan": {"num_stages": NUM_STAGES, "straight": True, "use_fewer_devices": False},
-        "schedule": {"name": schedule_name, "num_microbatches": shape.num_microbatches},
+        "schedule": {"num_microbatches": shape.num_microbatches},
         "optim": {"name": "sgd", "lr": LR},
         "train": {
             "steps": shape.num_warmup_steps + shape.num_steps,
@@ -63,8 +67,24 @@ def recipe(shape: BenchShape, schedule_name: str, run_root: Path) -> dict[str, A
             "timeout_s": WORKER_SILENCE_TIMEOUT_S,
             "seed": shape.seed,
         },
-        "run": {"name": f"bench_{schedule_name}", "root": str(run_root)},
+        "run": {"root": str(run_root)},
     }
+
+
+def write_recipe(shape: BenchShape, work_dir: Path) -> Path:
+    """Write `recipe(shape)` to `work_dir` (runs go to `work_dir/runs`); return its path."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = work_dir / RECIPE_NAME
+    path.write_text(yaml.safe_dump(recipe(shape, work_dir / RUNS_DIR), sort_keys=False))
+    return path
+
+
+def overrides(schedule_name: str) -> list[str]:
+    return [f"schedule.name={schedule_name}", f"run.name={run_name(schedule_name)}"]
+
+
+def run_name(schedule_name: str) -> str:
+    return f"bench_{schedule_name}"
 
 
 def run_pd_train(shape: BenchShape, schedule_name: str, work_dir: Path, timeout_s: float) -> PdResult:
@@ -74,20 +94,22 @@ def run_pd_train(shape: BenchShape, schedule_name: str, work_dir: Path, timeout_
     pd = pd_executable()
     if not pd.exists():
         raise BenchFailed(f"{pd} not found (pip install -e . first)")
-    work_dir.mkdir(parents=True, exist_ok=True)
-    spec = recipe(shape, schedule_name, work_dir / "runs")
-    recipe_path = work_dir / RECIPE_NAME
-    recipe_path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    run_dir = Path(spec["run"]["root"]) / spec["run"]["name"]
-    returncode, _, err = run_bounded([str(pd), "train", str(recipe_path)], timeout_s)
+    recipe_path = write_recipe(shape, work_dir)
+    returncode, _, err = run_bounded([str(pd), "train", str(recipe_path), *overrides(schedule_name)], timeout_s)
     if returncode != 0:
         raise BenchFailed(f"pd train exit status {returncode}: {stderr_tail(err)}")
-    samples_per_s, num_logged = median_samples_per_s(run_dir / "train" / "metrics.jsonl")
+    run_dir = work_dir / RUNS_DIR / run_name(schedule_name)
+    samples_per_s, num_logged = median_samples_per_s(run_dir / "train" / "metrics.jsonl", shape.num_warmup_steps)
     return PdResult(samples_per_s, num_logged, planned_split(run_dir / "plan.json"))
 
 
-def median_samples_per_s(metrics_path: Path) -> tuple[float, int]:
-    """Median `samples_per_s` over the logged steps after the first (the first holds start-up)."""
+def median_samples_per_s(metrics_path: Path, num_skip: int = 1) -> tuple[float, int]:
+    """(median `samples_per_s` over the logged steps after the first `num_skip`, how many).
+
+    The first steps hold start-up (connections, allocator); the last `"final"` line, a
+    whole-run summary, is not a step.
+    """
+    num_skip = max(1, num_skip)
     if not metrics_path.exists():
         raise BenchFailed(f"no {metrics_path.name} written")
     values = []
@@ -96,12 +118,16 @@ def median_samples_per_s(metrics_path: Path) -> tuple[float, int]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a half-written last line
-        value = record.get(METRIC_FIELD) if isinstance(record, dict) else None
+        if not isinstance(record, dict) or record.get(FINAL_FIELD):
+            continue  # the final line's samples/s covers the whole run, start-up included
+        value = record.get(METRIC_FIELD)
         if isinstance(value, (int, float)) and value > 0:
             values.append(float(value))
-    if len(values) < 2:
-        raise BenchFailed(f"{metrics_path.name} has {len(values)} lines with {METRIC_FIELD}; need >= 2")
-    return statistics.median(values[1:]), len(values) - 1
+    if len(values) <= num_skip:
+        raise BenchFailed(
+            f"{metrics_path.name} has {len(values)} step lines with {METRIC_FIELD}; need > {num_skip}"
+        )
+    return statistics.median(values[num_skip:]), len(values) - num_skip
 
 
 def planned_split(plan_path: Path) -> str:

@@ -35,8 +35,9 @@ from pdcli.rundir import atomic_write_json  # noqa: E402
 
 DEFAULT_OUT = Path("runs") / "benchmarks" / "runtime.json"
 REFERENCE = "single process, 1 thread"
+UNAVAILABLE = "unavailable: "
 MAX_REASON_CHARS = 100
-"""An unavailable row's reason is cut to this in the table (the JSON keeps all of it)."""
+"""An unavailable row shows the last line of its reason, cut to this (the JSON keeps all)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class Row:
     variant: str
     samples_per_s: float | None
     note: str = ""
+    wall_s: float = 0.0
+    """Wall time of the whole variant (process start-up, warm-up, timed steps)."""
+    load_avg_1min: float = 0.0
+    """Host load when the variant started: > 0 before we start means other work shares the cores."""
 
 
 def variants(shape: BenchShape, timeout_s: float, pd_dir: Path) -> list[tuple[str, Callable[[], tuple[float, str]]]]:
@@ -71,14 +76,16 @@ def measure_all(shape: BenchShape, timeout_s: float) -> list[Row]:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="pd-bench-runtime-") as tmp:
         for name, measure in variants(shape, timeout_s, Path(tmp)):
+            load = os.getloadavg()[0]
+            print(f"running {name} (load average {load:.2f}) ...", file=sys.stderr, flush=True)
             start_s = time.perf_counter()
-            print(f"running {name} ...", file=sys.stderr, flush=True)
             try:
                 samples_per_s, note = measure()
-                rows.append(Row(name, samples_per_s, note))
             except BenchFailed as exc:
-                rows.append(Row(name, None, f"unavailable: {exc}"))
-            print(f"  done in {time.perf_counter() - start_s:.1f} s", file=sys.stderr, flush=True)
+                samples_per_s, note = None, f"{UNAVAILABLE}{exc}"
+            wall_s = time.perf_counter() - start_s
+            rows.append(Row(name, samples_per_s, note, wall_s, load))
+            print(f"  {samples_per_s or note} in {wall_s:.1f} s", file=sys.stderr, flush=True)
     return rows
 
 
@@ -112,7 +119,7 @@ def table(result: dict[str, Any]) -> str:
     body = [
         [
             r["variant"],
-            num(r["samples_per_s"], ".0f") if r["samples_per_s"] is not None else r["note"][:MAX_REASON_CHARS],
+            num(r["samples_per_s"], ".0f") if r["samples_per_s"] is not None else short_reason(r["note"]),
             num(r["ratio_to_single_1thread"], ".2f"),
             num(r["fraction_of_2x_limit"], ".0%"),
             r["note"] if r["samples_per_s"] is not None else "",
@@ -123,10 +130,15 @@ def table(result: dict[str, Any]) -> str:
     return tabulate(body, headers=headers, disable_numparse=True)
 
 
+def short_reason(note: str) -> str:
+    """`unavailable: <last line of the reason>`: the exception, not the traceback above it."""
+    return (UNAVAILABLE + note.split(" | ")[-1].removeprefix(UNAVAILABLE))[:MAX_REASON_CHARS]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     d = BenchShape()
-    p.add_argument("--steps", type=int, default=30, help="timed steps (minibatches) per variant")
+    p.add_argument("--steps", type=int, default=d.num_steps, help="timed steps (minibatches) per variant")
     p.add_argument("--warmup", type=int, default=d.num_warmup_steps, help="untimed steps first")
     p.add_argument("--width", type=int, default=d.width)
     p.add_argument("--layers", type=int, default=d.num_layers)

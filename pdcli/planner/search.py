@@ -90,7 +90,8 @@ class PdCosts:
         return out
 
     def memory(self, d: int, r: int) -> np.ndarray:
-        return np.where(self.valid, self._memory(d, r), np.inf)
+        out = np.where(self.valid, self._memory(d, r), np.inf)
+        return out if out.ndim == 3 else out[None]
 
 
 def suffix_minmax(n: int, anchor: int, num_layers: int, layered: bool, straight: bool,

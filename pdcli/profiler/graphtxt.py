@@ -9,7 +9,8 @@ position. A state "covers" every graph node at or before its augmented antichain
 
 Because the antichain DAG can branch (ResNet, GNMT), a prefix of the chain is not always a
 state's covered set. The exact structure PipeDream's search uses is therefore kept in
-`chain.meta["antichain_dag"]` (see `AntichainMeta`); `pdcli.planner` reads it.
+`chain.meta["antichain_dag"]` (ancestor and covered-node bit masks, covered totals);
+`pdcli.planner.space.SplitSpace` reads it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,268 @@
+"""The planner: DP == brute force on small chains (both cost models), memory model, plan file."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from pdcli.errors import UserError
+from pdcli.planner import Plan, PlanOptions, Topology, plan_chain, render_plan
+from pdcli.planner.evaluate import batch_scale, evaluate_pd, evaluate_pipedream
+from pdcli.planner.memory import stage_memory
+from pdcli.planner.pipedream import PdStage
+from pdcli.planner.search import pd_search
+from pdcli.planner.space import SplitSpace
+from pdcli.profiler.chain import Chain, ChainNode
+from pdcli.profiler.graphtxt import graph_to_chain, parse_graph
+from pdcli.rundir import canonical_json
+
+SCHEDULES = ("pipedream", "1f1b", "gpipe", "2bw")
+REL = 1e-9
+
+
+def random_chain(rng: random.Random, n: int) -> Chain:
+    nodes = tuple(
+        ChainNode(name=f"n{i}", label=f"layer{i}", fwd_ms=rng.uniform(0.1, 10), bwd_ms=rng.uniform(0.1, 20),
+                  parameter_bytes=rng.choice([0, rng.randrange(1, 20_000_000)]),
+                  activation_bytes=rng.randrange(1, 30_000_000),
+                  backward_memory_bytes=rng.choice([0, rng.randrange(1, 1_000_000)]))
+        for i in range(n)
+    )
+    return Chain(nodes=nodes, cut_bytes=tuple(rng.randrange(0, 20_000_000) for _ in range(n - 1)))
+
+
+def random_dag_chain(rng: random.Random) -> Chain:
+    """A small branching graph (two parallel branches and a skip) imported as antichain states."""
+    def line(i: int, desc: str) -> str:
+        return (f"node{i} -- {desc} -- forward_compute_time={rng.uniform(0.1, 9):.3f}, "
+                f"backward_compute_time={rng.uniform(0.1, 9):.3f}, activation_size={rng.randrange(1, 9_000_000)}.0, "
+                f"parameter_size={rng.randrange(0, 9_000_000)}.000")
+    edges = [(1, 2), (2, 3), (2, 4), (3, 5), (4, 5), (5, 6), (2, 6)]
+    text = "\n".join([line(i, f"L{i}") for i in range(1, 7)] + [f"\tnode{a} -- node{b}" for a, b in edges])
+    return graph_to_chain(parse_graph(text))
+
+
+def topologies(rng: random.Random) -> list[Topology]:
+    return [
+        Topology.flat(rng.randint(1, 4), rng.choice([1e9, 5e9])),
+        Topology.from_levels([{"devices": 2, "bandwidth_bytes_per_s": 8e9},
+                              {"devices": 2, "bandwidth_bytes_per_s": 5e8}]),
+    ]
+
+
+def partitions(space: SplitSpace, start: int = 0) -> Iterator[list[tuple[int, int]]]:
+    n, valid = space.num_positions, space.valid_stages()
+    for end in range(start + 1, n + 1):
+        if valid[start, end]:
+            if end == n:
+                yield [(start, end)]
+            else:
+                for rest in partitions(space, end):
+                    yield [(start, end)] + rest
+
+
+def replica_choices(num_stages: int, devices: int, options: PlanOptions) -> Iterator[tuple[int, ...]]:
+    top = 1 if options.straight else devices
+    for reps in itertools.product(range(1, top + 1), repeat=num_stages):
+        if sum(reps) == devices or (options.use_fewer_devices and sum(reps) < devices):
+            yield reps
+
+
+def brute_pd(chain: Chain, topology: Topology, options: PlanOptions) -> float:
+    space, scale = SplitSpace.from_chain(chain), batch_scale(chain.meta, options)
+    best = math.inf
+    for part in partitions(space):
+        if options.num_stages is not None and len(part) != options.num_stages:
+            continue
+        for reps in replica_choices(len(part), topology.num_devices, options):
+            ev = evaluate_pd(space, topology, options, scale, [(s, e, r) for (s, e), r in zip(part, reps)])
+            limit = options.memory_bytes_per_device
+            if limit is None or all(st.memory.total_bytes <= limit for st in ev.stages):
+                best = min(best, ev.time_per_minibatch_ms)
+    return best
+
+
+def brute_pipedream(chain: Chain, topology: Topology, options: PlanOptions) -> float:
+    """PipeDream's flat model: max over stages; its memory rule ceil((D - ranks so far) / r)."""
+    space, devices, best = SplitSpace.from_chain(chain), topology.num_devices, math.inf
+    for part in partitions(space):
+        for reps in replica_choices(len(part), devices, options):
+            stages, used, fits = [], 0, True
+            for k, ((s, e), r) in enumerate(zip(part, reps)):
+                stages.append(PdStage(s, e, tuple(range(used, used + r)), ((0, s, e, r, k == 0),)))
+                used += r
+                held = space.range_total(space.covered_activation_bytes, s, e) + space.range_total(
+                    space.covered_parameter_bytes, s, e)
+                limit = options.memory_bytes_per_device
+                fits &= limit is None or math.ceil((devices - used) / r) * held <= limit
+            if fits:
+                best = min(best, evaluate_pipedream(space, topology, options, 1.0, stages).time_per_minibatch_ms)
+    return best
+
+
+def planned_ms(chain: Chain, topology: Topology, options: PlanOptions) -> float:
+    try:
+        return plan_chain(chain, topology, options).time_per_minibatch_ms
+    except UserError:
+        return math.inf
+
+
+def random_options(rng: random.Random, cost_model: str, chain: Chain, topology: Topology) -> PlanOptions:
+    schedule = rng.choice(SCHEDULES)
+    limit = None
+    if rng.random() < 0.4:  # a limit around what the stages need, so it sometimes binds
+        total = sum(2 * n.parameter_bytes + 2 * n.activation_bytes for n in chain.nodes)
+        limit = float(rng.uniform(0.2, 1.2) * total)
+    stages = None
+    if cost_model == "pd" and rng.random() < 0.25:
+        stages = rng.randint(1, min(len(chain), topology.num_devices))
+    return PlanOptions(schedule=schedule, num_microbatches=rng.choice([1, 2, 4]), batch_size=8,
+                       memory_bytes_per_device=limit, straight=rng.random() < 0.3,
+                       use_fewer_devices=rng.random() < 0.5, cost_model=cost_model, num_stages=stages)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", range(6))
+def test_pd_dp_equals_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    checked = 0
+    for _ in range(25):
+        chain = random_dag_chain(rng) if rng.random() < 0.25 else random_chain(rng, rng.randint(3, 7))
+        for topology in topologies(rng):
+            options = random_options(rng, "pd", chain, topology)
+            if options.straight and options.num_stages is None and not options.use_fewer_devices \
+                    and topology.num_devices > len(chain):
+                continue  # no plan by construction; covered by the error tests
+            want, got = brute_pd(chain, topology, options), planned_ms(chain, topology, options)
+            assert (math.isinf(want) and math.isinf(got)) or got == pytest.approx(want, rel=REL), (options, topology)
+            checked += math.isfinite(want)
+    assert checked > 20
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", range(4))
+def test_pipedream_dp_equals_brute_force(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    checked = 0
+    for _ in range(30):
+        chain = random_dag_chain(rng) if rng.random() < 0.25 else random_chain(rng, rng.randint(3, 7))
+        topology = Topology.flat(rng.randint(1, 4), rng.choice([1e9, 5e9]))
+        options = random_options(rng, "pipedream", chain, topology)
+        want, got = brute_pipedream(chain, topology, options), planned_ms(chain, topology, options)
+        assert (math.isinf(want) and math.isinf(got)) or got == pytest.approx(want, rel=REL), (options, topology)
+        checked += math.isfinite(want)
+    assert checked > 10
+
+
+def test_memory_model_per_schedule() -> None:
+    p, a, m = 100.0, 80.0, 4  # params, activations per minibatch, microbatches
+    # stage 0 of 3 stages, 4 devices from here on, 2 replicas
+    expect = {"pipedream": (200, 100, 2 * 20), "2bw": (200, 100, 3 * 20), "1f1b": (200, 0, 3 * 20), "gpipe": (200, 0, 80)}
+    for schedule, (weights, stashed, acts) in expect.items():
+        mem = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m)
+        assert (float(mem.weights_bytes), float(mem.stashed_weights_bytes), float(mem.activations_bytes)) == (
+            weights, stashed, acts), schedule
+        assert float(mem.total_bytes) == weights + stashed + acts
+
+
+def test_plan_is_deterministic_and_round_trips() -> None:
+    chain = random_chain(random.Random(7), 6)
+    topology = Topology.from_levels([{"devices": 2, "bandwidth_bytes_per_s": 1e10}, {"devices": 2, "bandwidth_bytes_per_s": 1e9}])
+    options = PlanOptions(schedule="1f1b", num_microbatches=4, batch_size=16, profile_sha256="ab" * 32)
+    first = canonical_json(plan_chain(chain, topology, options).to_json())
+    second = canonical_json(plan_chain(chain, topology, options).to_json())
+    assert first == second
+    obj = json.loads(first)
+    assert canonical_json(Plan.from_json(obj).to_json()) == first
+    assert obj["inputs"]["profile_sha256"] == "ab" * 32 and obj["inputs"]["topology"] == topology.to_json()
+    ranks = [r for s in obj["stages"] for r in s["ranks"]]
+    assert ranks == list(range(len(ranks)))  # contiguous, stage by stage
+    assert [s["node_names"] for s in obj["stages"]] == [
+        [f"n{i}" for i in range(s["start"], s["end"])] for s in obj["stages"]]
+    worst = max(s["predicted"]["stage_time_ms"] for s in obj["stages"])
+    assert obj["stages"][obj["pipeline"]["bottleneck_stage"]]["predicted"]["stage_time_ms"] == worst
+
+
+def test_flush_bubble_and_data_parallel_baseline() -> None:
+    chain = Chain(nodes=tuple(ChainNode(f"n{i}", f"l{i}", 1.0, 2.0, 0, 10) for i in range(4)), cut_bytes=(0, 0, 0))
+    topology = Topology.flat(4)
+    straight = dict(straight=True, num_stages=4, num_microbatches=4, batch_size=4)
+    flush = plan_chain(chain, topology, PlanOptions(schedule="gpipe", **straight))
+    steady = plan_chain(chain, topology, PlanOptions(schedule="pipedream", **straight))
+    assert steady.time_per_minibatch_ms == pytest.approx(3.0)  # one stage's fwd + bwd
+    assert flush.time_per_minibatch_ms == pytest.approx(3.0 * (4 + 4 - 1) / 4)
+    assert steady.pipeline["data_parallel_time_per_minibatch_ms"] == pytest.approx(12.0 / 4)  # no params
+    assert steady.pipeline["throughput_samples_per_s"] == pytest.approx(4 / 3.0 * 1000)
+
+
+def test_batch_scale_from_profiled_batch() -> None:
+    chain = Chain(nodes=(ChainNode("a", "a", 2.0, 4.0, 0, 8),), cut_bytes=(), meta={"batch_size": 2})
+    plan = plan_chain(chain, Topology.flat(1), PlanOptions(batch_size=8))
+    assert batch_scale(chain.meta, PlanOptions(batch_size=8)) == 4.0
+    assert plan.stages[0].predicted["fwd_ms"] == pytest.approx(8.0)
+    assert plan.stages[0].predicted["activations_bytes"] == pytest.approx(32.0)
+
+
+def test_infeasible_requests_say_why() -> None:
+    chain = random_chain(random.Random(3), 3)
+    with pytest.raises(UserError, match=r"3 positions into 5 stages \(5 > 3\)"):
+        plan_chain(chain, Topology.flat(8), PlanOptions(num_stages=5))
+    with pytest.raises(UserError, match="need at least 3 devices, the cluster has 2"):
+        plan_chain(chain, Topology.flat(2), PlanOptions(num_stages=3))
+    with pytest.raises(UserError, match="devices must be an integer >= 1, got 0"):
+        Topology.flat(0)
+    options = PlanOptions(schedule="1f1b", num_microbatches=2, memory_bytes_per_device=1.0)
+    with pytest.raises(UserError, match="smallest memory that fits a plan is"):
+        plan_chain(chain, Topology.flat(2), options)
+    space = SplitSpace.from_chain(chain)
+    smallest = pd_search(space, Topology.flat(2), options, 1.0, minimize="memory").objective
+    fits = PlanOptions(schedule="1f1b", num_microbatches=2, memory_bytes_per_device=smallest)
+    plan = plan_chain(chain, Topology.flat(2), fits)
+    assert max(s.predicted["total_bytes"] for s in plan.stages) <= smallest
+    with pytest.raises(UserError, match="no plan fits"):
+        plan_chain(chain, Topology.flat(2), PlanOptions(schedule="1f1b", num_microbatches=2,
+                                                          memory_bytes_per_device=smallest * 0.999))
+
+
+def test_use_fewer_devices_can_leave_devices_idle() -> None:
+    # huge parameters and a slow link: replicating costs more than it gains
+    chain = Chain(nodes=(ChainNode("a", "a", 1.0, 1.0, 10**10, 1),), cut_bytes=())
+    plan = plan_chain(chain, Topology.flat(4, 1e9), PlanOptions(use_fewer_devices=True))
+    assert plan.pipeline["num_devices_used"] == 1 and plan.stages[0].ranks == (0,)
+    forced = plan_chain(chain, Topology.flat(4, 1e9), PlanOptions(use_fewer_devices=False))
+    assert forced.pipeline["num_devices_used"] == 4
+    assert forced.time_per_minibatch_ms > plan.time_per_minibatch_ms
+
+
+@pytest.mark.parametrize("fmt", ["text", "markdown", "json"])
+def test_render_plan(fmt: str) -> None:
+    chain = random_chain(random.Random(11), 5)
+    plan = plan_chain(chain, Topology.flat(3), PlanOptions(schedule="1f1b", num_microbatches=2))
+    out = render_plan(plan.to_json(), chain, fmt)
+    if fmt == "json":
+        assert json.loads(out) == plan.to_json()
+        return
+    bottleneck = plan.pipeline["bottleneck_stage"]
+    assert f"{bottleneck}*" in out and "time per minibatch" in out and "layer0" in out
+    assert ("|" in out) == (fmt == "markdown")
+    assert len([line for line in out.splitlines() if "layer" in line]) >= len(plan.stages)
+
+
+def test_stage_memory_is_reported_and_bounded_by_the_limit() -> None:
+    chain = random_chain(random.Random(5), 6)
+    limit = 1.5 * max(2 * n.parameter_bytes + 4 * n.activation_bytes for n in chain.nodes)
+    try:
+        plan = plan_chain(chain, Topology.flat(4), PlanOptions(schedule="pipedream", memory_bytes_per_device=limit))
+    except UserError:
+        pytest.skip("this chain does not fit; the brute-force tests cover infeasibility")
+    for s in plan.stages:
+        p = s.predicted
+        assert p["total_bytes"] <= limit
+        assert p["total_bytes"] == pytest.approx(p["weights_bytes"] + p["stashed_weights_bytes"] + p["activations_bytes"])
+    assert np.isfinite(plan.time_per_minibatch_ms)

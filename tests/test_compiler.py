@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pdcli.compiler import CompileVerificationError, compile_stages, load_stage, split_graph, verify_stages
+from pdcli.compiler.ctor import constructor_source
 from pdcli.compiler.step import ensure_stages
 from pdcli.config.schema import Config, DataConfig, ModelConfig, ScheduleConfig
 from pdcli.errors import UserError
@@ -111,6 +112,22 @@ class FunctionalWeights(nn.Module):
         return h * self.sub.scale
 
 
+class Attention(nn.Module):
+    """torch.nn's attention layers are fx leaves: rebuilt from their constructor arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True, dropout=0.2)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.2, batch_first=True, activation="gelu")
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        attended = self.mha(h, h, h)  # (output, weights): the tuple crosses the cut
+        return self.head(self.layer(attended[0] + h))
+
+
 def _positions(model: nn.Module) -> list[str]:
     return [n.name for n in chain_order(trace_model(model))]
 
@@ -136,6 +153,7 @@ SMALL: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Tensor, ...]]
         lambda: (torch.randn(3, 4),),
         ("_0",),
     ),
+    "attention": (Attention, lambda: (torch.randn(3, 5, 4),), ("mha",)),
     "functional_weights": (FunctionalWeights, lambda: (torch.randn(3, 4),), ("mul",)),
     "two_inputs": (TwoInputs, lambda: (torch.randn(3, 4), torch.randn(3, 4)), ("relu", "lstm", "mul")),
 }
@@ -205,6 +223,37 @@ def test_functional_weights_keep_their_names_and_persistence(tmp_path: Path) -> 
     assert torch.equal(s0.mask, model.mask) and torch.equal(s1.w, model.w)  # mask: non-persistent
     assert torch.equal(s1.sub.scale, model.sub.scale)
     assert [n for n, _ in s1.named_parameters()] == ["w"]
+
+
+LAYERS = [
+    nn.Conv2d(3, 4, 3, stride=2, bias=False, padding_mode="reflect", padding=1),
+    nn.ConvTranspose2d(3, 4, 3, stride=2, output_padding=1),
+    nn.BatchNorm1d(4, momentum=None, affine=False),
+    nn.LayerNorm([4, 5], elementwise_affine=False),
+    nn.GroupNorm(2, 4),
+    nn.Embedding(10, 4, padding_idx=0),
+    nn.EmbeddingBag(10, 4, mode="sum"),
+    nn.LSTM(4, 5, num_layers=2, bidirectional=True, dropout=0.1, proj_size=3),
+    nn.GRU(4, 5, bias=False),
+    nn.RNN(4, 5, nonlinearity="relu"),
+    nn.MultiheadAttention(8, 2, kdim=4, vdim=6, add_bias_kv=True),
+    nn.GELU("tanh"),
+    nn.MaxPool2d(3, 2, ceil_mode=True),
+    nn.Unflatten(1, (2, 2)),
+    nn.TransformerDecoderLayer(8, 2, 16, norm_first=True),
+]
+
+
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda m: type(m).__name__)
+def test_layers_are_rebuilt_from_constructor_arguments(layer: nn.Module) -> None:
+    source = constructor_source(layer)  # raises if the rebuilt layer differs
+    rebuilt = eval(source, {"torch": torch})  # noqa: S307
+    assert type(rebuilt) is type(layer) and repr(rebuilt) == repr(layer)
+
+
+def test_a_layer_that_cannot_be_rebuilt_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="custom activation"):
+        constructor_source(nn.TransformerEncoderLayer(8, 2, 16, activation=nn.SiLU()))
 
 
 def test_tampered_weights_fail_verification_naming_the_stage(tmp_path: Path) -> None:

@@ -16,16 +16,51 @@ import inspect
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdcli.errors import UserError
 
-# Arguments the caller never passes: the module picks them (RNN mode) or we set them later.
-_SKIPPED = frozenset({"device", "dtype", "mode"})
+# Arguments never passed: the tensors' placement is the runtime's business.
+_SKIPPED = frozenset({"device", "dtype"})
+_OMIT = object()
+"""A `_SPECIAL` value meaning: do not pass this argument (the class sets it itself)."""
 _SPECIAL: dict[tuple[type, str], Callable[[nn.Module], Any]] = {
     (nn.MultiheadAttention, "bias"): lambda m: m.in_proj_bias is not None,
     (nn.MultiheadAttention, "add_bias_kv"): lambda m: m.bias_k is not None,
     (nn.RNNBase, "bias"): lambda m: m.bias,
+    (nn.RNNBase, "mode"): lambda m: _OMIT,  # LSTM/GRU/RNN pass their own mode to RNNBase
+}
+_HINT = (
+    "fx keeps torch.nn layers whole; build this one from simpler torch.nn layers in your own "
+    "nn.Module (fx traces through those), or report the layer as unsupported"
+)
+_ACTIVATIONS = {F.relu: "relu", F.gelu: "gelu"}  # what Transformer*Layer accepts as strings
+
+
+def _transformer_layer(m: Any) -> dict[str, Any]:
+    if m.activation not in _ACTIVATIONS:
+        raise UserError(
+            f"pd compile cannot rebuild {type(m).__name__} with a custom activation {m.activation!r}",
+            hint="build the layer from nn.MultiheadAttention, nn.Linear and nn.LayerNorm in your own module",
+        )
+    return {
+        "d_model": m.self_attn.embed_dim,
+        "nhead": m.self_attn.num_heads,
+        "dim_feedforward": m.linear1.out_features,
+        "dropout": m.dropout.p,
+        "activation": _ACTIVATIONS[m.activation],
+        "layer_norm_eps": m.norm1.eps,
+        "batch_first": m.self_attn.batch_first,
+        "norm_first": m.norm_first,
+        "bias": m.linear1.bias is not None,
+    }
+
+
+# Classes whose constructor arguments are read off their children, not their attributes.
+_KWARGS: dict[type, Callable[[Any], dict[str, Any]]] = {
+    nn.TransformerEncoderLayer: _transformer_layer,
+    nn.TransformerDecoderLayer: _transformer_layer,
 }
 _EXTRA: dict[type, Callable[[nn.Module], dict[str, Any]]] = {
     nn.RNN: lambda m: {"nonlinearity": m.nonlinearity},
@@ -65,6 +100,8 @@ def _is_literal(value: Any) -> bool:
 def constructor_kwargs(module: nn.Module) -> dict[str, Any]:
     """Keyword arguments that rebuild `module` (before its weights are loaded)."""
     cls = type(module)
+    if cls in _KWARGS:
+        return _KWARGS[cls](module)
     _, sig = _init_signature(cls)
     kwargs: dict[str, Any] = {}
     for p in list(sig.parameters.values())[1:]:
@@ -73,6 +110,8 @@ def constructor_kwargs(module: nn.Module) -> dict[str, Any]:
         special = _special(cls, p.name)
         if special is not None:
             value = special(module)
+            if value is _OMIT:
+                continue
         elif p.name in module._parameters or p.name in module._buffers:
             value = getattr(module, p.name) is not None  # `bias=True` <=> a bias exists
         elif hasattr(module, p.name) and not isinstance(getattr(module, p.name), (nn.Module, torch.Tensor)):
@@ -83,7 +122,7 @@ def constructor_kwargs(module: nn.Module) -> dict[str, Any]:
             raise UserError(
                 f"pd compile cannot rebuild {cls.__module__}.{cls.__qualname__}: its constructor "
                 f"argument {p.name!r} is not stored on the module",
-                hint="wrap this layer in your own nn.Module so fx traces through it",
+                hint=_HINT,
             )
         if p.default is not inspect.Parameter.empty and _same(value, p.default):
             continue  # keep the generated code short: defaults are left out
@@ -107,7 +146,7 @@ def constructor_source(module: nn.Module) -> str:
         raise UserError(
             f"pd compile cannot rebuild {cls.__module__}.{cls.__qualname__}: only torch.nn's own "
             f"layers can be stage leaves",
-            hint="wrap this layer in your own nn.Module so fx traces through it",
+            hint=_HINT,
         )
     kwargs = constructor_kwargs(module)
     for name, value in kwargs.items():
@@ -115,7 +154,7 @@ def constructor_source(module: nn.Module) -> str:
             raise UserError(
                 f"pd compile cannot write the argument {name}={value!r} of torch.nn.{cls.__name__} "
                 f"as a Python literal",
-                hint="wrap this layer in your own nn.Module so fx traces through it",
+                hint=_HINT,
             )
     args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     source = f"torch.nn.{cls.__name__}({args})"
@@ -145,7 +184,7 @@ def _check(original: nn.Module, rebuilt: nn.Module, source: str) -> None:
         details = "; ".join(f"{k}: {want.get(k)!r} != {got.get(k)!r}" for k in diff[:4])
         raise UserError(
             f"pd compile rebuilt {type(original).__name__} as `{source}` but it differs: {details}",
-            hint="wrap this layer in your own nn.Module so fx traces through it",
+            hint=_HINT,
         )
 
 

@@ -21,11 +21,21 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 import torch.fx as fx
 
+from pdcli.compiler.values import (
+    check_literal,
+    cheap_roots,
+    has_tensor,
+    is_inplace,
+    leaves,
+    live_nodes,
+    needed_paths,
+    record_values,
+)
 from pdcli.errors import UserError
 from pdcli.profiler.trace import chain_order
 
@@ -37,13 +47,6 @@ OUTPUT_NAME = "output"
 """Wire name of the model output in the last stage's outputs."""
 
 Peer = Union[int, str]
-# Queries that read only metadata of a tensor: cheap to redo wherever the tensor is.
-_CHEAP_METHODS = frozenset({"size", "dim", "numel", "type_as_dtype"})
-_CHEAP_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda"})
-_CHEAP_FUNCTIONS = frozenset(
-    {operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, getattr}
-)
-_LITERAL_TYPES = (int, float, bool, str, type(None), torch.dtype, slice, type(Ellipsis))
 
 
 @dataclass(frozen=True)
@@ -85,26 +88,6 @@ class StagePart:
     """Names of cross-stage non-tensor values baked into this stage as constants."""
 
 
-def record_values(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> dict[fx.Node, Any]:
-    """Every node's value on `example_inputs` (no grad, eval mode so BatchNorm stats stay put)."""
-    values: dict[fx.Node, Any] = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            values[n] = super().run_node(n)
-            return values[n]
-
-    modes = {m: m.training for m in gm.modules()}
-    try:
-        gm.eval()
-        with torch.no_grad():
-            Recorder(gm).run(*example_inputs)
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
-    return values
-
-
 def check_boundaries(boundaries: Sequence[tuple[int, int]], num_positions: int) -> None:
     """Stages must be non-empty, contiguous and cover all `num_positions` chain positions."""
     if not boundaries:
@@ -126,53 +109,8 @@ def check_boundaries(boundaries: Sequence[tuple[int, int]], num_positions: int) 
         )
 
 
-def _leaves(value: Any, path: tuple[int, ...] = ()) -> Iterator[tuple[tuple[int, ...], Any]]:
-    """(index path, leaf) of a value nested in tuples/lists."""
-    if isinstance(value, (tuple, list)):
-        for i, item in enumerate(value):
-            yield from _leaves(item, (*path, i))
-    else:
-        yield path, value
-
-
-def _has_tensor(value: Any) -> bool:
-    return any(isinstance(leaf, torch.Tensor) for _, leaf in _leaves(value))
-
-
-def _check_literal(name: str, value: Any) -> None:
-    if not all(isinstance(leaf, _LITERAL_TYPES) for _, leaf in _leaves(value)):
-        raise UserError(
-            f"the value {name!r} ({type(value).__name__}) crosses a stage boundary but is neither a "
-            f"tensor nor a constant that can be baked into the next stage",
-            hint="move the cut (choose other stage boundaries) or compute it from a tensor",
-        )
-
-
 def _wire_name(node: fx.Node, path: tuple[int, ...]) -> str:
     return node.name if not path else f"{node.name}__{'_'.join(map(str, path))}"
-
-
-def _cheap_roots(node: fx.Node) -> set[fx.Node] | None:
-    """Tensor nodes a non-tensor `node` is computed from by cheap metadata queries, or None."""
-    if node.op == "call_method" and node.target in _CHEAP_METHODS:
-        pass
-    elif node.op == "call_function" and node.target in _CHEAP_FUNCTIONS:
-        if node.target is getattr and node.args[1] not in _CHEAP_ATTRS:
-            return None
-    else:
-        return None
-    roots: set[fx.Node] = set()
-    first = node.args[0] if node.args else None
-    for arg in node.all_input_nodes:
-        if node.op == "call_method" or node.target is getattr:
-            if arg is first:
-                roots.add(arg)  # the tensor being queried
-                continue
-        sub = _cheap_roots(arg)
-        if sub is None:
-            return None
-        roots |= sub
-    return roots
 
 
 class _StageBuilder:
@@ -202,7 +140,7 @@ class _StageBuilder:
             if isinstance(value, torch.Tensor):
                 made.append((path, value))
                 return self.graph.placeholder(_wire_name(node, path))
-            _check_literal(node.name, value)
+            check_literal(node.name, value)
             return value
 
         self.env[node] = rebuild(self.values[node], ())
@@ -216,7 +154,7 @@ class _StageBuilder:
             if not isinstance(first, fx.Node) or not isinstance(self.env.get(first), fx.Node):
                 continue
             received = self.env[first]
-            if received.op == "placeholder" and _is_inplace(node, self.gm):
+            if received.op == "placeholder" and is_inplace(node, self.gm):
                 self.env[first] = self.graph.call_method("clone", (received,))
 
     def lookup(self, node: fx.Node) -> Any:
@@ -224,12 +162,12 @@ class _StageBuilder:
             return self.env[node]
         if node.op == "get_attr":
             self.env[node] = self.graph.node_copy(node, self.lookup)
-        elif _cheap_roots(node) is not None and all(r in self.env for r in _cheap_roots(node) or ()):
+        elif cheap_roots(node) is not None and all(r in self.env for r in cheap_roots(node) or ()):
             self.env[node] = self.graph.node_copy(node, self.lookup)
             self.recomputed.append(node.name)
         else:
             value = self.values[node]
-            _check_literal(node.name, value)
+            check_literal(node.name, value)
             self.env[node] = value
             self.baked.append(node.name)
         return self.env[node]
@@ -244,41 +182,6 @@ class _StageBuilder:
             name = _wire_name(node, path) if depth == len(path) - 1 else None
             arg = self.graph.create_node("call_function", operator.getitem, (arg, i), name=name)
         return arg
-
-
-def _is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """Does `node` overwrite its first argument?"""
-    if node.op == "call_module":
-        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
-    name = getattr(node.target, "__name__", str(node.target))
-    return bool(node.kwargs.get("inplace")) or (name.endswith("_") and not name.endswith("__"))
-
-
-def _needed_paths(node: fx.Node, users: Sequence[fx.Node]) -> set[tuple[int, ...]] | None:
-    """Index prefixes of `node`'s value that `users` read: {(0,)} when they all do `node[0]`."""
-    paths: set[tuple[int, ...]] = set()
-    for user in users:
-        if user.op == "call_function" and user.target is operator.getitem and user.args[0] is node:
-            if isinstance(user.args[1], int):
-                paths.add((user.args[1],))
-                continue
-        return None
-    return paths
-
-
-def _live_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes whose value reaches the output or that have side effects (modules count as such:
-    a BatchNorm updates its running stats even when its result is unused)."""
-    live: set[fx.Node] = set()
-    for node in reversed(graph.nodes):
-        if (
-            node.op in ("output", "placeholder", "call_module")
-            or node.is_impure()
-            or (node.op == "call_method" and str(node.target).endswith("_"))  # in-place
-            or any(user in live for user in node.users)
-        ):
-            live.add(node)
-    return live
 
 
 def _wire(name: str, value: torch.Tensor) -> Wire:
@@ -317,7 +220,7 @@ def split_graph(
     # Which values each stage consumes from elsewhere, in order of first use. Dead nodes (an
     # unused `getitem` of an LSTM's state) keep their chain position but are not copied, so
     # nothing is sent just for them.
-    live = _live_nodes(gm.graph)
+    live = live_nodes(gm.graph)
     stage_nodes = [[n for n in chain[s:e] if n in live] for s, e in boundaries]
     consumed: list[list[fx.Node]] = []
     for k, nodes in enumerate(stage_nodes):
@@ -329,19 +232,15 @@ def split_graph(
                     seen.setdefault(arg)
         consumed.append(list(seen))
 
-    def is_wire(node: fx.Node) -> bool:
-        """`node` reaches its consumers as sent tensors (else it is recomputed or baked)."""
-        return _has_tensor(values[node])
-
     builders = [_StageBuilder(gm, values, k) for k in range(num_stages)]
     inputs: list[list[StageInput]] = [[] for _ in range(num_stages)]
     leaf_consumers: dict[fx.Node, dict[tuple[int, ...], list[int]]] = {}
     for k, builder in enumerate(builders):
         local = set(stage_nodes[k]) | ({output_node} if k == num_stages - 1 else set())
         for node in consumed[k]:
-            if not _has_tensor(values[node]):
+            if not has_tensor(values[node]):
                 continue  # recomputed or baked by `lookup` when a user is copied
-            needed = _needed_paths(node, [u for u in node.users if u in local])
+            needed = needed_paths(node, [u for u in node.users if u in local])
             for path, leaf in builder.add_placeholders(node, needed):
                 inputs[k].append(StageInput(_wire(_wire_name(node, path), leaf), stage_of[node]))
                 if stage_of[node] != DATA:
@@ -355,7 +254,7 @@ def split_graph(
         outputs: list[StageOutput] = []
         returned: list[Any] = []
         for node in stage_nodes[k]:
-            for path, leaf in _leaves(values[node]):
+            for path, leaf in leaves(values[node]):
                 peers = leaf_consumers.get(node, {}).get(path)
                 if peers:
                     outputs.append(StageOutput(_wire(_wire_name(node, path), leaf), tuple(peers)))

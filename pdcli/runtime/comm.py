@@ -102,6 +102,8 @@ class MessageLayout:
         offset = 0
         for spec in self.specs:
             raw = flat[offset : offset + spec.num_bytes]
+            if offset % torch.empty((), dtype=spec.dtype).element_size():
+                raw = raw.clone()  # a dtype view needs an aligned start (mixed dtypes in one message)
             out[spec.name] = raw.view(spec.dtype).reshape(spec.shape)
             offset += spec.num_bytes
         return out

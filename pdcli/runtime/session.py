@@ -159,7 +159,8 @@ def write_reports(train_dir: Path, cfg: "Config", gathered: list[dict[str, Any]]
     for start in range(0, steps, every):
         end = min(start + every, steps)
         line = {**summarize(records, m, list(range(start, end))), "step": end, "samples_per_s": samples_per_s}
-        log.write({**line, **final_line} if end == steps else line)
+        log.write(line)
+    log.write(final_line)
     log.close()
 
 

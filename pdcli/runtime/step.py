@@ -12,10 +12,12 @@ from typing import Any
 from tabulate import tabulate
 
 from pdcli.config.schema import Config
+from pdcli.errors import UserError
 from pdcli.rundir import RunDir, atomic_write_json, read_json
 from pdcli.runtime.launcher import Hosts, TrainingFailed, launch_workers
 from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.placement import Placement
+from pdcli.runtime.schedule import build_schedule
 from pdcli.runtime.session import SUMMARY_FILE
 from pdcli.runtime.worker import LAUNCH_FILE
 
@@ -60,13 +62,22 @@ def _clean_previous(train_dir: Path) -> None:
 def check_inputs(cfg: Config, plan_json: dict[str, Any], manifest: dict[str, Any]) -> Placement:
     placement = Placement.from_plan(plan_json)
     if int(manifest["num_stages"]) != placement.num_stages:
-        raise ValueError(f"manifest has {manifest['num_stages']} stages, the plan {placement.num_stages}")
+        raise UserError(
+            f"stages/manifest.json has {manifest['num_stages']} stages, plan.json {placement.num_stages}",
+            hint="the stages are stale: re-run `pd compile`",
+        )
     mb = int(manifest["microbatch_size"])
     if mb * cfg.schedule.num_microbatches != cfg.data.batch_size:
-        raise ValueError(
+        raise UserError(
             f"stages were compiled for microbatches of {mb} samples, but data.batch_size "
             f"{cfg.data.batch_size} / schedule.num_microbatches {cfg.schedule.num_microbatches} "
-            f"= {cfg.data.batch_size / cfg.schedule.num_microbatches:g}"
+            f"= {cfg.data.batch_size / cfg.schedule.num_microbatches:g}",
+            hint="the stages are stale: re-run `pd compile`",
+        )
+    for stage_id, replicas in enumerate(placement.replicas):  # pure: a bad schedule fails here, not in 4 workers
+        build_schedule(
+            cfg.schedule.name, placement.num_stages, stage_id, cfg.schedule.num_microbatches, cfg.train.steps,
+            replicas=list(placement.replicas), replica_id=replicas - 1, vertical_sync=cfg.schedule.vertical_sync,
         )
     return placement
 

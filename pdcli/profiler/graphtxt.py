@@ -173,7 +173,8 @@ def graph_to_chain(graph: Graph, source: str = "") -> Chain:
         new = [m for m in state.covered if m not in seen]
         seen.update(new)
         members = (tuple(lin.inputs) if i == 0 else ()) + tuple(new)
-        label = ", ".join(by_id[m].desc.split("(")[0] for m in new) or "(no new layers)"
+        shown = new or list(state.antichain)  # a join state adds no layer: name its frontier
+        label = ("" if new else "join: ") + ", ".join(by_id[m].desc.split("(")[0] for m in shown)
         nodes.append(
             ChainNode(
                 name=state.name,

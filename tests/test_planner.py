@@ -266,3 +266,13 @@ def test_stage_memory_is_reported_and_bounded_by_the_limit() -> None:
         assert p["total_bytes"] <= limit
         assert p["total_bytes"] == pytest.approx(p["weights_bytes"] + p["stashed_weights_bytes"] + p["activations_bytes"])
     assert np.isfinite(plan.time_per_minibatch_ms)
+
+
+def test_planner_never_imports_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, pdcli.planner, pdcli.planner.search, pdcli.planner.pipedream, "
+            "pdcli.profiler.graphtxt; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"

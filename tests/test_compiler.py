@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -268,6 +269,20 @@ def test_tampered_weights_fail_verification_naming_the_stage(tmp_path: Path) -> 
         verify_stages(model, inputs, tmp_path)
     assert info.value.stage_id == 1 and info.value.max_abs_error > 1e-3
     assert not isinstance(info.value, UserError)
+
+
+def test_a_lost_gradient_fails_verification_at_the_last_stage_it_reaches(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    inputs = (torch.randn(3, 6),)
+    compile_stages(model, inputs, _cuts(model, "layers_1", "layers_4"), tmp_path)
+    path = tmp_path / "stage_2.py"
+    source, count = re.subn(r"def forward\(self, (\w+)\):", r"\g<0>\n        \1 = \1.detach()", path.read_text())
+    assert count == 1
+    path.write_text(source)  # same forward values; stages 0 and 1 get no gradient
+    with pytest.raises(CompileVerificationError, match="gradients") as info:
+        verify_stages(model, inputs, tmp_path)
+    assert info.value.stage_id == 1  # in backward order, stage 1 is the first one wrong
 
 
 def test_tied_weights_within_a_stage_stay_tied_across_stages_refused(tmp_path: Path) -> None:

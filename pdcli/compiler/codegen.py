@@ -58,8 +58,8 @@ def _prefixes(path: str) -> list[str]:
 def _imports(globals_: dict[str, Any], src: str) -> list[str]:
     lines = {"import torch"}
     for name, obj in sorted(globals_.items()):
-        if not re.search(rf"\b{re.escape(name)}\b", src):
-            continue  # fx lists its builtins whether or not the code uses them
+        if not re.search(rf"(?<!\.)\b{re.escape(name)}\b(?!\s*=(?!=))", src):
+            continue  # fx lists its builtins whether or not the code uses them (`device = x` is a kwarg)
         if name in fx.graph._custom_builtins:  # inf, nan, torch, device ... fx's own names
             lines.add(fx.graph._custom_builtins[name].import_str)
         elif getattr(builtins, name, None) is obj:

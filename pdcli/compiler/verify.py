@@ -134,44 +134,27 @@ def _wire_reference(values: dict[str, Any], name: str) -> Any:
 def verify_stages(
     model: nn.Module, example_inputs: Sequence[Tensor], stages_dir: str | Path, seed: int = 0
 ) -> VerificationReport:
-    """Compare the stages in `stages_dir` with `model` on one microbatch; raise on a mismatch."""
-    manifest = read_manifest(stages_dir)
-    pristine = copy.deepcopy(model)  # neither side may disturb the caller's model or each other
-    reference = copy.deepcopy(model)
-    torch.manual_seed(seed)
-    want = reference(*example_inputs)
-    grad_output = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed), dtype=want.dtype)
-    want.backward(grad_output)
+    """Compare the stages in `stages_dir` with `model` on one microbatch; raise on a mismatch.
 
-    stages = _load_all(stages_dir, model.training)
-    named_inputs = dict(zip(manifest["model_inputs"], example_inputs))
-    sent = _run_stages(stages, named_inputs, grad_output, seed)
-    last = manifest["num_stages"] - 1
-    out_err, ok = _error(sent[(last, "output")], want)
-    if not ok:
-        raise CompileVerificationError(
-            "stage outputs differ from the model's", out_err, _first_forward_mismatch(pristine, example_inputs, stages_dir, named_inputs, seed)
-        )
+    The caller's model and global RNG state are left as they were.
+    """
+    with torch.random.fork_rng(devices=[]):
+        manifest = read_manifest(stages_dir)
+        pristine = copy.deepcopy(model)  # neither side may disturb the caller's model or each other
+        reference = copy.deepcopy(model)
+        torch.manual_seed(seed)
+        want = reference(*example_inputs)
+        grad_output = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed), dtype=want.dtype)
+        want.backward(grad_output)
 
-    ref_tensors = {
-        **{n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)},
-        **{f"buffer:{n}": b for n, b in reference.named_buffers(remove_duplicate=False)},
-    }
-    grad_err, checked, bad_stages = 0.0, 0, []
-    for module, entry in stages:
-        for local, p in module.named_parameters(remove_duplicate=False):
-            checked += 1
-            err, ok = _compare_optional(p.grad, ref_tensors[entry["param_names"][local]], p)
-            grad_err = max(grad_err, err)
-            if not ok:
-                bad_stages.append(entry["stage_id"])
-        for local, b in module.named_buffers(remove_duplicate=False):
-            key = f"buffer:{entry['param_names'][local]}"
-            if key in ref_tensors:
-                checked += 1
-                err, ok = _error(b, ref_tensors[key])
-                if not ok:
-                    bad_stages.append(entry["stage_id"])
+        stages = _load_all(stages_dir, model.training)
+        named_inputs = dict(zip(manifest["model_inputs"], example_inputs))
+        sent = _run_stages(stages, named_inputs, grad_output, seed)
+        out_err, ok = _error(sent[(manifest["num_stages"] - 1, "output")], want)
+        if not ok:
+            first = _first_forward_mismatch(pristine, example_inputs, stages_dir, named_inputs, seed)
+            raise CompileVerificationError("stage outputs differ from the model's", out_err, first)
+        grad_err, checked, bad_stages = _compare_state(stages, reference)
     if bad_stages:
         raise CompileVerificationError(
             "gradients or buffers of the stages differ from the model's (stage counted in backward order)",
@@ -179,6 +162,28 @@ def verify_stages(
             max(bad_stages),
         )
     return VerificationReport(out_err, grad_err, checked)
+
+
+def _compare_state(
+    stages: Sequence[tuple[nn.Module, dict[str, Any]]], reference: nn.Module
+) -> tuple[float, int, list[int]]:
+    """(max gradient error, tensors checked, stages with a mismatch): every parameter's
+    gradient and every buffer (BatchNorm running stats after the forward), by original name."""
+    grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
+    buffers = dict(reference.named_buffers(remove_duplicate=False))
+    grad_err, checked, bad_stages = 0.0, 0, []
+    for module, entry in stages:
+        names = entry["param_names"]
+        for local, p in module.named_parameters(remove_duplicate=False):
+            err, ok = _compare_optional(p.grad, grads[names[local]], p)
+            grad_err, checked = max(grad_err, err), checked + 1
+            bad_stages += [] if ok else [entry["stage_id"]]
+        for local, b in module.named_buffers(remove_duplicate=False):
+            if names[local] in buffers:  # fx's tensor constants are not the model's buffers
+                ok = _error(b, buffers[names[local]])[1]
+                checked += 1
+                bad_stages += [] if ok else [entry["stage_id"]]
+    return grad_err, checked, bad_stages
 
 
 def _load_all(stages_dir: str | Path, training: bool) -> list[tuple[nn.Module, dict[str, Any]]]:

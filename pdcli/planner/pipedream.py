@@ -72,18 +72,25 @@ def _level(ct: np.ndarray, psz: np.ndarray, asz: np.ndarray, oas: np.ndarray, sp
     later = np.arange(n)[None, :] > row_ids[:, None]  # the search only updates j > i
     comm_in = TRANSFER_FACTOR * oas / bw / ACTIVATION_COMPRESSION_RATIO
     comm_out = np.where(np.arange(n) < n - 1, comm_in, 0.0)
+    last_stage: dict[int, np.ndarray] = {}
+
+    def _last_stage(mp: int) -> np.ndarray:
+        """Cost of a last stage (k, j] on mp replicas, [k, j]; the same for every m."""
+        last = (ct[1:, :] + ALLREDUCE_FACTOR * (mp - 1) * psz[1:, :] / (bw * mp)) / mp
+        cost = np.maximum(np.maximum(last, comm_in[:, None] / mp), comm_out[None, :] / mp)
+        last_stage[mp] = np.where(split_ok & np.isfinite(last), cost, np.inf)
+        return last_stage[mp]
+
     for m in range(1, machines):
         if options.use_fewer_devices:
             carry = later & (time[row_ids, :, m - 1] < time[row_ids, :, m])
             for arr in (time, split_k, split_m, reps):
                 arr[row_ids, :, m] = np.where(carry, arr[row_ids, :, m - 1], arr[row_ids, :, m])
         for mp in (1,) if options.straight else range(1, m + 1):
-            last = (ct[1:, :] + ALLREDUCE_FACTOR * (mp - 1) * psz[1:, :] / (bw * mp)) / mp  # [k, j]
-            ok = split_ok & np.isfinite(last)
-            if mem is not None:
-                ok &= (asz[1:, :] + psz[1:, :]) * math.ceil((machines - (m + 1)) / mp) <= mem
-            cost = np.maximum(np.maximum(last, comm_in[:, None] / mp), comm_out[None, :] / mp)
-            cost = np.where(ok, cost, np.inf)
+            cost = last_stage[mp] if mp in last_stage else _last_stage(mp)
+            if mem is not None:  # PipeDream's stash rule depends on the machines used so far
+                held = (asz[1:, :] + psz[1:, :]) * math.ceil((machines - (m + 1)) / mp)
+                cost = np.where(held <= mem, cost, np.inf)
             _minmax_update(time, split_k, split_m, reps, row_ids, later, cost, m, mp)
     return LevelTable(time, split_k, split_m, reps)
 

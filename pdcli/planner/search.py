@@ -68,6 +68,7 @@ class PdCosts:
         self.cut_out = np.concatenate(([0.0], cut[: n - 1], [0.0]))[None, :]  # ending at e
         self.bw = topology.span_bandwidth_matrix()
         self.stages_from = np.arange(1, num_layers + 1, dtype=float)[:, None, None]
+        self._time_cache: dict[tuple[float, ...], np.ndarray] = {}
 
     def _link(self, a: int, b: int) -> float:
         return float(self.bw[a, b]) if 0 <= a and b < self.bw.shape[0] else np.inf
@@ -79,11 +80,13 @@ class PdCosts:
 
     def time(self, d: int, r: int) -> np.ndarray:
         a = self.anchor - d
-        terms = pd_stage_terms(self.fwd, self.bwd, self.params, self.cut_in, self.cut_out, r,
-                               self._link(a, a + r - 1), self._link(a - 1, a),
-                               self._link(a + r - 1, a + r), self.options.schedule,
-                               self.options.num_microbatches)
-        out = np.where(self.valid, terms.stage_time_ms, np.inf)[None]
+        links = (self._link(a, a + r - 1), self._link(a - 1, a), self._link(a + r - 1, a + r))
+        key = (r,) + links  # on a uniform cluster most (d, r) share their bandwidths
+        if key not in self._time_cache:
+            terms = pd_stage_terms(self.fwd, self.bwd, self.params, self.cut_in, self.cut_out, r,
+                                   *links, self.options.schedule, self.options.num_microbatches)
+            self._time_cache[key] = np.where(self.valid, terms.stage_time_ms, np.inf)[None]
+        out = self._time_cache[key]
         limit = self.options.memory_bytes_per_device
         if limit is not None:
             out = np.where(self._memory(d, r) <= limit, out, np.inf)

@@ -88,6 +88,9 @@ def ensure_stages(
     sample = build_data(cfg.data, cfg.data.batch_size).batch(0).split(cfg.schedule.num_microbatches)[0]
     run.create()
     tmp = Path(tempfile.mkdtemp(prefix=f".{STAGES}.", dir=run.path))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; stages/ is an ordinary directory
     try:
         manifest, _ = compile_stages(
             model, sample.inputs, plan_boundaries(plan_json), tmp, loss=cfg.model.loss, seed=cfg.train.seed

@@ -143,7 +143,7 @@ def test_failed_worker_stops_the_job_naming_rank_stage_and_action(
         run_training(cfg, RunDir(run_dir), plan, manifest)
     elapsed_s = time.monotonic() - start_s
     message = str(failure.value)
-    first_line = message.splitlines()[0]
+    first_line = message.splitlines()[0]  # the root cause comes first
     assert "rank 1 (stage 1, replica 0)" in first_line, message
     assert "step=2" in first_line or "at step 2" in first_line, message
     assert ("exit code 3" if mode == "exit" else "made no progress") in first_line, message
@@ -161,7 +161,7 @@ def test_recompute_matches_reference(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_run_outputs_metrics_trace_checkpoint_and_summary(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cfg = toy_config(run_dir, "1f1b", precision="bf16")
+    cfg = toy_config(run_dir, "1f1b", precision="bf16", checkpoint_every=1, keep_checkpoints=2)
     plan, manifest = write_toy_run(run_dir, cfg, [1, 2])
     result = run_training(cfg, RunDir(run_dir), plan, manifest)
     lines = [json.loads(l) for l in result.metrics_path.read_text().splitlines()]
@@ -172,7 +172,7 @@ def test_run_outputs_metrics_trace_checkpoint_and_summary(tmp_path: Path) -> Non
     spans = [e for e in trace if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1, 2}
     assert {"Forward", "Backward", "OptimizerStep", "AllReduceGrads"} <= {e["name"] for e in spans}
-    assert checkpoint.complete_steps(run_dir / "train") == [cfg.train.steps]
+    assert checkpoint.complete_steps(run_dir / "train") == [2, 3]  # every step, the last 2 kept
     state = checkpoint.load_model_state(run_dir / "train", cfg.train.steps)
     assert sorted(state) == sorted(ToyNet(2).state_dict())
     assert all((run_dir / "train" / f"rank{r}.log").exists() for r in range(3))

@@ -103,11 +103,18 @@ def diagnose(train_dir: Path, placement: Placement, error: ChildFailedError, log
         report = reports[rank]
         status = read_status(train_dir, rank) or "no action started"
         if report is not None:
-            lines.append(f"{report['message']} (last: {status})")
+            text = report["message"] if report["kind"] == "hang" else f"{report['message']} (last: {status})"
+            lines.append(text if not lines else _shorten(text))
         else:
             code = exit_codes.get(rank)
             how = f"died with exit code {code}" if code is None or code >= 0 else f"was killed by signal {-code}"
             lines.append(f"{describe_rank(placement, rank)} {how}; last: {status}")
-    head = f"training failed: {lines[0]}" if lines else f"training failed: {error}"
+    head = lines[0] if lines else str(error)
     rest = "".join(f"\n  then: {line}" for line in lines[1:])
     return f"{head}{rest}\n  worker logs: {train_dir}/rank<r>.log and {log_dir}"
+
+
+def _shorten(text: str, max_chars: int = 240) -> str:
+    """One line of at most `max_chars` (gloo's errors are long; the first rank's is kept whole)."""
+    line = " ".join(text.split())
+    return line if len(line) <= max_chars else line[: max_chars - 3] + "..."

@@ -34,6 +34,10 @@ class LossTracker:
     _interval: list[int] = field(default_factory=list)
     _last_log_s: float = field(default_factory=time.perf_counter)
 
+    def restart_clock(self) -> None:
+        """Start timing samples/s now (after setup, before the first action)."""
+        self._last_log_s = time.perf_counter()
+
     def record(self, microbatch_id: int, loss: float, correct: int, num_samples: int) -> None:
         self.records[microbatch_id] = (loss, correct, num_samples)
         t = microbatch_id // self.num_microbatches

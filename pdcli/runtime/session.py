@@ -23,7 +23,7 @@ from pdcli.runtime.metrics import MetricsLog, RankStats, Timeline, chrome_trace,
 from pdcli.runtime.optim import build_optimizer
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
-from pdcli.runtime.schedule import build_schedule, replica_for
+from pdcli.runtime.schedule import FLUSH_SCHEDULES, build_schedule, replica_for
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.watchdog import Heartbeat
 
@@ -99,21 +99,36 @@ def run_session(
     )
     executor = Executor(ctx, actions)
     logger.info("stage %d replica %d: %d actions, %s, device %s", stage_id, replica_id, len(actions), cfg.schedule.name, device)
+
+    def save_checkpoint(step: int) -> None:
+        heartbeat.beat(executor.steps_done, f"checkpoint(step={step})")
+        if replica_id == 0:
+            checkpoint.save_stage(
+                train_dir, step, stage_id, module, entry["param_names"], ctx.optimizer, executor.weights.version,
+                {"schedule": cfg.schedule.name, "num_optimizer_steps": executor.steps_done},
+            )
+        dist.barrier()  # every stage file is written before the marker
+        if env.rank == 0:
+            checkpoint.mark_complete(train_dir, step, num_stages, cfg.train.keep_checkpoints)
+        logger.info("checkpoint of step %d written", step)
+
+    every = cfg.train.checkpoint_every
+    periodic = every > 0 and cfg.schedule.name in FLUSH_SCHEDULES
+    if every > 0 and not periodic:
+        logger.warning("train.checkpoint_every: %s has no flush point; checkpointing at the end only", cfg.schedule.name)
+
+    def on_step(steps_done: int) -> None:
+        # gpipe/1f1b: after optimizer step s every stage has drained minibatch s - 1, a consistent cut.
+        if periodic and steps_done % every == 0 and steps_done < cfg.train.steps:
+            save_checkpoint(steps_done)
+
+    if tracker is not None:
+        tracker.restart_clock()
     start_s = time.perf_counter()
-    executor.run()
+    executor.run(on_step)
     loop_s = time.perf_counter() - start_s
     logger.info("training loop done in %.3f s (%d optimizer steps)", loop_s, executor.steps_done)
-
-    heartbeat.beat(executor.steps_done, "checkpoint")
-    final_step = cfg.train.steps
-    if replica_id == 0:
-        checkpoint.save_stage(
-            train_dir, final_step, stage_id, module, entry["param_names"], ctx.optimizer, executor.weights.version,
-            {"schedule": cfg.schedule.name, "num_optimizer_steps": executor.steps_done},
-        )
-    dist.barrier()
-    if env.rank == 0:
-        checkpoint.mark_complete(train_dir, final_step, num_stages, cfg.train.keep_checkpoints)
+    save_checkpoint(cfg.train.steps)
 
     heartbeat.beat(executor.steps_done, "report")
     stats = timeline.finish()

@@ -57,3 +57,13 @@ def test_corrupt_json_is_a_user_error(tmp_path: Path) -> None:
         read_json(p)
     with pytest.raises(UserError, match="not found"):
         read_json(tmp_path / "missing")
+
+
+def test_artifacts_get_ordinary_permissions(tmp_path: Path) -> None:
+    import os
+
+    target = tmp_path / "a.json"
+    atomic_write_json(target, {"v": 1})
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask

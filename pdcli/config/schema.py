@@ -75,7 +75,7 @@ class PlanConfig:
     use_fewer_devices: bool = True
     """Allow a plan on fewer devices than available when that is faster."""
     num_stages: Optional[int] = None
-    """Force this many stages (straight pipeline); null = let the search decide."""
+    """Force this many stages (cost_model=pd); null = let the search decide."""
 
 
 @dataclass

@@ -47,23 +47,17 @@ def _temp_beside(path: Path) -> tuple[int, str]:
     return fd, tmp
 
 
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write `data` to `path` so readers see the old file or the new one, never half of it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _temp_beside(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_save(path, lambda name: Path(name).write_bytes(data))
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
@@ -85,6 +79,7 @@ def atomic_save(path: str | os.PathLike[str], save: Callable[[str], None]) -> No
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)  # the rename itself survives a crash only once the directory is synced
     except BaseException:
         try:
             os.unlink(tmp)

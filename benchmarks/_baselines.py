@@ -9,11 +9,13 @@ Child side: `python _baselines.py single|pipelining <shape json> <arg>` prints o
 from __future__ import annotations
 
 import socket
+import statistics
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -84,11 +86,24 @@ def single_main(shape: BenchShape, num_threads: int) -> None:
 
     for _ in range(shape.num_warmup_steps):
         step()
-    start_s = time.perf_counter()
-    for _ in range(shape.num_steps):
+    step_s = timed_steps(step, shape.num_steps)
+    emit_result({"samples_per_s": median_samples_per_s(shape, step_s), "threads": torch.get_num_threads()})
+
+
+def timed_steps(step: Callable[[], None], num_steps: int) -> list[float]:
+    """Wall seconds of each of `num_steps` calls of `step`."""
+    durations_s = []
+    for _ in range(num_steps):
+        start_s = time.perf_counter()
         step()
-    elapsed_s = time.perf_counter() - start_s
-    emit_result({"samples_per_s": shape.num_steps * shape.batch_size / elapsed_s, "threads": torch.get_num_threads()})
+        durations_s.append(time.perf_counter() - start_s)
+    return durations_s
+
+
+def median_samples_per_s(shape: BenchShape, step_s: list[float]) -> float:
+    """Median over steps of batch / step time: robust to another process stealing a core for a
+    moment, and the same statistic the pd rows use (pd logs samples/s per minibatch)."""
+    return statistics.median(shape.batch_size / s for s in step_s)
 
 
 # ---- child side: torch.distributed.pipelining -------------------------------------------
@@ -140,13 +155,12 @@ def _pipelining_rank(rank: int, shape_json: str, schedule_name: str, port: int, 
         for _ in range(shape.num_warmup_steps):
             step()
         dist.barrier()
-        start_s = time.perf_counter()
-        for _ in range(shape.num_steps):
-            step()
-        dist.barrier()  # the clock stops when the last stage has finished too
-        elapsed_s = time.perf_counter() - start_s
+        # rank 0 times the steps: with a flush per minibatch its step ends with the last
+        # backward of the minibatch, so its step time is the pipeline's minibatch time
+        step_s = timed_steps(step, shape.num_steps)
+        dist.barrier()
         if rank == 0:
-            Path(result_path).write_text(repr(shape.num_steps * shape.batch_size / elapsed_s))
+            Path(result_path).write_text(repr(median_samples_per_s(shape, step_s)))
     finally:
         dist.destroy_process_group()
 

@@ -24,6 +24,8 @@ FINAL_FIELD = "final"
 RECIPE_NAME = "bench_runtime.yaml"
 RUNS_DIR = "runs"
 LR = 0.01
+PROFILE_WARMUP = 3
+PROFILE_REPEATS = 15
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ def recipe(shape: BenchShape, run_root: Path) -> dict[str, Any]:
             "seed": shape.seed,
         },
         "cluster": {"levels": [{"devices": NUM_STAGES}], "device": "cpu"},
+        # more repeats than the default: the planner's split follows the profile, and on a
+        # shared 2-core host a 5-repeat median can tip it off the balanced cut
+        "profile": {"warmup": PROFILE_WARMUP, "repeats": PROFILE_REPEATS},
         "plan": {"num_stages": NUM_STAGES, "straight": True, "use_fewer_devices": False},
         "schedule": {"num_microbatches": shape.num_microbatches},
         "optim": {"name": "sgd", "lr": LR},

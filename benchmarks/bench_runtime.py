@@ -7,15 +7,19 @@ reported against that physical limit. A flush schedule with M microbatches on P 
 further bounded by its bubble: P * M / (M + P - 1) x single-thread.
 
     .venv/bin/python benchmarks/bench_runtime.py [--steps N] [--width 1024] [--layers 8]
-        [--batch 256] [--microbatches 8]
+        [--batch 256] [--microbatches 8] [--rounds 1] [--timeout-s 240] [--out PATH]
 
-Prints a table, writes `runs/benchmarks/runtime.json`. Numbers are printed, never asserted.
+Every row's samples/s is the median over its timed steps of batch / step time (pd logs it per
+minibatch; the baselines time each step), and with `--rounds R` the median over R rounds run
+one after the other. Prints a table, writes `runs/benchmarks/runtime.json`. Numbers are
+printed, never asserted: on a shared host they move with the other load (see `load before`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -42,51 +46,81 @@ MAX_REASON_CHARS = 100
 
 @dataclass(frozen=True)
 class Row:
-    """One variant's result: samples/s, or None and the reason it is unavailable."""
+    """One variant's result: samples/s (median over rounds), or None and why it is unavailable."""
 
     variant: str
     samples_per_s: float | None
     note: str = ""
+    per_round_samples_per_s: tuple[float, ...] = ()
+    """Each round's median-over-steps samples/s; their spread shows how noisy the host was."""
     wall_s: float = 0.0
-    """Wall time of the whole variant (process start-up, warm-up, timed steps)."""
+    """Wall time of the variant over all rounds (process start-up, warm-up, timed steps)."""
     load_avg_1min: float = 0.0
-    """Host load when the variant started: > 0 before we start means other work shares the cores."""
+    """Mean host load average when the variant started: well above 0 means other work
+    shares the cores, and the 2-process rows suffer more from it than the 1-thread one."""
 
 
-def variants(shape: BenchShape, timeout_s: float, pd_dir: Path) -> list[tuple[str, Callable[[], tuple[float, str]]]]:
-    """(name, measure) in the order they run; measure() -> (samples/s, note) or raises."""
+Measure = Callable[[Path], tuple[float, str]]
+
+
+def variants(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure]]:
+    """(name, measure) in the order they run; measure(scratch dir) -> (samples/s, note) or raises."""
     num_threads_all = os.cpu_count() or 1
-    baseline_split = f"split [0:{split_point(shape)}) [{split_point(shape)}:{2 * shape.num_layers + 2})"
+    cut, chain_length = split_point(shape), 2 * shape.num_layers + 2  # flatten, (linear, relu) x L, classifier
+    split = f"[0:{cut}) [{cut}:{chain_length})"
+    baseline_split = f"split {split}"
 
-    def pd_row(schedule_name: str) -> tuple[float, str]:
-        result = run_pd_train(shape, schedule_name, pd_dir / schedule_name, timeout_s)
-        return result.samples_per_s, f"split {result.split}, median of {result.num_logged_steps} logged steps"
+    def pd_row(schedule_name: str, work_dir: Path) -> tuple[float, str]:
+        result = run_pd_train(shape, schedule_name, work_dir, timeout_s)
+        differs = "" if result.split == split else " (planner's split, not the baselines')"
+        return result.samples_per_s, f"split {result.split}{differs}, median of {result.num_logged_steps} steps"
 
     return [
-        (REFERENCE, lambda: (run_single(shape, 1, timeout_s), "")),
-        (f"single process, {num_threads_all} threads", lambda: (run_single(shape, num_threads_all, timeout_s), "")),
-        ("torch pipelining Schedule1F1B", lambda: (run_torch_pipelining(shape, "1f1b", timeout_s), baseline_split)),
-        ("torch pipelining ScheduleGPipe", lambda: (run_torch_pipelining(shape, "gpipe", timeout_s), baseline_split)),
-        ("pd train pipedream", lambda: pd_row("pipedream")),
-        ("pd train 1f1b", lambda: pd_row("1f1b")),
+        (REFERENCE, lambda _: (run_single(shape, 1, timeout_s), "")),
+        (f"single process, {num_threads_all} threads", lambda _: (run_single(shape, num_threads_all, timeout_s), "")),
+        ("torch pipelining Schedule1F1B", lambda _: (run_torch_pipelining(shape, "1f1b", timeout_s), baseline_split)),
+        ("torch pipelining ScheduleGPipe", lambda _: (run_torch_pipelining(shape, "gpipe", timeout_s), baseline_split)),
+        ("pd train pipedream", lambda work_dir: pd_row("pipedream", work_dir)),
+        ("pd train 1f1b", lambda work_dir: pd_row("1f1b", work_dir)),
     ]
 
 
-def measure_all(shape: BenchShape, timeout_s: float) -> list[Row]:
-    rows: list[Row] = []
+def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int) -> list[Row]:
+    """Every variant once per round, rounds one after the other, so slow phases of the
+    host's other load spread over all variants instead of hitting one."""
+    table = variants(shape, timeout_s)
+    values: dict[str, list[float]] = {name: [] for name, _ in table}
+    notes: dict[str, str] = {}
+    wall_s: dict[str, float] = {name: 0.0 for name, _ in table}
+    loads: dict[str, list[float]] = {name: [] for name, _ in table}
     with tempfile.TemporaryDirectory(prefix="pd-bench-runtime-") as tmp:
-        for name, measure in variants(shape, timeout_s, Path(tmp)):
-            load = os.getloadavg()[0]
-            print(f"running {name} (load average {load:.2f}) ...", file=sys.stderr, flush=True)
-            start_s = time.perf_counter()
-            try:
-                samples_per_s, note = measure()
-            except BenchFailed as exc:
-                samples_per_s, note = None, f"{UNAVAILABLE}{exc}"
-            wall_s = time.perf_counter() - start_s
-            rows.append(Row(name, samples_per_s, note, wall_s, load))
-            print(f"  {samples_per_s or note} in {wall_s:.1f} s", file=sys.stderr, flush=True)
-    return rows
+        for round_id in range(num_rounds):
+            for variant_id, (name, measure) in enumerate(table):
+                load = os.getloadavg()[0]
+                print(f"round {round_id + 1}/{num_rounds}: {name} (load average {load:.2f}) ...", file=sys.stderr, flush=True)
+                start_s = time.perf_counter()
+                try:
+                    samples_per_s, note = measure(Path(tmp) / f"round{round_id}_variant{variant_id}")
+                    values[name].append(samples_per_s)
+                    notes[name] = note
+                except BenchFailed as exc:
+                    samples_per_s, note = None, f"{UNAVAILABLE}{exc}"
+                    notes.setdefault(name, note)
+                elapsed_s = time.perf_counter() - start_s
+                wall_s[name] += elapsed_s
+                loads[name].append(load)
+                print(f"  {samples_per_s or note} in {elapsed_s:.1f} s", file=sys.stderr, flush=True)
+    return [
+        Row(
+            name,
+            statistics.median(values[name]) if values[name] else None,
+            notes[name],
+            tuple(values[name]),
+            wall_s[name],
+            statistics.mean(loads[name]),
+        )
+        for name, _ in table
+    ]
 
 
 def flush_bound(shape: BenchShape) -> float:
@@ -122,11 +156,12 @@ def table(result: dict[str, Any]) -> str:
             num(r["samples_per_s"], ".0f") if r["samples_per_s"] is not None else short_reason(r["note"]),
             num(r["ratio_to_single_1thread"], ".2f"),
             num(r["fraction_of_2x_limit"], ".0%"),
+            num(r["load_avg_1min"], ".1f"),
             r["note"] if r["samples_per_s"] is not None else "",
         ]
         for r in result["rows"]
     ]
-    headers = ["variant", "samples/s", "x 1-thread", "of 2x limit", "notes"]
+    headers = ["variant", "samples/s", "x 1-thread", "of 2x limit", "load before", "notes"]
     return tabulate(body, headers=headers, disable_numparse=True)
 
 
@@ -144,6 +179,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=d.num_layers)
     p.add_argument("--batch", type=int, default=d.batch_size)
     p.add_argument("--microbatches", type=int, default=d.num_microbatches)
+    p.add_argument("--rounds", type=int, default=1, help="run every variant this many times; report the median")
     p.add_argument("--timeout-s", type=float, default=240.0, help="per variant; a variant past it is killed")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results")
     return p.parse_args(argv)
@@ -156,12 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    rows = measure_all(shape, args.timeout_s)
-    result = report(shape, rows)
+    if args.rounds < 1 or args.timeout_s <= 0:
+        print(f"error: --rounds must be >= 1 and --timeout-s > 0, got {args.rounds}, {args.timeout_s}", file=sys.stderr)
+        return 2
+    rows = measure_all(shape, args.timeout_s, args.rounds)
+    result = {**report(shape, rows), "num_rounds": args.rounds}
     print(
         f"MLP {shape.num_layers} x {shape.width}, batch {shape.batch_size}, {shape.num_microbatches} microbatches, "
-        f"{NUM_STAGES} stages, {shape.num_steps} timed steps after {shape.num_warmup_steps} warm-up; "
-        f"physical limit = {NUM_STAGES}x single-thread, flush-bubble bound = {result['flush_bubble_bound_ratio']:.2f}x"
+        f"{NUM_STAGES} stages, {shape.num_steps} timed steps after {shape.num_warmup_steps} warm-up, "
+        f"{args.rounds} round(s); samples/s = median over steps (and rounds); physical limit = {NUM_STAGES}x single-thread, flush-bubble bound = {result['flush_bubble_bound_ratio']:.2f}x"
     )
     print(table(result))
     atomic_write_json(args.out, result)

@@ -19,6 +19,7 @@ from pdcli.runtime import checkpoint
 from pdcli.runtime.comm import MessageLayout, TensorSpec, message_tag
 from pdcli.runtime.executor import FAULT_ENV
 from pdcli.runtime.placement import Placement
+from pdcli.runtime.sockets import TRANSPORT_ENV
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.step import TrainingFailed, format_summary, run_training
 from pdcli.runtime.toy import ToyNet, toy_plan, write_toy_run, write_toy_stages
@@ -129,10 +130,11 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mode", ["exit", "hang"])
+@pytest.mark.parametrize("mode,transport", [("exit", "socket"), ("hang", "socket"), ("exit", "gloo")])
 def test_failed_worker_stops_the_job_naming_rank_stage_and_action(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, transport: str
 ) -> None:
+    monkeypatch.setenv(TRANSPORT_ENV, transport)
     run_dir = tmp_path / "run"
     cfg = toy_config(run_dir, "1f1b", timeout_s=5)
     cfg.train.steps = 50
@@ -146,6 +148,7 @@ def test_failed_worker_stops_the_job_naming_rank_stage_and_action(
     first_line = message.splitlines()[0]  # the root cause comes first
     assert "rank 1 (stage 1, replica 0)" in first_line, message
     assert "step=2" in first_line or "at step 2" in first_line, message
+    assert "Forward" in first_line or "Backward" in first_line, message  # the action it died in
     assert ("exit code 3" if mode == "exit" else "made no progress") in first_line, message
     assert elapsed_s < 60, f"failure took {elapsed_s:.1f} s to stop the job"
     assert processes_mentioning(str(run_dir)) == []

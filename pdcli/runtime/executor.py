@@ -113,8 +113,8 @@ class Executor:
             self._post_ahead(index)
             if self.ctx.heartbeat is not None:
                 self.ctx.heartbeat.beat(self.steps_done, repr(action))
-            if self._fault is not None and self.steps_done >= self._fault[0]:
-                _inject(self._fault[1])
+            if self._fault is not None and self.steps_done >= self._fault[0] and isinstance(action, (S.Forward, S.Backward)):
+                _inject(self._fault[1])  # in compute: a hang there is the cause, not a symptom
             start_s = tl.now()
             S.dispatch(self.handlers, action)
             tl.add(type(action).__name__, CATEGORY.get(type(action), COMPUTE), start_s, tl.now())

@@ -95,7 +95,7 @@ def diagnose(train_dir: Path, placement: Placement, error: ChildFailedError, log
         report = reports[rank]
         if report is None:
             return (0 if rank in exit_codes else 3, 0.0)  # died without a word: the likely cause
-        return ({"error": 1, "hang": 2, "peer": 3}.get(report["kind"], 1), report["time_s"])
+        return ({"error": 1, "hang": 2, "waiting": 3, "peer": 3}.get(report["kind"], 1), report["time_s"])
 
     involved = sorted(set(exit_codes) | {r for r, rep in reports.items() if rep}, key=severity)
     lines = []
@@ -103,8 +103,7 @@ def diagnose(train_dir: Path, placement: Placement, error: ChildFailedError, log
         report = reports[rank]
         status = read_status(train_dir, rank) or "no action started"
         if report is not None:
-            text = report["message"] if report["kind"] == "hang" else f"{report['message']} (last: {status})"
-            lines.append(text if not lines else _shorten(text))
+            lines.append(report["message"] if not lines else _shorten(report["message"]))
         else:
             code = exit_codes.get(rank)
             how = f"died with exit code {code}" if code is None or code >= 0 else f"was killed by signal {-code}"

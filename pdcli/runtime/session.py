@@ -17,13 +17,14 @@ from pdcli.data import build_data
 from pdcli.models import build_loss
 from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
-from pdcli.runtime.comm import Mailbox, TorchDistTransport
+from pdcli.runtime.comm import Mailbox, TorchDistTransport, Transport
 from pdcli.runtime.executor import Executor, StageContext
 from pdcli.runtime.metrics import MetricsLog, RankStats, Timeline, chrome_trace, per_stage
 from pdcli.runtime.optim import build_optimizer
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
 from pdcli.runtime.schedule import FLUSH_SCHEDULES, build_schedule, replica_for
+from pdcli.runtime.sockets import TRANSPORT_ENV, SocketTransport, socket_transport_possible
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.watchdog import Heartbeat
 
@@ -48,6 +49,19 @@ def pick_device(cfg: "Config", local_rank: int) -> tuple[torch.device, str]:
 def replica_groups(placement: Placement) -> dict[int, Any]:
     """A process group per replicated stage; every rank creates every group, in stage order."""
     return {k: dist.new_group(list(ranks)) for k, ranks in enumerate(placement.stage_ranks) if len(ranks) > 1}
+
+
+def make_transport(placement: Placement, io: StageIO, rank: int, device: torch.device, timeout_s: float) -> Transport:
+    """Sockets between same-host CPU ranks (one message ~15 us instead of gloo's ~1.5 ms), else
+    torch.distributed (gloo / NCCL). `PD_TRANSPORT=gloo|socket` overrides; same choice on every rank."""
+    default = "socket" if device.type == "cpu" and socket_transport_possible() else "gloo"
+    choice = os.environ.get(TRANSPORT_ENV, default)
+    if choice == "socket":
+        peers = {r for k in (*io.acts_in, *io.acts_out) for r in placement.stage_ranks[k]}
+        return SocketTransport.connect(rank, placement.world_size, peers, timeout_s)
+    if choice != "gloo":
+        raise ValueError(f"{TRANSPORT_ENV}={choice!r}: use socket or gloo")
+    return TorchDistTransport()
 
 
 def run_session(
@@ -87,13 +101,14 @@ def run_session(
             own_per_minibatch=lambda t: sum(1 for mb in range(t * m, (t + 1) * m) if replica_for(mb, r) == replica_id),
             writer=MetricsLog(train_dir / "metrics.jsonl") if env.rank == writer_rank else None,
         )
+    transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s)
     loss_name = manifest.get("loss", cfg.model.loss)
     ctx = StageContext(
         rank=env.rank, stage_id=stage_id, replica_id=replica_id, module=module, io=io, placement=placement,
         data=build_data(cfg.data, cfg.data.batch_size), num_microbatches=m,
         loss_fn=build_loss(loss_name) if is_last else None,
         optimizer=build_optimizer(cfg.optim, module), device=device,
-        mailbox=Mailbox(TorchDistTransport(), device), timeline=timeline, precision=cfg.train.precision,
+        mailbox=Mailbox(transport, device), timeline=timeline, precision=cfg.train.precision,
         recompute=cfg.train.recompute, replica_group=groups.get(stage_id), heartbeat=heartbeat,
         record_loss=tracker.record if tracker else None, is_classifier=loss_name == "cross_entropy",
     )
@@ -139,6 +154,8 @@ def run_session(
     if gathered is not None:
         write_reports(train_dir, cfg, gathered, loop_s, tracker)
     dist.barrier()
+    if isinstance(transport, SocketTransport):
+        transport.close()
     dist.destroy_process_group()
 
 

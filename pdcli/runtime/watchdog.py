@@ -20,6 +20,8 @@ from pathlib import Path
 
 STATUS_BYTES = 512
 WATCHDOG_EXIT_CODE = 124  # like timeout(1)
+WAITING_ACTIONS = ("RecvActivations", "RecvGrads", "AllReduceGrads", "init_process_group", "checkpoint", "report")
+"""Actions that wait for other ranks: a timeout there points at a peer."""
 
 
 def status_path(train_dir: Path, rank: int) -> Path:
@@ -63,7 +65,8 @@ def read_status(train_dir: Path, rank: int) -> str | None:
 
 
 def write_error(train_dir: Path, rank: int, kind: str, message: str) -> None:
-    """`kind`: `hang` (watchdog), `peer` (a communication error: a peer probably died), `error`."""
+    """`kind`: `error` (raised), `hang` (watchdog, stuck in compute), `waiting` (watchdog, stuck
+    waiting for a peer), `peer` (a communication error: a peer probably died)."""
     p = error_path(train_dir, rank)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
@@ -98,11 +101,13 @@ class Watchdog(threading.Thread):
         while not self._stop_event.wait(poll_s):
             stuck_s = time.monotonic() - self.heartbeat.started_s
             if stuck_s > self.timeout_s:
+                waiting = self.heartbeat.action.startswith(WAITING_ACTIONS)
                 message = (
-                    f"{self.who} made no progress for {stuck_s:.1f} s (train.timeout_s={self.timeout_s:g}) "
-                    f"in action {self.heartbeat.action} at step {self.heartbeat.step}"
+                    f"{self.who} {'waited' if waiting else 'made no progress'} for {stuck_s:.1f} s "
+                    f"(train.timeout_s={self.timeout_s:g}) in action {self.heartbeat.action} at step {self.heartbeat.step}"
                 )
-                write_error(self.train_dir, self.rank, "hang", message)
+                # Waiting on a peer is a symptom; stuck in compute is a cause.
+                write_error(self.train_dir, self.rank, "waiting" if waiting else "hang", message)
                 print(f"pd worker: {message}", flush=True)
                 os._exit(WATCHDOG_EXIT_CODE)
 

@@ -197,3 +197,24 @@ def test_worker_runs_as_is_under_torchrun(tmp_path: Path) -> None:
     summary = json.loads((run_dir / "train" / "summary.json").read_text())
     assert len(summary["minibatch_losses"]) == cfg.train.steps
     assert checkpoint.complete_steps(run_dir / "train") == [cfg.train.steps]
+
+
+def test_diagnosis_puts_the_root_cause_first(tmp_path: Path) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from pdcli.runtime.launcher import diagnose
+    from pdcli.runtime.watchdog import Heartbeat, status_path, write_error
+
+    placement = Placement.from_plan(toy_plan([1, 1, 1]))
+    beat = Heartbeat(status_path(tmp_path, 1))
+    beat.beat(4, "Backward(microbatch_id=9, weight_version=3)")
+    beat.close()
+    write_error(tmp_path, 0, "peer", "rank 0 (stage 0, replica 0) failed in RecvGrads: connection closed")
+    failures = {
+        r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=code, error_file=str(tmp_path / "none.json"))
+        for r, code in ((0, 1), (1, 3), (2, -15))
+    }
+    message = diagnose(tmp_path, placement, ChildFailedError("worker", failures), tmp_path)
+    lines = message.splitlines()
+    assert lines[0] == "rank 1 (stage 1, replica 0) died with exit code 3; last: step=4 action=Backward(microbatch_id=9, weight_version=3)"
+    assert "rank 0" in lines[1] and "rank 2" in lines[2] and "signal 15" in lines[2]

@@ -9,6 +9,7 @@ worker dies, the elastic agent stops its siblings and `launch_workers` raises
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
 import uuid
@@ -94,7 +95,9 @@ def diagnose(train_dir: Path, placement: Placement, error: ChildFailedError, log
     def severity(rank: int) -> tuple[int, float]:
         report = reports[rank]
         if report is None:
-            return (0 if rank in exit_codes else 3, 0.0)  # died without a word: the likely cause
+            if rank not in exit_codes or exit_codes[rank] == -signal.SIGTERM:
+                return (4, 0.0)  # stopped by the agent after another rank failed
+            return (0, 0.0)  # died without a word (os._exit, SIGKILL, segfault): the likely cause
         return ({"error": 1, "hang": 2, "waiting": 3, "peer": 3}.get(report["kind"], 1), report["time_s"])
 
     involved = sorted(set(exit_codes) | {r for r, rep in reports.items() if rep}, key=severity)

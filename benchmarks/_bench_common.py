@@ -39,7 +39,7 @@ class BenchShape:
     num_layers: int = 8
     batch_size: int = 256
     num_microbatches: int = 8
-    num_steps: int = 20
+    num_steps: int = 15
     """Timed optimizer steps (minibatches of `batch_size`)."""
     num_warmup_steps: int = 3
     """Untimed steps before the clock starts (allocator, thread pools, gloo connections)."""

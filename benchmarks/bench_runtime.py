@@ -7,7 +7,7 @@ reported against that physical limit. A flush schedule with M microbatches on P 
 further bounded by its bubble: P * M / (M + P - 1) x single-thread.
 
     .venv/bin/python benchmarks/bench_runtime.py [--steps N] [--width 1024] [--layers 8]
-        [--batch 256] [--microbatches 8] [--rounds 1] [--timeout-s 240] [--out PATH]
+        [--batch 256] [--microbatches 8] [--rounds 3] [--timeout-s 240] [--out PATH]
 
 Every row's samples/s is the median over its timed steps of batch / step time (pd logs it per
 minibatch; the baselines time each step), and with `--rounds R` the median over R rounds run
@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the _helpers beside this script
 
@@ -39,6 +39,7 @@ from pdcli.rundir import atomic_write_json  # noqa: E402
 
 DEFAULT_OUT = Path("runs") / "benchmarks" / "runtime.json"
 REFERENCE = "single process, 1 thread"
+DEFAULT_ROUNDS = 3
 UNAVAILABLE = "unavailable: "
 MAX_REASON_CHARS = 100
 """An unavailable row shows the last line of its reason, cut to this (the JSON keeps all)."""
@@ -87,7 +88,8 @@ def variants(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure]]:
 
 def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int) -> list[Row]:
     """Every variant once per round, rounds one after the other, so slow phases of the
-    host's other load spread over all variants instead of hitting one."""
+    host's other load spread over all variants instead of hitting one. A pd variant keeps
+    its run directory over rounds: profile, plan and stages are made once and reused."""
     table = variants(shape, timeout_s)
     values: dict[str, list[float]] = {name: [] for name, _ in table}
     notes: dict[str, str] = {}
@@ -100,7 +102,7 @@ def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int) -> list[Ro
                 print(f"round {round_id + 1}/{num_rounds}: {name} (load average {load:.2f}) ...", file=sys.stderr, flush=True)
                 start_s = time.perf_counter()
                 try:
-                    samples_per_s, note = measure(Path(tmp) / f"round{round_id}_variant{variant_id}")
+                    samples_per_s, note = measure(Path(tmp) / f"variant{variant_id}")
                     values[name].append(samples_per_s)
                     notes[name] = note
                 except BenchFailed as exc:
@@ -156,13 +158,18 @@ def table(result: dict[str, Any]) -> str:
             num(r["samples_per_s"], ".0f") if r["samples_per_s"] is not None else short_reason(r["note"]),
             num(r["ratio_to_single_1thread"], ".2f"),
             num(r["fraction_of_2x_limit"], ".0%"),
+            spread(r["per_round_samples_per_s"]),
             num(r["load_avg_1min"], ".1f"),
             r["note"] if r["samples_per_s"] is not None else "",
         ]
         for r in result["rows"]
     ]
-    headers = ["variant", "samples/s", "x 1-thread", "of 2x limit", "load before", "notes"]
+    headers = ["variant", "samples/s", "x 1-thread", "of 2x limit", "rounds min-max", "load before", "notes"]
     return tabulate(body, headers=headers, disable_numparse=True)
+
+
+def spread(values: Sequence[float]) -> str:
+    return f"{min(values):.0f}-{max(values):.0f}" if len(values) > 1 else "-"
 
 
 def short_reason(note: str) -> str:
@@ -179,7 +186,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=d.num_layers)
     p.add_argument("--batch", type=int, default=d.batch_size)
     p.add_argument("--microbatches", type=int, default=d.num_microbatches)
-    p.add_argument("--rounds", type=int, default=1, help="run every variant this many times; report the median")
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="run every variant this many times; report the median")
     p.add_argument("--timeout-s", type=float, default=240.0, help="per variant; a variant past it is killed")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results")
     return p.parse_args(argv)

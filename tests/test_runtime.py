@@ -17,7 +17,7 @@ from pdcli.errors import UserError
 from pdcli.rundir import RunDir
 from pdcli.runtime import checkpoint
 from pdcli.runtime.comm import MessageLayout, TensorSpec, message_tag
-from pdcli.runtime.executor import FAULT_ENV
+from pdcli.runtime.watchdog import FAULT_ENV
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.sockets import TRANSPORT_ENV
 from pdcli.runtime.stageio import StageIO

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,12 +30,11 @@ from pdcli.runtime.comm import Mailbox
 from pdcli.runtime.metrics import COMM, COMPUTE, IDLE, Timeline
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.stageio import StageIO
-from pdcli.runtime.watchdog import Heartbeat
+from pdcli.runtime.watchdog import FAULT_ENV, Heartbeat, inject_fault, parse_fault
 from pdcli.runtime.weights import WeightVersions
 
 RECV_LOOKAHEAD_ACTIONS = 16
 FP16_LOSS_SCALE = 1024.0  # static; an overflow stops training with a clear error
-FAULT_ENV = "PD_TEST_FAULT"  # tests only: "<rank>:<step>:exit|hang"
 
 CATEGORY: dict[type, str] = {
     S.LoadMicrobatch: COMPUTE, S.Forward: COMPUTE, S.Backward: COMPUTE, S.OptimizerStep: COMPUTE,
@@ -104,7 +102,7 @@ class Executor:
         self.loss_scale = FP16_LOSS_SCALE if ctx.precision == "fp16" else 1.0
         self._recv_positions = [i for i, a in enumerate(actions) if isinstance(a, (S.RecvActivations, S.RecvGrads))]
         self._next_recv = 0
-        self._fault = _parse_fault(os.environ.get(FAULT_ENV), ctx.rank)
+        self._fault = parse_fault(os.environ.get(FAULT_ENV), ctx.rank)
 
     # ---- the loop -------------------------------------------------------------------
     def run(self, on_step: Callable[[int], None] | None = None) -> None:
@@ -114,7 +112,7 @@ class Executor:
             if self.ctx.heartbeat is not None:
                 self.ctx.heartbeat.beat(self.steps_done, repr(action))
             if self._fault is not None and self.steps_done >= self._fault[0] and isinstance(action, (S.Forward, S.Backward)):
-                _inject(self._fault[1])  # in compute: a hang there is the cause, not a symptom
+                inject_fault(self._fault[1])  # in compute: a hang there is the cause, not a symptom
             start_s = tl.now()
             S.dispatch(self.handlers, action)
             tl.add(type(action).__name__, CATEGORY.get(type(action), COMPUTE), start_s, tl.now())
@@ -307,17 +305,3 @@ class Executor:
         self.ctx.optimizer.zero_grad(set_to_none=True)
         self.weights.stepped()
         self.steps_done += 1
-
-
-def _parse_fault(spec: str | None, rank: int) -> tuple[int, str] | None:
-    if not spec:
-        return None
-    fault_rank, step, mode = spec.split(":")
-    return (int(step), mode) if int(fault_rank) == rank else None
-
-
-def _inject(mode: str) -> None:
-    if mode == "exit":
-        os._exit(3)
-    while True:  # "hang": the watchdog must end this process
-        time.sleep(3600)

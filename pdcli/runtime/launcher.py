@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -80,6 +81,8 @@ def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s:
         elastic_launch(config, sys.executable)("-u", "-m", WORKER_MODULE, "--run-dir", str(run_dir))
     except ChildFailedError as e:
         raise TrainingFailed(diagnose(train_dir, placement, e, log_dir)) from None
+    except SignalException as e:  # Ctrl-C / SIGTERM on the launcher: the agent stopped the workers
+        raise TrainingFailed(f"interrupted by signal {e.sigval}; all workers were stopped") from None
 
 
 def describe_rank(placement: Placement, rank: int) -> str:

@@ -20,6 +20,9 @@ from pathlib import Path
 
 STATUS_BYTES = 512
 WATCHDOG_EXIT_CODE = 124  # like timeout(1)
+FAULT_ENV = "PD_TEST_FAULT"
+"""Tests only: `<rank>:<step>:exit|hang` makes that rank exit (code 3) or hang in its first
+Forward/Backward once it has taken `step` optimizer steps."""
 WAITING_ACTIONS = ("RecvActivations", "RecvGrads", "AllReduceGrads", "init_process_group", "checkpoint", "report")
 """Actions that wait for other ranks: a timeout there points at a peer."""
 
@@ -113,3 +116,20 @@ class Watchdog(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+
+
+def parse_fault(spec: str | None, rank: int) -> tuple[int, str] | None:
+    """(step, mode) of the fault `FAULT_ENV` asks of `rank`, or None."""
+    if not spec:
+        return None
+    fault_rank, step, mode = spec.split(":")
+    if mode not in ("exit", "hang"):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: mode must be exit or hang")
+    return (int(step), mode) if int(fault_rank) == rank else None
+
+
+def inject_fault(mode: str) -> None:
+    if mode == "exit":
+        os._exit(3)
+    while True:  # "hang": the watchdog must end this process
+        time.sleep(3600)

@@ -133,6 +133,12 @@ def run_session(
         logger.warning("train.checkpoint_every: %s has no flush point; checkpointing at the end only", cfg.schedule.name)
 
     def on_step(steps_done: int) -> None:
+        if steps_done % cfg.train.log_every == 0:
+            st = timeline.stats
+            logger.info(
+                "optimizer step %d: compute %.1f ms, comm %.1f ms, idle %.1f ms so far, %d weight versions held",
+                steps_done, st.compute_ms, st.comm_ms, st.idle_ms, executor.weights.max_versions_held,
+            )
         # gpipe/1f1b: after optimizer step s every stage has drained minibatch s - 1, a consistent cut.
         if periodic and steps_done % every == 0 and steps_done < cfg.train.steps:
             save_checkpoint(steps_done)

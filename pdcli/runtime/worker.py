@@ -13,11 +13,9 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from pdcli.runtime.placement import Placement

@@ -75,8 +75,7 @@ def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s:
     train_dir = run_dir / "train"
     log_dir = train_dir / "elastic"
     config = launch_config(placement.world_size, hosts, log_dir, rdzv_timeout_s=max(60.0, timeout_s * 2))
-    # The elastic agent logs every start/stop at INFO/WARNING; our message says what matters.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # TrainingFailed says it better
     try:
         elastic_launch(config, sys.executable)("-u", "-m", WORKER_MODULE, "--run-dir", str(run_dir))
     except ChildFailedError as e:

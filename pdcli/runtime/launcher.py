@@ -66,7 +66,7 @@ def launch_config(world_size: int, hosts: Hosts, log_dir: Path, rdzv_timeout_s: 
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee=Std.ERR),
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),  # worker output: train/elastic/
     )
 
 

@@ -55,6 +55,7 @@ class TrainResult:
 def _clean_previous(train_dir: Path) -> None:
     """Stale status/error files would blame the wrong rank; old metrics would mislead."""
     shutil.rmtree(train_dir / "status", ignore_errors=True)
+    shutil.rmtree(train_dir / "elastic", ignore_errors=True)  # worker stdout/stderr of the last launch
     for name in ("metrics.jsonl", SUMMARY_FILE, "trace.json"):
         (train_dir / name).unlink(missing_ok=True)
 

@@ -7,7 +7,7 @@ reported against that physical limit. A flush schedule with M microbatches on P 
 further bounded by its bubble: P * M / (M + P - 1) x single-thread.
 
     .venv/bin/python benchmarks/bench_runtime.py [--steps N] [--width 1024] [--layers 8]
-        [--batch 256] [--microbatches 8] [--rounds 3] [--timeout-s 240] [--out PATH]
+        [--batch 256] [--microbatches 8] [--rounds 2] [--timeout-s 240] [--out PATH]
 
 Every row's samples/s is the median over its timed steps of batch / step time (pd logs it per
 minibatch; the baselines time each step), and with `--rounds R` the median over R rounds run
@@ -39,7 +39,7 @@ from pdcli.rundir import atomic_write_json  # noqa: E402
 
 DEFAULT_OUT = Path("runs") / "benchmarks" / "runtime.json"
 REFERENCE = "single process, 1 thread"
-DEFAULT_ROUNDS = 3
+DEFAULT_ROUNDS = 2
 UNAVAILABLE = "unavailable: "
 MAX_REASON_CHARS = 100
 """An unavailable row shows the last line of its reason, cut to this (the JSON keeps all)."""

@@ -31,6 +31,7 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
         use_fewer_devices=cfg.plan.use_fewer_devices,
         cost_model=cfg.plan.cost_model,
         num_stages=cfg.plan.num_stages,
+        boundaries=tuple(cfg.plan.boundaries) if cfg.plan.boundaries is not None else None,
         profile_sha256=profile_sha256,
     )
 

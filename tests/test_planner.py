@@ -276,3 +276,16 @@ def test_planner_never_imports_torch() -> None:
             "pdcli.profiler.graphtxt; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_fixed_boundaries_are_kept_and_checked() -> None:
+    chain = random_chain(random.Random(7), 6)
+    topology = Topology.flat(3)
+    plan = plan_chain(chain, topology, PlanOptions(boundaries=(2, 5)))
+    assert [(s.start, s.end, s.replicas) for s in plan.stages] == [(0, 2, 1), (2, 5, 1), (5, 6, 1)]
+    searched = plan_chain(chain, topology, PlanOptions(num_stages=3, straight=True))
+    # the search can only do as well as or better than any fixed split of the same shape
+    assert searched.pipeline["time_per_minibatch_ms"] <= plan.pipeline["time_per_minibatch_ms"] + 1e-9
+    for bad in [(0, 2), (3, 2), (2, 6), (1, 2, 3)]:
+        with pytest.raises(UserError, match="plan.boundaries"):
+            plan_chain(chain, topology, PlanOptions(boundaries=bad))

@@ -76,6 +76,8 @@ class PlanConfig:
     """Allow a plan on fewer devices than available when that is faster."""
     num_stages: Optional[int] = None
     """Force this many stages (cost_model=pd); null = let the search decide."""
+    boundaries: Optional[List[int]] = None
+    """Fix the split: chain positions where stages 1.. start (e.g. [9]); null = search."""
 
 
 @dataclass

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from pdcli.models.init import init_relu_net
+
 
 def mlp(
     in_features: int = 64, hidden: int = 128, num_layers: int = 8, num_classes: int = 10
@@ -17,4 +19,6 @@ def mlp(
         layers += [nn.Linear(width, hidden), nn.ReLU()]
         width = hidden
     layers.append(nn.Linear(width, num_classes))
-    return nn.Sequential(*layers)
+    model = nn.Sequential(*layers)
+    init_relu_net(model)  # PyTorch's default init starves a deep ReLU stack: loss stays at log(10)
+    return model

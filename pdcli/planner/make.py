@@ -31,6 +31,22 @@ def _check_request(chain: Chain, topology: Topology, options: PlanOptions) -> No
         raise UserError(f"{k} stages need at least {k} devices, the cluster has {devices}")
     if k is not None and options.cost_model == COST_PIPEDREAM:
         raise UserError("plan.num_stages needs cost_model=pd (PipeDream's optimizer has no stage count)")
+    if options.boundaries is not None:
+        _check_boundaries(options.boundaries, n, devices, options)
+
+
+def _check_boundaries(boundaries: tuple[int, ...], n: int, devices: int, options: PlanOptions) -> None:
+    if options.cost_model == COST_PIPEDREAM:
+        raise UserError("plan.boundaries needs cost_model=pd")
+    if list(boundaries) != sorted(set(boundaries)) or any(not 0 < b < n for b in boundaries):
+        raise UserError(
+            f"plan.boundaries: {list(boundaries)} must be strictly increasing positions in 1..{n - 1} "
+            f"(where stages 1.. start; `pd profile` lists the positions)"
+        )
+    if len(boundaries) + 1 > devices:
+        raise UserError(f"plan.boundaries: {len(boundaries) + 1} stages need {len(boundaries) + 1} devices, the cluster has {devices}")
+    if options.num_stages is not None and options.num_stages != len(boundaries) + 1:
+        raise UserError(f"plan.boundaries gives {len(boundaries) + 1} stages but plan.num_stages is {options.num_stages}")
 
 
 def _infeasible(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float) -> UserError:
@@ -69,6 +85,11 @@ def plan_chain(chain: Chain, topology: Topology, options: PlanOptions) -> Plan:
         result = evaluate_pipedream(space, topology, options, scale, pd_stages)
         result = dataclasses.replace(result, time_per_minibatch_ms=best_s * MS_PER_S)
         data_parallel_ms = pipedream_data_parallel_s(space, topology, scale) * MS_PER_S
+    elif options.boundaries is not None:
+        edges = [0, *options.boundaries, space.num_positions]
+        result = evaluate_pd(space, topology, options, scale, [(a, b, 1) for a, b in zip(edges, edges[1:])])
+        whole = evaluate_pd(space, topology, options, scale, [(0, space.num_positions, devices)])
+        data_parallel_ms = whole.time_per_minibatch_ms
     else:
         found_pd = pd_search(space, topology, options, scale)
         if found_pd is None:
@@ -114,6 +135,8 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
         "use_fewer_devices": options.use_fewer_devices,
         "num_stages": options.num_stages,
     }
+    if options.boundaries is not None:
+        inputs["boundaries"] = list(options.boundaries)
     if options.profile_sha256:
         inputs["profile_sha256"] = options.profile_sha256
     return Plan(inputs=inputs, stages=tuple(stages), pipeline=pipeline)

@@ -37,6 +37,8 @@ class PlanOptions:
     """`pd` (schedule-aware) or `pipedream` (PipeDream's optimizer, exact)."""
     num_stages: int | None = None
     """Force exactly this many stages; None = the search decides."""
+    boundaries: tuple[int, ...] | None = None
+    """Fixed split: chain positions where stages 1.. start (one device each); None = search."""
     profile_sha256: str | None = None
     """Recorded in the plan's inputs when given."""
 

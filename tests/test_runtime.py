@@ -110,6 +110,16 @@ def test_bad_schedule_parameters_fail_before_launch(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "train" / "status").exists()  # no worker was started
 
 
+def test_inconsistent_manifest_edges_are_refused(tmp_path: Path) -> None:
+    from pdcli.runtime.step import check_edges
+
+    manifest = write_toy_stages(tmp_path, ToyNet(3), microbatch_size=2)
+    check_edges(manifest)
+    manifest["stages"][1]["inputs"][1]["shape"] = [2, 99]  # g0 as stage 1 expects it
+    with pytest.raises(UserError, match=r"stage 0 sends \['g0', 'h0'\] to stage 1"):
+        check_edges(manifest)
+
+
 # ---- real processes --------------------------------------------------------------------------
 
 

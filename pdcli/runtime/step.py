@@ -18,6 +18,7 @@ from pdcli.runtime.launcher import Hosts, TrainingFailed, launch_workers
 from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.schedule import build_schedule
+from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.session import SUMMARY_FILE
 from pdcli.runtime.worker import LAUNCH_FILE
 
@@ -75,12 +76,33 @@ def check_inputs(cfg: Config, plan_json: dict[str, Any], manifest: dict[str, Any
             f"= {cfg.data.batch_size / cfg.schedule.num_microbatches:g}",
             hint="the stages are stale: re-run `pd compile`",
         )
+    check_edges(manifest)
     for stage_id, replicas in enumerate(placement.replicas):  # pure: a bad schedule fails here, not in 4 workers
         build_schedule(
             cfg.schedule.name, placement.num_stages, stage_id, cfg.schedule.num_microbatches, cfg.train.steps,
             replicas=list(placement.replicas), replica_id=replicas - 1, vertical_sync=cfg.schedule.vertical_sync,
         )
     return placement
+
+
+def check_edges(manifest: dict[str, Any]) -> None:
+    """Every message's layout agrees on both ends (else a receive would wait forever)."""
+    ios = [StageIO.from_manifest(manifest, k) for k in range(int(manifest["num_stages"]))]
+    for io in ios:
+        for consumer, layout in io.acts_out.items():
+            theirs = ios[consumer].acts_in.get(io.stage_id) if consumer < len(ios) else None
+            if theirs != layout:
+                raise UserError(
+                    f"stages/manifest.json: stage {io.stage_id} sends {list(layout.names)} to stage {consumer}, "
+                    f"which expects {list(theirs.names) if theirs else 'nothing'} from it (names, shapes, dtypes must match)",
+                    hint="re-run `pd compile --force`",
+                )
+        for producer in io.acts_in:
+            if io.stage_id not in ios[producer].acts_out:
+                raise UserError(
+                    f"stages/manifest.json: stage {io.stage_id} expects inputs from stage {producer}, which sends it nothing",
+                    hint="re-run `pd compile --force`",
+                )
 
 
 def run_training(

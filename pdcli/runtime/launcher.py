@@ -16,16 +16,19 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from pdcli.errors import UserError
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.watchdog import read_error, read_status
 
 WORKER_MODULE = "pdcli.runtime.worker"
 LOCALHOST = "127.0.0.1"
+PORT_ATTEMPTS = 3
 
 
 class TrainingFailed(RuntimeError):
@@ -74,10 +77,25 @@ def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s:
     """Run `python -m pdcli.runtime.worker --run-dir run_dir` on every rank of this host."""
     train_dir = run_dir / "train"
     log_dir = train_dir / "elastic"
-    config = launch_config(placement.world_size, hosts, log_dir, rdzv_timeout_s=max(60.0, timeout_s * 2))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # TrainingFailed says it better
+    args = ("-u", "-m", WORKER_MODULE, "--run-dir", str(run_dir))
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", WORKER_MODULE, "--run-dir", str(run_dir))
+        for attempt in range(PORT_ATTEMPTS):
+            config = launch_config(placement.world_size, hosts, log_dir, rdzv_timeout_s=max(60.0, timeout_s * 2))
+            try:
+                elastic_launch(config, sys.executable)(*args)
+                return
+            except DistNetworkError as e:
+                # The free port we picked was taken before the agent bound it (another job); pick again.
+                if "EADDRINUSE" not in str(e):
+                    raise
+                if hosts.master_port is not None:
+                    raise UserError(
+                        f"--master-port {hosts.master_port} is already in use on this host",
+                        hint="pick another port, or leave --master-port out to get a free one",
+                    ) from None
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
     except ChildFailedError as e:
         raise TrainingFailed(diagnose(train_dir, placement, e, log_dir)) from None
     except SignalException as e:  # Ctrl-C / SIGTERM on the launcher: the agent stopped the workers

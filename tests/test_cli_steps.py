@@ -1,0 +1,98 @@
+"""The step subcommands through the CLI: artifacts, reuse, plan diff exit codes, quickstart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdcli.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "recipes/quickstart.yaml")
+runner = CliRunner()
+
+
+def invoke(*args: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, list(args))
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> str:
+    return f"run.root={tmp_path}"
+
+
+def test_profile_then_reuse_then_force(root: str, tmp_path: Path) -> None:
+    first = invoke("profile", QUICKSTART, root, "profile.repeats=2")
+    assert first.exit_code == 0, first.output
+    assert "wrote" in first.output and "positions" in first.output
+    profile = tmp_path / "quickstart/profile.json"
+    assert json.loads(profile.read_text())["nodes"]
+    again = invoke("profile", QUICKSTART, root, "profile.repeats=2")
+    assert again.exit_code == 0 and "reused" in again.output
+    forced = invoke("profile", QUICKSTART, root, "profile.repeats=2", "--force")
+    assert forced.exit_code == 0 and "wrote" in forced.output
+    as_json = invoke("profile", QUICKSTART, root, "profile.repeats=2", "--format", "json")
+    assert json.loads(as_json.stdout)["version"] == 1
+
+
+def test_hand_edited_artifact_is_refused(root: str, tmp_path: Path) -> None:
+    assert invoke("plan", QUICKSTART, root).exit_code == 0
+    plan = tmp_path / "quickstart/plan.json"
+    plan.write_text(plan.read_text().replace('"replicas": 1', '"replicas": 2', 1))
+    result = invoke("plan", QUICKSTART, root)
+    assert result.exit_code == 2
+    assert "changed after it was written" in result.output and "--force" in result.output
+    assert invoke("plan", QUICKSTART, root, "--force").exit_code == 0
+
+
+def test_plan_diff_exit_codes(root: str, tmp_path: Path) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert invoke("plan", QUICKSTART, root, "-o", str(a)).exit_code == 0
+    assert invoke("plan", QUICKSTART, root, "--gpus", "4", "--run", "wide", "-o", str(b)).exit_code == 0
+    same = invoke("plan", "diff", str(a), str(a))
+    assert same.exit_code == 0, same.output
+    changed = invoke("plan", "diff", str(a), str(b), "--format", "markdown")
+    assert changed.exit_code == 1 and "|" in changed.output
+    data = json.loads(invoke("plan", "diff", str(a), str(b), "--format", "json").stdout)
+    assert data["throughput_change_pct"] > 5  # 4 devices predict more throughput than 2 ...
+    assert invoke("plan", "diff", str(a), str(b), "--fail-on-regression", "1").exit_code == 0  # ... no regression
+    assert invoke("plan", "diff", str(b), str(a), "--fail-on-regression", "1").exit_code == 1  # the reverse is one
+    assert invoke("plan", "diff", str(b), str(a), "--fail-on-regression", "99").exit_code == 0
+    missing = invoke("plan", "diff", str(a), str(tmp_path / "nope.json"))
+    assert missing.exit_code == 2 and "not found" in missing.output
+
+
+def test_plan_pipedream_profile_directly(shared_profiles: Path, tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = invoke(
+        "plan", "--profile", str(shared_profiles / "vgg16/graph.txt"), "--gpus", "4",
+        "plan.cost_model=pipedream", "plan.use_fewer_devices=false", f"run.root={tmp_path}", "-o", str(out),
+    )
+    assert result.exit_code == 0, result.output
+    expected = json.loads((shared_profiles / "expected.json").read_text())
+    optimum_ms = expected["profiles"]["vgg16"]["optima"]["flat4"]["pipeline_time_s"] * 1e3
+    got = json.loads(out.read_text())["pipeline"]["time_per_minibatch_ms"]
+    assert got == pytest.approx(optimum_ms, rel=1e-6)
+
+
+def test_infeasible_plans_are_user_errors(root: str) -> None:
+    too_many = invoke("plan", QUICKSTART, root, "plan.num_stages=50", "--gpus", "64")
+    assert too_many.exit_code == 2 and "50" in too_many.output
+    tiny = invoke("plan", QUICKSTART, root, "cluster.memory_bytes_per_device=1000")
+    assert tiny.exit_code == 2 and "memory" in tiny.output
+    assert "Traceback" not in tiny.output
+
+
+@pytest.mark.timeout(240)
+def test_quickstart_trains_and_learns(root: str, tmp_path: Path) -> None:
+    result = invoke("train", QUICKSTART, root, "train.steps=60", "train.log_every=10")
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(x) for x in (tmp_path / "quickstart/train/metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if not x.get("final")]
+    assert steps[-1]["loss"] < 0.6 * steps[0]["loss"], steps
+    assert steps[-1]["accuracy"] > steps[0]["accuracy"] + 0.2, steps
+    for artifact in ("config.yaml", "profile.json", "plan.json", "stages/manifest.json", "train/trace.json"):
+        assert (tmp_path / "quickstart" / artifact).exists(), artifact

@@ -110,6 +110,31 @@ def test_bad_schedule_parameters_fail_before_launch(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "train" / "status").exists()  # no worker was started
 
 
+def test_socket_transport_matches_messages_by_tag_and_reports_a_dead_peer() -> None:
+    import socket
+    import threading
+
+    from pdcli.runtime.sockets import PeerClosedError, SocketTransport, _Peer
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sender = SocketTransport({1: _Peer(1, a)}, timeout_s=5)
+    receiver = SocketTransport({0: _Peer(0, b)}, timeout_s=5)
+    big = torch.arange(300_000, dtype=torch.uint8)  # larger than the socket buffer: sent in parts
+    got_big, got_small = torch.empty_like(big), torch.empty(3, dtype=torch.uint8)
+    pending = [receiver.irecv(got_small, 0, tag=7), receiver.irecv(got_big, 0, tag=9)]  # posted ahead
+    small = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    t = threading.Thread(target=lambda: (sender.isend(big, 1, tag=9), sender.isend(small, 1, tag=7)))
+    t.start()
+    for p in pending:
+        p.wait()
+    t.join()
+    assert torch.equal(got_big, big) and got_small.tolist() == [1, 2, 3]
+    a.shutdown(socket.SHUT_RDWR)  # the sending worker dies (the kernel closes its end)
+    with pytest.raises(PeerClosedError, match="rank 0 closed its connection"):
+        receiver.irecv(torch.empty(1, dtype=torch.uint8), 0, tag=11).wait()
+    receiver.close()
+
+
 def test_inconsistent_manifest_edges_are_refused(tmp_path: Path) -> None:
     from pdcli.runtime.step import check_edges
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from pdcli import __version__
-from pdcli.commands import compile, config_cmd, plan, profile, train
+from pdcli.commands import compile, config_cmd, plan, profile, report, train
 from pdcli.commands.common import State
 
 app = typer.Typer(
@@ -35,6 +35,7 @@ app.command("profile")(profile.profile)
 app.command("plan")(plan.plan)
 app.command("compile")(compile.compile)
 app.command("train")(train.train)
+app.command("report")(report.report)
 app.add_typer(config_cmd.app, name="config")
 
 

@@ -1,0 +1,111 @@
+"""Predicted vs measured, stage by stage, and the drift verdict with the command that re-plans.
+
+A stage *drifts* when its measured stage time (compute + comm per minibatch) differs
+from the plan's `stage_time_ms` by more than the threshold. When its compute alone is
+off by more than the threshold the profile no longer describes the machine (re-profile,
+then re-plan); otherwise the communication terms are off (the cluster's bandwidth in the
+config), and a re-plan after fixing it is what helps.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Sequence
+
+from pdcli.report.measured import Measured, MeasuredStage
+from pdcli.report.predicted import Predicted, PredictedStage
+
+DEFAULT_DRIFT_THRESHOLD_PCT = 25.0
+PCT = 100.0
+
+
+def relative_pct(measured: float, predicted: float) -> float | None:
+    """(measured - predicted) / predicted in percent; None when nothing was predicted."""
+    if predicted <= 0:
+        return None
+    return (measured - predicted) / predicted * PCT
+
+
+def _beyond(pct: float | None, threshold_pct: float) -> bool:
+    return pct is not None and abs(pct) > threshold_pct
+
+
+@dataclass(frozen=True)
+class StageComparison:
+    stage_id: int
+    predicted: PredictedStage
+    measured: MeasuredStage
+    stage_time_drift_pct: float | None
+    compute_drift_pct: float | None
+    drifted: bool
+
+
+@dataclass(frozen=True)
+class Drift:
+    """Stages that drifted beyond the threshold and what to run."""
+
+    stage_ids: tuple[int, ...]
+    reprofile: bool
+    """Compute drifted: the profile is stale or does not describe this machine."""
+    command: str
+
+
+@dataclass(frozen=True)
+class ReplanCommands:
+    """How to name the run on a `pd` command line: the recipe and its overrides."""
+
+    recipe: str
+    overrides: tuple[str, ...] = ()
+
+    def _args(self) -> str:
+        return " ".join(shlex.quote(a) for a in (self.recipe, *self.overrides))
+
+    def train(self) -> str:
+        return f"pd train {self._args()}"
+
+    def plan(self) -> str:
+        return f"pd plan {self._args()}"
+
+    def replan(self) -> str:
+        return f"pd plan {self._args()} --force && pd train {self._args()}"
+
+    def reprofile(self) -> str:
+        args = self._args()
+        return f"pd profile {args} --force && pd plan {args} --force && pd train {args}"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    stages: tuple[StageComparison, ...]
+    predicted: Predicted
+    measured: Measured
+    threshold_pct: float
+    drift: Drift | None
+
+    @property
+    def time_per_minibatch_ratio(self) -> float | None:
+        """Measured / predicted time per minibatch (steady state when the trace has it)."""
+        measured = self.measured.steady_time_per_minibatch_ms or self.measured.time_per_minibatch_ms
+        p = self.predicted.time_per_minibatch_ms
+        return measured / p if p > 0 else None
+
+
+def compare(predicted: Predicted, measured: Measured, threshold_pct: float, commands: ReplanCommands) -> Comparison:
+    """Pair the stages of the plan with the measured ones and decide whether the plan drifted."""
+    if len(predicted.stages) != len(measured.stages):
+        raise ValueError(f"the plan has {len(predicted.stages)} stages, the run measured {len(measured.stages)}")
+    rows = []
+    for p, m in zip(predicted.stages, measured.stages):
+        stage_pct = relative_pct(m.stage_time_ms, p.stage_time_ms)
+        compute_pct = relative_pct(m.compute_ms, p.compute_ms)
+        rows.append(StageComparison(p.stage_id, p, m, stage_pct, compute_pct, _beyond(stage_pct, threshold_pct)))
+    return Comparison(tuple(rows), predicted, measured, threshold_pct, _drift(rows, threshold_pct, commands))
+
+
+def _drift(rows: Sequence[StageComparison], threshold_pct: float, commands: ReplanCommands) -> Drift | None:
+    drifted = tuple(r.stage_id for r in rows if r.drifted)
+    if not drifted:
+        return None
+    reprofile = any(_beyond(r.compute_drift_pct, threshold_pct) for r in rows if r.drifted)
+    return Drift(drifted, reprofile, commands.reprofile() if reprofile else commands.replan())

@@ -1,0 +1,205 @@
+"""What a training run measured, per minibatch: read `train/summary.json`, `metrics.jsonl`, `trace.json`.
+
+A *minibatch* here is one batch of the data loader (`data.batch_size` samples, one
+`train.steps` step), the unit of the plan's predictions, whatever the schedule: for
+`pipedream`, whose every microbatch is a minibatch of its own (one optimizer step each),
+one of our minibatches is `num_microbatches` PipeDream minibatches.
+
+Totals are the runtime's per-stage totals (mean over a stage's replicas) divided by the
+number of minibatches trained. The wall time of a rank is the span of its trace (first
+action start to last action end), not the runtime's `wall_ms`, which also counts setup.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from pdcli.errors import UserError
+
+TRAIN_DIR = "train"
+SUMMARY_FILE = "summary.json"  # pdcli.runtime.session.SUMMARY_FILE
+METRICS_FILE = "metrics.jsonl"
+TRACE_FILE = "trace.json"
+COMPUTE, COMM, IDLE = "compute", "comm", "idle"  # pdcli.runtime.metrics categories
+BACKWARD = "Backward"  # the action whose end completes a microbatch on the first stage
+US_PER_MS = 1e3
+
+
+@dataclass(frozen=True)
+class Span:
+    """One traced action of one rank, ms from the start of the whole trace."""
+
+    name: str
+    category: str
+    start_ms: float
+    dur_ms: float
+
+    @property
+    def end_ms(self) -> float:
+        return self.start_ms + self.dur_ms
+
+
+@dataclass(frozen=True)
+class RankTrace:
+    """The traced actions of one rank (its `pid` in trace.json), in start order."""
+
+    rank: int
+    label: str
+    spans: tuple[Span, ...]
+
+    @property
+    def span_ms(self) -> float:
+        """Wall time from its first action's start to its last action's end."""
+        if not self.spans:
+            return 0.0
+        return max(s.end_ms for s in self.spans) - self.spans[0].start_ms
+
+    def total_ms(self, category: str) -> float:
+        return sum(s.dur_ms for s in self.spans if s.category == category)
+
+
+def read_trace(path: Path) -> dict[int, RankTrace]:
+    """rank -> its RankTrace; an absent trace gives {}."""
+    if not path.exists():
+        return {}
+    try:
+        events = json.loads(path.read_text())["traceEvents"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: not a Chrome trace written by `pd train` ({e})", hint="re-run `pd train`") from None
+    complete = [e for e in events if e.get("ph") == "X"]
+    t0_us = min((float(e["ts"]) for e in complete), default=0.0)
+    labels = {int(e["pid"]): str(e["args"]["name"]) for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    spans: dict[int, list[Span]] = {}
+    for e in complete:
+        start_ms = (float(e["ts"]) - t0_us) / US_PER_MS
+        spans.setdefault(int(e["pid"]), []).append(Span(str(e["name"]), str(e.get("cat", "")), start_ms, float(e["dur"]) / US_PER_MS))
+    return {
+        rank: RankTrace(rank, labels.get(rank, f"rank {rank}"), tuple(sorted(s, key=lambda x: x.start_ms)))
+        for rank, s in sorted(spans.items())
+    }
+
+
+@dataclass(frozen=True)
+class MeasuredStage:
+    """One stage, ms per minibatch on one replica (replicas averaged)."""
+
+    stage_id: int
+    replicas: int
+    compute_ms: float
+    comm_ms: float
+    idle_ms: float
+    wall_ms: float
+    """Trace span of its ranks (longest replica) per minibatch; compute + comm + idle without a trace."""
+    actions_ms: dict[str, float]
+    """Traced time per action name (Forward, Backward, OptimizerStep, ...), ms per minibatch."""
+
+    @property
+    def stage_time_ms(self) -> float:
+        """Busy time: compute + comm (what the plan's stage_time_ms predicts)."""
+        return self.compute_ms + self.comm_ms
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the wall time spent waiting for a peer."""
+        return self.idle_ms / self.wall_ms if self.wall_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A finished run's measurements."""
+
+    schedule: str
+    num_steps: int
+    """Minibatches trained (`train.steps`)."""
+    stages: tuple[MeasuredStage, ...]
+    time_per_minibatch_ms: float
+    """Training loop time / minibatches (start-up fill and final drain included)."""
+    steady_time_per_minibatch_ms: float | None
+    """From the trace: time between minibatch completions on the first stage over the
+    second half of the run (the simulator's definition); None without a trace."""
+    samples_per_s: float
+    final_loss: float
+    final_accuracy: float | None
+    minibatch_losses: tuple[float, ...]
+    metrics: tuple[dict[str, Any], ...]
+    """The live metrics.jsonl lines (the `final` line excluded)."""
+    ranks: dict[int, RankTrace]
+
+
+def _read_json(path: Path, next_step: str) -> Any:
+    if not path.exists():
+        raise UserError(f"{path} not found: the run has not been trained", hint=f"run `{next_step}` first")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})", hint=f"re-run `{next_step}`") from None
+
+
+def read_metrics_lines(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of metrics.jsonl (a half-written last line is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def completion_times_ms(first_stage: Sequence[RankTrace], num_microbatches: int) -> list[float]:
+    """When each minibatch completed: the end of the last backward of its microbatches on the
+    first stage. Every schedule runs a replica's backwards oldest first, so the k-th backward
+    to end belongs to microbatch k."""
+    ends_ms = sorted(s.end_ms for r in first_stage for s in r.spans if s.name == BACKWARD)
+    return [ends_ms[(t + 1) * num_microbatches - 1] for t in range(len(ends_ms) // num_microbatches)]
+
+
+def steady_time_per_minibatch_ms(first_stage: Sequence[RankTrace], num_microbatches: int) -> float | None:
+    """Mean time between minibatch completions over the second half of the traced run."""
+    done_ms = completion_times_ms(first_stage, num_microbatches)
+    if len(done_ms) < 2:
+        return None
+    first = (len(done_ms) - 1) // 2
+    return (done_ms[-1] - done_ms[first]) / (len(done_ms) - 1 - first)
+
+
+def load_measured(train_dir: Path, num_microbatches: int, stage_ranks: list[list[int]], next_step: str) -> Measured:
+    """Read a finished run from `train_dir`. `stage_ranks[k]` are the ranks of stage k (from
+    the plan); `next_step` is the command named when the run is missing."""
+    summary = _read_json(train_dir / SUMMARY_FILE, next_step)
+    steps = int(summary["steps"])
+    ranks = read_trace(train_dir / TRACE_FILE)
+    stage_of_rank = {rank: k for k, group in enumerate(stage_ranks) for rank in group}
+    stages = []
+    for row in summary["stages"]:
+        stage_id = int(row["stage_id"])
+        own = [r for rank, r in ranks.items() if stage_of_rank.get(rank) == stage_id]
+        totals_ms = float(row["compute_ms"]) + float(row["comm_ms"]) + float(row["idle_ms"])
+        wall_ms = max((r.span_ms for r in own), default=0.0) or totals_ms
+        actions: dict[str, float] = {}
+        for r in own:
+            for s in r.spans:
+                actions[s.name] = actions.get(s.name, 0.0) + s.dur_ms / (len(own) * steps)
+        stages.append(MeasuredStage(
+            stage_id=stage_id, replicas=int(row["replicas"]), compute_ms=float(row["compute_ms"]) / steps,
+            comm_ms=float(row["comm_ms"]) / steps, idle_ms=float(row["idle_ms"]) / steps, wall_ms=wall_ms / steps,
+            actions_ms=dict(sorted(actions.items())),
+        ))
+    first = [r for rank, r in ranks.items() if stage_of_rank.get(rank) == 0]
+    lines = read_metrics_lines(train_dir / METRICS_FILE)
+    accuracy = summary.get("final_accuracy")
+    return Measured(
+        schedule=str(summary["schedule"]), num_steps=steps, stages=tuple(stages),
+        time_per_minibatch_ms=float(summary["loop_s"]) * US_PER_MS / steps,
+        steady_time_per_minibatch_ms=steady_time_per_minibatch_ms(first, num_microbatches),
+        samples_per_s=float(summary["samples_per_s"]), final_loss=float(summary["final_loss"]),
+        final_accuracy=None if accuracy is None else float(accuracy),
+        minibatch_losses=tuple(float(x) for x in summary.get("minibatch_losses", ())),
+        metrics=tuple(line for line in lines if not line.get("final")), ranks=ranks,
+    )
+

@@ -1,0 +1,101 @@
+"""What the plan predicted, per minibatch, and the simulated timeline of the same action lists.
+
+The plan gives per-stage terms per minibatch (`data.batch_size` samples); the simulator
+(`pdcli.planner.simulator`) replays the schedule's action lists with per-microbatch costs
+derived from them and gives the idle time (pipeline bubble) of every rank. The plan has
+no term for the optimizer step, data loading or weight stashing: they cost 0 here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdcli.planner.simulator import StageCost, simulate
+from pdcli.runtime.schedule import PIPEDREAM, Backward, Forward, ScheduleSpec
+
+MAX_SIMULATED_STEPS = 200
+"""Longer runs are simulated over this many minibatches (per-minibatch values barely change)."""
+WAYS_PER_CUT = 2  # a cut's comm term is activations forward + gradients back
+
+
+@dataclass(frozen=True)
+class PredictedStage:
+    """One stage, ms per minibatch on one replica."""
+
+    stage_id: int
+    replicas: int
+    fwd_ms: float
+    bwd_ms: float
+    compute_ms: float
+    comm_ms: float
+    """comm_in + comm_out + sync (transfers and the gradient all-reduce)."""
+    idle_ms: float
+    """Simulated time waiting for a peer (the bubble), per minibatch."""
+    stage_time_ms: float
+    wall_ms: float
+    """Simulated makespan per minibatch."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.idle_ms / self.wall_ms if self.wall_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """The plan's pipeline prediction plus the simulation of the run's schedule."""
+
+    stages: tuple[PredictedStage, ...]
+    time_per_minibatch_ms: float
+    throughput_samples_per_s: float
+    simulated_time_per_minibatch_ms: float
+    bubble_fraction: float
+    """Simulated: share of all ranks' time outside forward and backward."""
+    num_simulated_steps: int
+
+
+def stage_costs(plan: dict[str, Any], schedule: str, num_microbatches: int) -> list[StageCost]:
+    """Per-microbatch costs of one replica of each stage, from the plan's per-minibatch terms."""
+    costs = []
+    for stage in plan["stages"]:
+        p, r = stage["predicted"], int(stage["replicas"])
+        # comm_out_ms = 2 transfers of the whole minibatch's cut, shared by r replicas
+        comm_ms = float(p["comm_out_ms"]) * r / (WAYS_PER_CUT * num_microbatches)
+        # sync_ms = one all-reduce per minibatch, pipedream: one per round of r microbatches
+        rounds = num_microbatches / r if schedule == PIPEDREAM else 1.0
+        costs.append(StageCost(
+            fwd_ms=float(p["fwd_ms"]) / num_microbatches, bwd_ms=float(p["bwd_ms"]) / num_microbatches,
+            comm_ms=comm_ms, allreduce_ms=float(p["sync_ms"]) / rounds,
+        ))
+    return costs
+
+
+def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_steps: int,
+            vertical_sync: bool = False) -> Predicted:
+    """The plan's numbers for a run of `num_steps` minibatches of `schedule`."""
+    steps = max(1, min(num_steps, MAX_SIMULATED_STEPS))
+    replicas = [int(s["replicas"]) for s in plan["stages"]]
+    spec = ScheduleSpec.make(schedule, len(replicas), num_microbatches, steps, replicas, vertical_sync)
+    sim = simulate(spec, stage_costs(plan, schedule, num_microbatches))
+    stages = []
+    for stage_id, stage in enumerate(plan["stages"]):
+        p = stage["predicted"]
+        busy_ms = [
+            sum(t.end_ms - t.start_ms for t in sim.timeline[spec.rank_of(stage_id, replica)]
+                if isinstance(t.action, (Forward, Backward)))
+            for replica in range(replicas[stage_id])
+        ]
+        idle_ms = sim.makespan_ms - sum(busy_ms) / len(busy_ms)
+        stages.append(PredictedStage(
+            stage_id=stage_id, replicas=replicas[stage_id], fwd_ms=float(p["fwd_ms"]), bwd_ms=float(p["bwd_ms"]),
+            compute_ms=float(p["compute_ms"]),
+            comm_ms=float(p["comm_in_ms"]) + float(p["comm_out_ms"]) + float(p["sync_ms"]),
+            idle_ms=idle_ms / steps, stage_time_ms=float(p["stage_time_ms"]), wall_ms=sim.makespan_ms / steps,
+        ))
+    pipeline = plan["pipeline"]
+    return Predicted(
+        stages=tuple(stages), time_per_minibatch_ms=float(pipeline["time_per_minibatch_ms"]),
+        throughput_samples_per_s=float(pipeline["throughput_samples_per_s"]),
+        simulated_time_per_minibatch_ms=sim.time_per_minibatch_ms, bubble_fraction=sim.bubble_fraction,
+        num_simulated_steps=steps,
+    )

@@ -1,0 +1,143 @@
+"""`pd report` output: text and Markdown tables, or one JSON object."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from pdcli.report.compare import Comparison, relative_pct
+
+TEXT, MARKDOWN, JSON = "text", "markdown", "json"
+TABLE_FORMAT = {TEXT: "simple", MARKDOWN: "github"}
+MS_PER_S = 1e3
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.0f}%"
+
+
+def _frac(value: float) -> str:
+    return f"{value * 100:.1f}%"
+
+
+def stage_rows(c: Comparison) -> list[list[str]]:
+    rows = []
+    for s in c.stages:
+        p, m = s.predicted, s.measured
+        rows.append([
+            str(s.stage_id), str(m.replicas),
+            f"{_ms(p.compute_ms)} / {_ms(m.compute_ms)}", f"{_ms(p.comm_ms)} / {_ms(m.comm_ms)}",
+            f"{_ms(p.idle_ms)} / {_ms(m.idle_ms)}", f"{_ms(p.stage_time_ms)} / {_ms(m.stage_time_ms)}",
+            _pct(s.stage_time_drift_pct) + (" DRIFT" if s.drifted else ""),
+            f"{_frac(p.bubble_fraction)} / {_frac(m.bubble_fraction)}",
+        ])
+    return rows
+
+
+STAGE_HEADERS = ["stage", "replicas", "compute ms", "comm ms", "idle ms", "stage time ms", "drift", "bubble"]
+
+
+MAIN_ACTIONS = ("Forward", "Backward", "OptimizerStep")
+
+
+def action_rows(c: Comparison) -> list[list[str]]:
+    """Where a stage's measured compute goes (ms per minibatch), beside the plan's fwd/bwd."""
+    rows = []
+    for s in c.stages:
+        m, p = s.measured, s.predicted
+        main = [m.actions_ms.get(name) for name in MAIN_ACTIONS]
+        other = m.compute_ms - sum(x or 0.0 for x in main) if m.actions_ms else None
+        rows.append([str(s.stage_id), _ms(p.fwd_ms / p.replicas), _ms(p.bwd_ms / p.replicas), *map(_ms, main), _ms(other)])
+    return rows
+
+
+ACTION_HEADERS = ["stage", "plan fwd", "plan bwd", "Forward", "Backward", "OptimizerStep", "other compute"]
+
+
+def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> str:
+    if fmt == JSON:
+        return json.dumps(to_json(c, run_dir, charts), indent=1, sort_keys=True)
+    table_fmt = TABLE_FORMAT[fmt]
+    m, p = c.measured, c.predicted
+    steady = m.steady_time_per_minibatch_ms
+    lines = []
+    if fmt == MARKDOWN:
+        lines.append(f"## pd report: `{run_dir}`\n")
+    lines.append(
+        f"{m.schedule}, {len(c.stages)} stages, {m.num_steps} minibatches trained; "
+        f"final loss {m.final_loss:.4f}" + ("" if m.final_accuracy is None else f", accuracy {m.final_accuracy:.3f}")
+    )
+    lines.append("")
+    lines.append("per stage, predicted / measured, ms per minibatch (of one replica; stage time = compute + comm):")
+    lines.append(tabulate(stage_rows(c), headers=STAGE_HEADERS, tablefmt=table_fmt, disable_numparse=True))
+    lines.append("")
+    pipeline = [
+        ["time per minibatch (ms)", _ms(p.time_per_minibatch_ms), _ms(steady), _pct(relative_pct(steady, p.time_per_minibatch_ms) if steady else None)],
+        ["  whole loop incl. fill/drain (ms)", _ms(p.simulated_time_per_minibatch_ms), _ms(m.time_per_minibatch_ms),
+         _pct(relative_pct(m.time_per_minibatch_ms, p.simulated_time_per_minibatch_ms))],
+        ["throughput (samples/s)", f"{p.throughput_samples_per_s:.0f}", f"{m.samples_per_s:.0f}",
+         _pct(relative_pct(m.samples_per_s, p.throughput_samples_per_s))],
+        ["bubble (all ranks)", _frac(p.bubble_fraction), _frac(_measured_bubble(c)), ""],
+    ]
+    lines.append(tabulate(pipeline, headers=["pipeline", "predicted", "measured", "diff"], tablefmt=table_fmt, disable_numparse=True))
+    lines.append("")
+    lines.append("measured compute per action, ms per minibatch (other: data loads, weight stashing; the plan has fwd and bwd only):")
+    lines.append(tabulate(action_rows(c), headers=ACTION_HEADERS, tablefmt=table_fmt, disable_numparse=True))
+    lines.append("")
+    if c.drift is None:
+        lines.append(f"no drift: every stage time is within {c.threshold_pct:g}% of the plan")
+    else:
+        d = c.drift
+        why = ("compute differs from the profile: re-profile and re-plan" if d.reprofile else
+               "communication differs from the plan: check cluster.levels bandwidth_bytes_per_s, then re-plan")
+        lines.append(f"WARNING: stage(s) {', '.join(map(str, d.stage_ids))} drifted more than {c.threshold_pct:g}% from the plan ({why}):")
+        lines.append(f"  {d.command}" if fmt == TEXT else f"\n```\n{d.command}\n```")
+    for name, path in charts.items():
+        lines.append(f"{name}: {path}")
+    return "\n".join(lines)
+
+
+def _measured_bubble(c: Comparison) -> float:
+    idle = sum(s.measured.idle_ms * s.measured.replicas for s in c.stages)
+    wall = sum(s.measured.wall_ms * s.measured.replicas for s in c.stages)
+    return idle / wall if wall > 0 else 0.0
+
+
+def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, Any]:
+    m, p = c.measured, c.predicted
+    stages = []
+    for s in c.stages:
+        stages.append({
+            "stage_id": s.stage_id, "replicas": s.measured.replicas,
+            "predicted": {"compute_ms": s.predicted.compute_ms, "comm_ms": s.predicted.comm_ms, "idle_ms": s.predicted.idle_ms,
+                          "stage_time_ms": s.predicted.stage_time_ms, "fwd_ms": s.predicted.fwd_ms, "bwd_ms": s.predicted.bwd_ms,
+                          "bubble_fraction": s.predicted.bubble_fraction},
+            "measured": {"compute_ms": s.measured.compute_ms, "comm_ms": s.measured.comm_ms, "idle_ms": s.measured.idle_ms,
+                         "stage_time_ms": s.measured.stage_time_ms, "wall_ms": s.measured.wall_ms,
+                         "bubble_fraction": s.measured.bubble_fraction, "actions_ms": s.measured.actions_ms},
+            "stage_time_drift_pct": s.stage_time_drift_pct, "compute_drift_pct": s.compute_drift_pct, "drifted": s.drifted,
+        })
+    return {
+        "run": str(run_dir), "schedule": m.schedule, "num_steps": m.num_steps, "unit": "ms per minibatch",
+        "stages": stages,
+        "pipeline": {
+            "predicted": {"time_per_minibatch_ms": p.time_per_minibatch_ms,
+                          "simulated_time_per_minibatch_ms": p.simulated_time_per_minibatch_ms,
+                          "throughput_samples_per_s": p.throughput_samples_per_s, "bubble_fraction": p.bubble_fraction},
+            "measured": {"time_per_minibatch_ms": m.time_per_minibatch_ms,
+                         "steady_time_per_minibatch_ms": m.steady_time_per_minibatch_ms,
+                         "samples_per_s": m.samples_per_s, "bubble_fraction": _measured_bubble(c),
+                         "final_loss": m.final_loss, "final_accuracy": m.final_accuracy},
+            "time_per_minibatch_ratio": c.time_per_minibatch_ratio,
+        },
+        "drift_threshold_pct": c.threshold_pct,
+        "drift": None if c.drift is None else {"stage_ids": list(c.drift.stage_ids), "reprofile": c.drift.reprofile, "command": c.drift.command},
+        "charts": {k: str(v) for k, v in charts.items()},
+    }

@@ -105,7 +105,7 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     steps: int = 50
-    """Optimizer steps to run."""
+    """Minibatches of data to train on (pipedream updates once per microbatch: steps x M updates)."""
     precision: str = "fp32"
     """`fp32`, `bf16` (autocast) or `fp16` (autocast + loss scaling)."""
     recompute: bool = False
@@ -122,6 +122,9 @@ class TrainConfig:
     """A worker silent for this long stops the job."""
     threads_per_worker: Optional[int] = None
     """torch threads per CPU worker; null = cores / workers."""
+    transport: str = "auto"
+    """Activation/gradient transport: `auto` (sockets between CPU ranks on one host, else
+    torch.distributed), `socket`, or `gloo` (torch.distributed with the run's backend)."""
 
 
 @dataclass
@@ -178,6 +181,7 @@ def check_values(cfg: Config) -> list[str]:
     choice("plan.cost_model", cfg.plan.cost_model, COST_MODELS)
     choice("optim.name", cfg.optim.name, OPTIMIZERS)
     choice("cluster.device", cfg.cluster.device, DEVICES)
+    choice("train.transport", cfg.train.transport, ("auto", "socket", "gloo"))
     choice("profile.device", cfg.profile.device, DEVICES)
     choice("model.loss", cfg.model.loss, ("cross_entropy", "mse"))
     positive("data.batch_size", cfg.data.batch_size)

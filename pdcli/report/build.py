@@ -94,7 +94,7 @@ def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, c
     num_microbatches, batch_size = int(inputs["num_microbatches"]), int(inputs["batch_size"])
     stage_ranks = [list(s["ranks"]) for s in plan["stages"]]
     train_dir = run_dir / TRAIN_DIR
-    measured = load_measured(train_dir, num_microbatches, stage_ranks, commands.train())
+    measured = load_measured(train_dir, batch_size, num_microbatches, stage_ranks, commands.train())
     if len(measured.stages) != len(plan["stages"]):
         raise UserError(f"{train_dir}: the run measured {len(measured.stages)} stages, its plan has {len(plan['stages'])}",
                         hint=f"the plan changed after training: re-run `{commands.train()}`")

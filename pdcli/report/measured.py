@@ -114,6 +114,9 @@ class Measured:
     schedule: str
     num_steps: int
     """Minibatches trained (`train.steps`)."""
+    batch_size: int
+    """Samples per minibatch (`data.batch_size`)."""
+    num_microbatches: int
     stages: tuple[MeasuredStage, ...]
     time_per_minibatch_ms: float
     """Training loop time / minibatches (start-up fill and final drain included)."""
@@ -168,7 +171,8 @@ def steady_time_per_minibatch_ms(first_stage: Sequence[RankTrace], num_microbatc
     return (done_ms[-1] - done_ms[first]) / (len(done_ms) - 1 - first)
 
 
-def load_measured(train_dir: Path, num_microbatches: int, stage_ranks: list[list[int]], next_step: str) -> Measured:
+def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage_ranks: list[list[int]],
+                  next_step: str) -> Measured:
     """Read a finished run from `train_dir`. `stage_ranks[k]` are the ranks of stage k (from
     the plan); `next_step` is the command named when the run is missing."""
     summary = _read_json(train_dir / SUMMARY_FILE, next_step)
@@ -194,7 +198,8 @@ def load_measured(train_dir: Path, num_microbatches: int, stage_ranks: list[list
     lines = read_metrics_lines(train_dir / METRICS_FILE)
     accuracy = summary.get("final_accuracy")
     return Measured(
-        schedule=str(summary["schedule"]), num_steps=steps, stages=tuple(stages),
+        schedule=str(summary["schedule"]), num_steps=steps, batch_size=batch_size, num_microbatches=num_microbatches,
+        stages=tuple(stages),
         time_per_minibatch_ms=float(summary["loop_s"]) * US_PER_MS / steps,
         steady_time_per_minibatch_ms=steady_time_per_minibatch_ms(first, num_microbatches),
         samples_per_s=float(summary["samples_per_s"]), final_loss=float(summary["final_loss"]),

@@ -9,10 +9,12 @@ from typing import Any
 from tabulate import tabulate
 
 from pdcli.report.compare import Comparison, relative_pct
+from pdcli.runtime.schedule import PIPEDREAM
 
 TEXT, MARKDOWN, JSON = "text", "markdown", "json"
 TABLE_FORMAT = {TEXT: "simple", MARKDOWN: "github"}
 MS_PER_S = 1e3
+PIPEDREAM_NOTE = ", each its own PipeDream minibatch with its own optimizer step"
 
 
 def _ms(value: float | None) -> str:
@@ -21,6 +23,10 @@ def _ms(value: float | None) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:+.0f}%"
+
+
+def _rate(batch_size: int, time_per_minibatch_ms: float | None) -> str:
+    return "-" if not time_per_minibatch_ms else f"{batch_size * MS_PER_S / time_per_minibatch_ms:.0f}"
 
 
 def _frac(value: float) -> str:
@@ -71,7 +77,8 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     if fmt == MARKDOWN:
         lines.append(f"## pd report: `{run_dir}`\n")
     lines.append(
-        f"{m.schedule}, {len(c.stages)} stages, {m.num_steps} minibatches trained; "
+        f"{m.schedule}, {len(c.stages)} stages, {m.num_steps} minibatches of {m.batch_size} samples "
+        f"({m.num_microbatches} microbatches each{PIPEDREAM_NOTE if m.schedule == PIPEDREAM else ''}); "
         f"final loss {m.final_loss:.4f}" + ("" if m.final_accuracy is None else f", accuracy {m.final_accuracy:.3f}")
     )
     lines.append("")
@@ -82,8 +89,11 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
         ["time per minibatch (ms)", _ms(p.time_per_minibatch_ms), _ms(steady), _pct(relative_pct(steady, p.time_per_minibatch_ms) if steady else None)],
         ["  whole loop incl. fill/drain (ms)", _ms(p.simulated_time_per_minibatch_ms), _ms(m.time_per_minibatch_ms),
          _pct(relative_pct(m.time_per_minibatch_ms, p.simulated_time_per_minibatch_ms))],
-        ["throughput (samples/s)", f"{p.throughput_samples_per_s:.0f}", f"{m.samples_per_s:.0f}",
-         _pct(relative_pct(m.samples_per_s, p.throughput_samples_per_s))],
+        ["throughput (samples/s)", f"{p.throughput_samples_per_s:.0f}", _rate(m.batch_size, steady),
+         _pct(relative_pct(m.batch_size * MS_PER_S / steady, p.throughput_samples_per_s) if steady else None)],
+        ["  whole loop (samples/s)", _rate(m.batch_size, p.simulated_time_per_minibatch_ms), f"{m.samples_per_s:.0f}",
+         _pct(relative_pct(m.samples_per_s, m.batch_size * MS_PER_S / p.simulated_time_per_minibatch_ms)
+              if p.simulated_time_per_minibatch_ms > 0 else None)],
         ["bubble (all ranks)", _frac(p.bubble_fraction), _frac(_measured_bubble(c)), ""],
     ]
     lines.append(tabulate(pipeline, headers=["pipeline", "predicted", "measured", "diff"], tablefmt=table_fmt, disable_numparse=True))

@@ -1,0 +1,272 @@
+"""`pd report`: per-stage predicted vs measured numbers, the drift warning, the charts, errors.
+
+The synthetic runs are written in the runtime's real formats (summary.json, metrics.jsonl,
+trace.json, plan.json); their trace is the simulator's timeline of the real action lists
+with "measured" costs = the plan's costs x a factor, so every expected number is known.
+One real 2-process quickstart run (a few seconds) checks the report against `pd train`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from pdcli.cli import app
+from pdcli.planner.simulator import StageCost, simulate
+from pdcli.report import ReplanCommands, locate_run, make_report
+from pdcli.report.charts import LOSS_FILE, TIMELINE_FILE
+from pdcli.report.predicted import stage_costs
+from pdcli.runtime.schedule import (
+    Backward, Forward, OptimizerStep, RecvActivations, RecvGrads, ScheduleSpec, SendActivations, SendGrads,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+NUM_MICROBATCHES, BATCH_SIZE, NUM_STEPS = 2, 8, 12
+FWD_MS, BWD_MS = (1.0, 1.2), (2.0, 2.2)  # per minibatch, stages 0 and 1
+US_PER_MS = 1e3
+runner = CliRunner()
+
+
+def plan_json(schedule: str) -> dict[str, Any]:
+    stages = []
+    for k in range(2):
+        compute = FWD_MS[k] + BWD_MS[k]
+        stages.append({
+            "stage_id": k, "start": 9 * k, "end": 9 * (k + 1), "first_node": f"_{9 * k}", "last_node": f"_{9 * k + 8}",
+            "node_names": [f"_{i}" for i in range(9 * k, 9 * (k + 1))], "replicas": 1, "ranks": [k],
+            "predicted": {"fwd_ms": FWD_MS[k], "bwd_ms": BWD_MS[k], "compute_ms": compute, "sync_ms": 0.0,
+                          "comm_in_ms": 0.0, "comm_out_ms": 0.0, "stage_time_ms": compute,
+                          "weights_bytes": 1000.0, "stashed_weights_bytes": 0.0, "activations_bytes": 100.0, "total_bytes": 1100.0},
+        })
+    bottleneck = max(FWD_MS[k] + BWD_MS[k] for k in range(2))
+    return {
+        "version": 1,
+        "inputs": {"batch_size": BATCH_SIZE, "cost_model": "pd", "memory_bytes_per_device": None,
+                   "num_microbatches": NUM_MICROBATCHES, "num_stages": 2, "schedule": schedule, "straight": False,
+                   "topology": {"levels": [{"bandwidth_bytes_per_s": 1e9, "devices": 2}]}, "use_fewer_devices": True},
+        "stages": stages,
+        "pipeline": {"bottleneck_stage": 1, "data_parallel_time_per_minibatch_ms": 2 * bottleneck, "num_devices": 2,
+                     "num_devices_used": 2, "speedup_over_data_parallel": 1.5,
+                     "throughput_samples_per_s": BATCH_SIZE * US_PER_MS / bottleneck, "time_per_minibatch_ms": bottleneck},
+    }
+
+
+def category(action: Any) -> str:
+    if isinstance(action, (SendActivations, SendGrads)):
+        return "comm"
+    if isinstance(action, (RecvActivations, RecvGrads)):
+        return "idle"
+    return "compute"
+
+
+def write_run(run_dir: Path, schedule: str = "pipedream", compute_scale: float = 1.0, send_ms: float = 0.0) -> Path:
+    """A trained run: plan.json, config.yaml and train/ (summary, metrics, trace) in the runtime's formats.
+
+    Measured forward/backward = the plan's x `compute_scale`; each send takes `send_ms`
+    (comm); an optimizer step costs nothing; receives wait as the simulator says."""
+    plan = plan_json(schedule)
+    spec = ScheduleSpec.make(schedule, 2, NUM_MICROBATCHES, NUM_STEPS)
+    costs = [StageCost(c.fwd_ms * compute_scale, c.bwd_ms * compute_scale) for c in stage_costs(plan, schedule, NUM_MICROBATCHES)]
+    sim = simulate(spec, costs)
+    events: list[dict[str, Any]] = []
+    stages = []
+    for rank, timed in enumerate(sim.timeline):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank} (stage {rank}, replica 0)"}})
+        totals = {"compute": 0.0, "comm": 0.0, "idle": 0.0}
+        for t in timed:
+            cat = category(t.action)
+            dur_ms = send_ms if cat == "comm" else t.end_ms - t.start_ms
+            totals[cat] += dur_ms
+            events.append({"name": type(t.action).__name__, "cat": cat, "ph": "X", "ts": 1.7e15 + t.start_ms * US_PER_MS,
+                           "dur": dur_ms * US_PER_MS, "pid": rank, "tid": 0})
+        stages.append({"stage_id": rank, "replicas": 1, "compute_ms": totals["compute"], "comm_ms": totals["comm"],
+                       "idle_ms": totals["idle"], "wall_ms": sim.makespan_ms + 1000.0, "weight_versions_max": 2})
+    train = run_dir / "train"
+    train.mkdir(parents=True)
+    (run_dir / "plan.json").write_text(json.dumps(plan))
+    (run_dir / "config.yaml").write_text(f"schedule:\n  name: {schedule}\n  vertical_sync: false\nrun:\n  root: {run_dir.parent}\n  name: {run_dir.name}\n")
+    loop_s = sim.makespan_ms / US_PER_MS
+    samples_per_s = BATCH_SIZE * NUM_STEPS / loop_s
+    losses = [2.3 / (1 + t) for t in range(NUM_STEPS)]
+    summary = {"final_loss": losses[-1], "final_accuracy": 0.9, "samples_per_s": samples_per_s, "loop_s": loop_s,
+               "steps": NUM_STEPS, "schedule": schedule, "stages": stages, "minibatch_losses": losses,
+               "microbatch_losses": {}, "checkpoint": str(train / "checkpoints" / f"step_{NUM_STEPS}")}
+    (train / "summary.json").write_text(json.dumps(summary))
+    lines = [{"accuracy": 0.5 + 0.1 * i, "loss": losses[3 * i + 2], "samples_per_s": samples_per_s, "step": 3 * i + 3} for i in range(4)]
+    lines.append({"accuracy": 0.9, "final": True, "loss": losses[-1], "samples_per_s": samples_per_s, "stages": stages, "step": NUM_STEPS})
+    (train / "metrics.jsonl").write_text("".join(json.dumps(x, sort_keys=True) + "\n" for x in lines))
+    (train / "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return run_dir
+
+
+def report_json(run_dir: Path, *args: str) -> dict[str, Any]:
+    result = runner.invoke(app, ["report", str(run_dir), "--format", "json", "--no-charts", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b", "gpipe"])
+def test_per_stage_numbers_are_per_minibatch(tmp_path: Path, schedule: str) -> None:
+    scale = 1.5
+    out = report_json(write_run(tmp_path / "run", schedule, compute_scale=scale))
+    for k, stage in enumerate(out["stages"]):
+        assert stage["predicted"]["compute_ms"] == pytest.approx(FWD_MS[k] + BWD_MS[k])
+        assert stage["measured"]["compute_ms"] == pytest.approx((FWD_MS[k] + BWD_MS[k]) * scale)
+        assert stage["measured"]["actions_ms"]["Forward"] == pytest.approx(FWD_MS[k] * scale)
+        assert stage["stage_time_drift_pct"] == pytest.approx((scale - 1) * 100)
+        # the trace's wall span, not the runtime's wall_ms (which includes setup)
+        m = stage["measured"]
+        assert m["bubble_fraction"] == pytest.approx(m["idle_ms"] / m["wall_ms"])
+        assert 0.0 <= m["bubble_fraction"] < 1.0
+    plan = plan_json(schedule)
+    spec = ScheduleSpec.make(schedule, 2, NUM_MICROBATCHES, NUM_STEPS)
+    predicted = simulate(spec, stage_costs(plan, schedule, NUM_MICROBATCHES))
+    measured = simulate(spec, [StageCost(c.fwd_ms * scale, c.bwd_ms * scale) for c in stage_costs(plan, schedule, NUM_MICROBATCHES)])
+    pipeline = out["pipeline"]
+    assert pipeline["predicted"]["bubble_fraction"] == pytest.approx(predicted.bubble_fraction)
+    assert pipeline["predicted"]["simulated_time_per_minibatch_ms"] == pytest.approx(predicted.time_per_minibatch_ms)
+    assert pipeline["measured"]["steady_time_per_minibatch_ms"] == pytest.approx(measured.time_per_minibatch_ms)
+    assert pipeline["measured"]["time_per_minibatch_ms"] == pytest.approx(measured.makespan_ms / NUM_STEPS)
+
+
+def test_flush_schedules_show_a_bigger_predicted_bubble_than_pipedream(tmp_path: Path) -> None:
+    bubbles = {s: report_json(write_run(tmp_path / s, s))["pipeline"]["predicted"]["bubble_fraction"] for s in ("gpipe", "pipedream")}
+    assert bubbles["gpipe"] > bubbles["pipedream"]
+
+
+@pytest.mark.parametrize("scale,threshold,drifts", [(1.2, 25, False), (1.2, 15, True), (0.7, 25, True), (0.8, 25, False), (1.0, 0.5, False)])
+def test_drift_warning_appears_when_and_only_when_the_threshold_is_crossed(tmp_path: Path, scale: float, threshold: float, drifts: bool) -> None:
+    run_dir = write_run(tmp_path / "run", compute_scale=scale)
+    result = runner.invoke(app, ["report", str(run_dir), "--no-charts", "--drift-threshold", str(threshold)])
+    assert result.exit_code == 0, result.output
+    assert ("WARNING" in result.stdout) is drifts
+    assert ("pd profile" in result.stdout) is drifts  # compute drifted: re-profile, then re-plan
+    assert ("no drift" in result.stdout) is not drifts
+    out = report_json(run_dir, "--drift-threshold", str(threshold))
+    assert (out["drift"] is not None) is drifts
+    if drifts:
+        assert out["drift"]["stage_ids"] == [0, 1]
+        assert out["drift"]["command"].startswith(f"pd profile {run_dir / 'config.yaml'} --force && pd plan ")
+
+
+def test_communication_drift_asks_for_a_replan_only(tmp_path: Path) -> None:
+    out = report_json(write_run(tmp_path / "run", send_ms=1.0))
+    assert out["drift"] is not None and not out["drift"]["reprofile"]
+    assert out["drift"]["command"].startswith("pd plan ") and "pd profile" not in out["drift"]["command"]
+    for stage in out["stages"]:
+        assert stage["compute_drift_pct"] == pytest.approx(0.0, abs=1e-6)
+        assert stage["measured"]["comm_ms"] == pytest.approx(NUM_MICROBATCHES * 1.0)
+
+
+def test_charts_are_valid_pngs_and_their_paths_are_printed(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run")
+    result = runner.invoke(app, ["report", str(run_dir), "--timeline-steps", "2", "--timeline-start", "0"])
+    assert result.exit_code == 0, result.output
+    for name in (TIMELINE_FILE, LOSS_FILE):
+        path = run_dir / "train" / name
+        data = path.read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 1000
+        assert str(path) in result.stdout
+    assert not [p for p in (run_dir / "train").iterdir() if p.name.endswith(".tmp")]  # atomic writes left no temp file
+
+
+def test_markdown_format_has_tables(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["report", str(write_run(tmp_path / "run")), "--format", "markdown", "--no-charts"])
+    assert result.exit_code == 0, result.output
+    assert "|---" in result.stdout and "## pd report" in result.stdout
+
+
+def test_a_recipe_and_overrides_name_the_run(tmp_path: Path) -> None:
+    write_run(tmp_path / "synthetic", compute_scale=2.0)
+    overrides = [f"run.root={tmp_path}", "run.name=synthetic"]
+    run_dir, commands = locate_run(REPO / "recipes" / "quickstart.yaml", overrides)
+    assert run_dir == tmp_path / "synthetic"
+    c = make_report(run_dir, commands, 25.0, charts=False).comparison
+    assert c.drift is not None and c.drift.command.startswith(f"pd profile {REPO / 'recipes' / 'quickstart.yaml'} run.root=")
+    assert not (run_dir / "manifest.json").exists()  # reporting writes nothing but the charts
+
+
+def test_run_dir_elsewhere_pins_root_and_name_in_the_command(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run")
+    (run_dir / "config.yaml").write_text("run:\n  root: somewhere/else\n  name: other\n")
+    commands = locate_run(run_dir)[1]
+    assert commands.overrides == (f"run.root={tmp_path.resolve()}", "run.name=run")
+
+
+@pytest.mark.parametrize("setup,args,message", [
+    ("nothing", [], "no such run directory or recipe"),
+    ("empty", [], "pd train"),
+    ("plan_only", [], "pd train"),
+    ("train_no_plan", [], "pd plan"),
+    ("full", ["key=value"], "overrides"),
+    ("full", ["--format", "yaml"], "--format"),
+    ("full", ["--drift-threshold", "-5"], "--drift-threshold"),
+])
+def test_user_errors_exit_2_and_name_the_next_command(tmp_path: Path, setup: str, args: list[str], message: str) -> None:
+    run_dir = tmp_path / "run"
+    if setup == "empty":
+        run_dir.mkdir()
+    elif setup == "plan_only":
+        run_dir.mkdir()
+        (run_dir / "plan.json").write_text(json.dumps(plan_json("pipedream")))
+    elif setup in ("train_no_plan", "full"):
+        write_run(run_dir)
+        if setup == "train_no_plan":
+            (run_dir / "plan.json").unlink()
+    result = runner.invoke(app, ["report", str(run_dir), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_file_names_match_the_runtime() -> None:
+    from pdcli.report import build, measured
+    from pdcli.runtime import metrics, session, worker
+
+    assert measured.SUMMARY_FILE == session.SUMMARY_FILE
+    assert build.LAUNCH_FILE == worker.LAUNCH_FILE
+    assert (measured.COMPUTE, measured.COMM, measured.IDLE) == metrics.CATEGORIES
+
+
+# ---- one real run --------------------------------------------------------------------------
+
+REAL_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("real")
+    pd = Path(sys.executable).parent / "pd"
+    proc = subprocess.run(
+        [str(pd), "train", str(REPO / "recipes" / "quickstart.yaml"), f"train.steps={REAL_STEPS}", "train.log_every=5",
+         f"run.root={root}"], capture_output=True, text=True, timeout=120, cwd=root,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root / "quickstart"
+
+
+@pytest.mark.timeout(150)
+def test_report_of_a_real_quickstart_run(real_run: Path) -> None:
+    result = runner.invoke(app, ["report", str(real_run), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    summary = json.loads((real_run / "train" / "summary.json").read_text())
+    plan = json.loads((real_run / "plan.json").read_text())
+    assert [s["stage_id"] for s in out["stages"]] == [s["stage_id"] for s in plan["stages"]]
+    for stage, totals in zip(out["stages"], summary["stages"]):
+        m = stage["measured"]
+        assert m["compute_ms"] * REAL_STEPS == pytest.approx(totals["compute_ms"])
+        assert m["idle_ms"] * REAL_STEPS == pytest.approx(totals["idle_ms"])
+        assert m["actions_ms"]["Forward"] > 0 and m["actions_ms"]["Backward"] > 0
+        assert m["compute_ms"] + m["comm_ms"] + m["idle_ms"] <= m["wall_ms"] * 1.001  # the trace span holds them all
+        assert stage["predicted"]["stage_time_ms"] == plan["stages"][stage["stage_id"]]["predicted"]["stage_time_ms"]
+    assert out["pipeline"]["measured"]["steady_time_per_minibatch_ms"] > 0
+    for name in (TIMELINE_FILE, LOSS_FILE):
+        assert (real_run / "train" / name).read_bytes()[:8] == PNG_MAGIC

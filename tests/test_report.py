@@ -136,6 +136,23 @@ def test_per_stage_numbers_are_per_minibatch(tmp_path: Path, schedule: str) -> N
     assert pipeline["measured"]["time_per_minibatch_ms"] == pytest.approx(measured.makespan_ms / NUM_STEPS)
 
 
+def test_a_truncated_trace_keeps_the_totals_of_the_whole_run(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", "1f1b", compute_scale=1.5)
+    full = report_json(run_dir)
+    trace_path = run_dir / "train" / "trace.json"
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    kept = [e for e in events if e["ph"] == "M"]
+    for rank in (0, 1):  # the runtime stops tracing a rank after MAX_TRACE_EVENTS
+        own = [e for e in events if e["ph"] == "X" and e["pid"] == rank]
+        kept += own[: len(own) * 2 // 3]
+    trace_path.write_text(json.dumps({"traceEvents": kept}))
+    cut = report_json(run_dir)
+    for a, b in zip(full["stages"], cut["stages"]):
+        assert b["measured"]["compute_ms"] == pytest.approx(a["measured"]["compute_ms"])
+        assert b["measured"]["compute_ms"] + b["measured"]["idle_ms"] <= b["measured"]["wall_ms"] * 1.001
+        assert b["measured"]["actions_ms"]["Forward"] == pytest.approx(a["measured"]["actions_ms"]["Forward"], rel=0.25)
+
+
 def test_flush_schedules_show_a_bigger_predicted_bubble_than_pipedream(tmp_path: Path) -> None:
     bubbles = {s: report_json(write_run(tmp_path / s, s))["pipeline"]["predicted"]["bubble_fraction"] for s in ("gpipe", "pipedream")}
     assert bubbles["gpipe"] > bubbles["pipedream"]

@@ -92,9 +92,10 @@ class MeasuredStage:
     comm_ms: float
     idle_ms: float
     wall_ms: float
-    """Trace span of its ranks (longest replica) per minibatch; compute + comm + idle without a trace."""
+    """Trace span of its ranks (longest replica) per minibatch, at least compute + comm + idle."""
     actions_ms: dict[str, float]
-    """Traced time per action name (Forward, Backward, OptimizerStep, ...), ms per minibatch."""
+    """Traced time per action name (Forward, Backward, OptimizerStep, ...), ms per minibatch
+    (over the traced minibatches, when the runtime stopped tracing a long run)."""
 
     @property
     def stage_time_ms(self) -> float:
@@ -184,11 +185,15 @@ def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage
         stage_id = int(row["stage_id"])
         own = [r for rank, r in ranks.items() if stage_of_rank.get(rank) == stage_id]
         totals_ms = float(row["compute_ms"]) + float(row["comm_ms"]) + float(row["idle_ms"])
-        wall_ms = max((r.span_ms for r in own), default=0.0) or totals_ms
+        # the runtime stops tracing a rank after MAX_TRACE_EVENTS (its totals keep counting):
+        # the span then covers part of the run, the totals all of it
+        wall_ms = max(max((r.span_ms for r in own), default=0.0), totals_ms)
+        traced_ms = sum(s.dur_ms for r in own for s in r.spans) / max(len(own), 1)
+        traced_steps = steps * min(1.0, traced_ms / totals_ms) if totals_ms > 0 else steps
         actions: dict[str, float] = {}
         for r in own:
             for s in r.spans:
-                actions[s.name] = actions.get(s.name, 0.0) + s.dur_ms / (len(own) * steps)
+                actions[s.name] = actions.get(s.name, 0.0) + s.dur_ms / (len(own) * traced_steps)
         stages.append(MeasuredStage(
             stage_id=stage_id, replicas=int(row["replicas"]), compute_ms=float(row["compute_ms"]) / steps,
             comm_ms=float(row["comm_ms"]) / steps, idle_ms=float(row["idle_ms"]) / steps, wall_ms=wall_ms / steps,

@@ -254,7 +254,7 @@ def test_file_names_match_the_runtime() -> None:
 
 # ---- one real run --------------------------------------------------------------------------
 
-REAL_STEPS = 20
+REAL_STEPS = 8
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("real")
     pd = Path(sys.executable).parent / "pd"
     proc = subprocess.run(
-        [str(pd), "train", str(REPO / "recipes" / "quickstart.yaml"), f"train.steps={REAL_STEPS}", "train.log_every=5",
+        [str(pd), "train", str(REPO / "recipes" / "quickstart.yaml"), f"train.steps={REAL_STEPS}", "train.log_every=2", "profile.warmup=1", "profile.repeats=2",
          f"run.root={root}"], capture_output=True, text=True, timeout=120, cwd=root,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -6,6 +6,7 @@ import typer
 
 from pdcli import __version__
 from pdcli.commands import compile, config_cmd, plan, profile, report, train
+from pdcli.commands import export
 from pdcli.commands.common import State
 
 app = typer.Typer(
@@ -35,6 +36,7 @@ app.command("profile")(profile.profile)
 app.command("plan")(plan.plan)
 app.command("compile")(compile.compile)
 app.command("train")(train.train)
+app.command("export")(export.export)
 app.command("report")(report.report)
 app.add_typer(config_cmd.app, name="config")
 

@@ -20,22 +20,33 @@ def train(
     node_rank: Annotated[int, typer.Option("--node-rank", help="This host's index among --nnodes.")] = 0,
     master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Rendezvous host (several hosts).")] = None,
     master_port: Annotated[Optional[int], typer.Option("--master-port", help="Rendezvous port (default: a free one).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest complete checkpoint.")] = False,
 ) -> None:
-    """Train RECIPE: one process per device of the plan, running the schedule's action lists."""
+    """Train RECIPE: one process per device of the plan, running the schedule's action lists.
+
+    Exit status: 0 done, 1 a worker failed, 2 a user error, 128+N stopped by signal N (130: Ctrl-C)."""
     loaded, run = load(recipe, overrides, run_name)
     from pdcli.pipeline import ensure_all
-    from pdcli.runtime.launcher import TrainingFailed
+    from pdcli.runtime.launcher import TrainingFailed, TrainingInterrupted
     from pdcli.runtime.step import format_summary, run_training
 
     cfg = loaded.config
-    _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err, progress=is_tty())
-    echo_err(f"train:   {cfg.schedule.name}, {len(plan_json['stages'])} stages, {cfg.train.steps} steps -> {run / 'train'}")
+    try:
+        _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err, progress=is_tty())
+    except KeyboardInterrupt:  # Ctrl-C before the workers started (profiling, planning, compiling)
+        echo_err("interrupted")
+        raise typer.Exit(130) from None
+    echo_err(f"train:   {cfg.schedule.name}, {len(plan_json['stages'])} stages, {cfg.train.steps} steps -> {run / 'train'}"
+             + (" (resuming)" if resume else ""))
     try:
         result = run_training(
             cfg, run, plan_json, manifest,
             nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-            progress=is_tty(),
+            progress=is_tty(), resume=resume,
         )
+    except TrainingInterrupted as e:
+        echo_err(f"interrupted: {e}; resume with `pd train {recipe} --resume` (same overrides)")
+        raise typer.Exit(128 + e.signal_number) from None
     except TrainingFailed as e:
         echo_err(f"error: training failed: {e}")
         raise typer.Exit(1) from None

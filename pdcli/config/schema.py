@@ -122,6 +122,8 @@ class TrainConfig:
     """A worker silent for this long stops the job."""
     threads_per_worker: Optional[int] = None
     """torch threads per CPU worker; null = cores / workers."""
+    init_from: Optional[str] = None
+    """Start from an exported state dict (`pd export RUN -o FILE`), loaded by parameter name into any plan's stages."""
     transport: str = "auto"
     """Activation/gradient transport: `auto` (sockets between CPU ranks on one host, else
     torch.distributed), `socket`, or `gloo` (torch.distributed with the run's backend)."""
@@ -193,6 +195,8 @@ def check_values(cfg: Config) -> list[str]:
     positive("train.keep_checkpoints", cfg.train.keep_checkpoints)
     positive("train.timeout_s", cfg.train.timeout_s)
     positive("train.threads_per_worker", cfg.train.threads_per_worker)
+    if cfg.train.init_from is not None and not str(cfg.train.init_from).strip():
+        problems.append("train.init_from: empty path; give a file written by `pd export` or null")
     positive("profile.repeats", cfg.profile.repeats)
     positive("profile.warmup", cfg.profile.warmup, allow_zero=True)
     positive("profile.batch_size", cfg.profile.batch_size)

@@ -219,6 +219,9 @@ def _apply_unchecked_depth(spec: ScheduleSpec, p: _Process, a: Action) -> str | 
             return "forward before LoadMicrobatch"
         if not first and (RecvActivations, mb) not in p.received:
             return "forward before RecvActivations"
+        t = mb // spec.num_microbatches
+        if t in spec.drain_after and p.in_flight and min(p.in_flight) < t * spec.num_microbatches:
+            return f"forward after drain point {t} with microbatches {sorted(p.in_flight)} of the last segment in flight"
         p.forwarded.add(mb)
         p.in_flight[mb] = a.weight_version
         return _version_problem(spec, p, a, live_only=spec.name == PIPEDREAM and not spec.vertical_sync)

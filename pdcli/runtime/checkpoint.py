@@ -1,9 +1,13 @@
 """Per-stage checkpoints: `train/checkpoints/step_<n>/stage_<k>.pt`, then a COMPLETE marker.
 
-Each stage's first replica writes its weights keyed by the ORIGINAL model's names (so all
-stage files together form one ordinary state dict of the model), its optimizer state and
-its weight-version count, atomically. After a barrier, rank 0 writes `COMPLETE` last: a
-directory without it is an interrupted checkpoint and is never resumed from.
+`step_<n>` = the state after the first n minibatches, taken at a drain point (see
+`pdcli.runtime.schedule`): nothing is in flight, so the stage files form a consistent cut.
+Each stage's first replica writes, atomically (temp file + rename), its weights keyed by
+the ORIGINAL model's names (all stage files together form one ordinary state dict of the
+model), its optimizer state, the data position (the next minibatch index, n), the RNG
+state of every replica and, on the last stage, the loss records the metrics continue
+from. After a barrier, rank 0 writes `COMPLETE` last: a directory without it is an
+interrupted checkpoint, never resumed from and never counted among the kept ones.
 """
 
 from __future__ import annotations
@@ -16,9 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from pdcli.errors import UserError
 from pdcli.rundir import atomic_save, atomic_write_json
 
 COMPLETE = "COMPLETE"
+RESUME_KEY = "resume_step"
+"""Key of `train/launch.json` holding the checkpoint step a launch resumes from (null: fresh)."""
+RESUME_HINT = (
+    "resume with the recipe and plan that wrote it; to continue under another plan or model, "
+    "`pd export` it and set train.init_from; or start fresh without --resume"
+)
 
 
 def checkpoint_dir(train_dir: Path, step: int) -> Path:
@@ -44,10 +55,12 @@ def save_stage(
     weight_version: int,
     extra: dict[str, Any],
 ) -> Path:
+    """Write one stage's file; `extra` adds e.g. rng_states, loss_records, num_optimizer_steps."""
     path = stage_file(train_dir, step, stage_id)
     payload = {
         "stage_id": stage_id,
         "step": step,
+        "data_position": step,  # the next minibatch index
         "model": original_state_dict(module, param_names),
         "param_names": dict(param_names),
         "optimizer": optimizer.state_dict(),
@@ -58,37 +71,111 @@ def save_stage(
     return path
 
 
-def mark_complete(train_dir: Path, step: int, num_stages: int, keep: int) -> None:
-    """Write the COMPLETE marker (after every stage file exists), then prune old checkpoints."""
+def mark_complete(train_dir: Path, step: int, num_stages: int, keep: int, meta: dict[str, Any] | None = None) -> None:
+    """Write the COMPLETE marker (after every stage file exists), then prune: keep the last
+    `keep` complete checkpoints and drop interrupted ones older than this one."""
     d = checkpoint_dir(train_dir, step)
     missing = [k for k in range(num_stages) if not stage_file(train_dir, step, k).exists()]
     if missing:
         raise RuntimeError(f"checkpoint {d} lacks stage files {missing}; not marking it complete")
-    atomic_write_json(d / COMPLETE, {"step": step, "num_stages": num_stages})
+    atomic_write_json(d / COMPLETE, {"step": step, "num_stages": num_stages, **(meta or {})})
     for old in complete_steps(train_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(checkpoint_dir(train_dir, old), ignore_errors=True)
+    for old, complete in _step_dirs(train_dir):
+        if not complete and old < step:
+            shutil.rmtree(checkpoint_dir(train_dir, old), ignore_errors=True)
+
+
+def _step_dirs(train_dir: Path) -> list[tuple[int, bool]]:
+    root = train_dir / "checkpoints"
+    if not root.exists():
+        return []
+    out = []
+    for d in root.iterdir():
+        if d.name.startswith("step_") and d.name.removeprefix("step_").isdigit():
+            out.append((int(d.name.removeprefix("step_")), (d / COMPLETE).exists()))
+    return sorted(out)
 
 
 def complete_steps(train_dir: Path) -> list[int]:
     """Steps of complete checkpoints, oldest first."""
-    root = train_dir / "checkpoints"
-    if not root.exists():
-        return []
-    steps = []
-    for d in root.iterdir():
-        if d.name.startswith("step_") and (d / COMPLETE).exists():
-            try:
-                steps.append(int(d.name.removeprefix("step_")))
-            except ValueError:
-                continue
-    return sorted(steps)
+    return [step for step, complete in _step_dirs(train_dir) if complete]
+
+
+def latest_step(train_dir: Path) -> int | None:
+    """The newest complete checkpoint's step, or None."""
+    steps = complete_steps(train_dir)
+    return steps[-1] if steps else None
+
+
+def read_resume_step(train_dir: Path) -> int | None:
+    """The step this launch resumes from, as `pd train --resume` recorded it in launch.json."""
+    from pdcli.runtime.worker import LAUNCH_FILE
+
+    path = train_dir / LAUNCH_FILE
+    if not path.exists():
+        return None
+    step = json.loads(path.read_text()).get(RESUME_KEY)
+    return None if step is None else int(step)
+
+
+def read_info(train_dir: Path, step: int) -> dict[str, Any]:
+    """The COMPLETE marker's record (step, num_stages, schedule, ...)."""
+    path = checkpoint_dir(train_dir, step) / COMPLETE
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint marker {path} is unreadable ({e})", hint=f"delete {path.parent}") from None
+
+
+def load_stage_file(train_dir: Path, step: int, stage_id: int) -> dict[str, Any]:
+    """One stage file of a checkpoint; UserError if it is missing or corrupt."""
+    path = stage_file(train_dir, step, stage_id)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"checkpoint {path.parent} has no {path.name}", hint=f"delete {path.parent}") from None
+    except Exception as e:  # noqa: BLE001 - torch.load raises many types on garbage
+        raise UserError(
+            f"checkpoint file {path} is corrupt ({type(e).__name__}: {str(e)[:120]})",
+            hint=f"delete {path.parent} to resume from the previous checkpoint, or start fresh without --resume",
+        ) from None
+    if not isinstance(payload, dict) or "model" not in payload:
+        raise UserError(f"{path} is not a pd stage checkpoint", hint=f"delete {path.parent}")
+    return payload
 
 
 def load_model_state(train_dir: Path, step: int) -> dict[str, torch.Tensor]:
     """All stages of a complete checkpoint merged into one state dict of the original model."""
-    d = checkpoint_dir(train_dir, step)
-    info = json.loads((d / COMPLETE).read_text())
+    info = read_info(train_dir, step)
     state: dict[str, torch.Tensor] = {}
     for k in range(int(info["num_stages"])):
-        state.update(torch.load(stage_file(train_dir, step, k), map_location="cpu", weights_only=True)["model"])
+        state.update(load_stage_file(train_dir, step, k)["model"])
     return state
+
+
+def check_weights(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str, hint: str) -> None:
+    """`weights` holds every name of `expected` with its shape; UserError naming `where` otherwise."""
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise UserError(f"{where} lacks {len(missing)} weights of this model, e.g. {missing[:3]}", hint=hint)
+    wrong = [(n, list(weights[n].shape), list(t.shape)) for n, t in expected.items() if weights[n].shape != t.shape]
+    if wrong:
+        name, got, want = wrong[0]
+        raise UserError(f"{where}: {name!r} has shape {got}, this model's is {want} ({len(wrong)} mismatches)", hint=hint)
+
+
+def load_weights_by_name(module: nn.Module, param_names: dict[str, str], weights: dict[str, torch.Tensor], where: str, hint: str) -> None:
+    """Copy `weights` (original names) into `module`'s state (stage-local names)."""
+    own = original_state_dict(module, param_names)
+    check_weights(weights, own, where, hint)
+    local = {local: weights[param_names.get(local, local)] for local in module.state_dict()}
+    module.load_state_dict(local, strict=True)
+
+
+def restore_stage(
+    payload: dict[str, Any], module: nn.Module, param_names: dict[str, str], optimizer: torch.optim.Optimizer, where: str
+) -> None:
+    """Weights and optimizer state of a stage file into a freshly built stage."""
+    load_weights_by_name(module, param_names, payload["model"], where, RESUME_HINT)
+    optimizer.load_state_dict(payload["optimizer"])

@@ -31,8 +31,51 @@ LOCALHOST = "127.0.0.1"
 PORT_ATTEMPTS = 3
 
 
+CPU_PROCESSES_PER_CORE = 4
+"""On CPU, "available devices" = worker processes one host may run: this many per core
+(at least MIN_CPU_PROCESSES). Pipeline stages mostly wait on each other, so a few per
+core still train; far more only thrash."""
+MIN_CPU_PROCESSES = 8
+
+
 class TrainingFailed(RuntimeError):
     """A worker crashed, was killed or hung; the message names rank, stage and last action."""
+
+
+class TrainingInterrupted(TrainingFailed):
+    """The launcher got SIGINT/SIGTERM/...; every worker was stopped. `signal_number` says which."""
+
+    def __init__(self, message: str, signal_number: int) -> None:
+        super().__init__(message)
+        self.signal_number = signal_number
+
+
+def check_devices(world_size: int, hosts: Hosts, device: str) -> None:
+    """The plan's ranks fit the launch: divisible by --nnodes, and per host no more processes
+    than devices (CUDA: GPUs; CPU: CPU_PROCESSES_PER_CORE per core)."""
+    import os
+
+    import torch
+
+    if hosts.nnodes < 1 or not 0 <= hosts.node_rank < hosts.nnodes:
+        raise UserError(f"--node-rank {hosts.node_rank} is not in 0..{hosts.nnodes - 1} (--nnodes {hosts.nnodes})")
+    if world_size % hosts.nnodes:
+        raise UserError(
+            f"the plan has {world_size} ranks, which --nnodes {hosts.nnodes} hosts cannot share evenly",
+            hint=f"use --nnodes dividing {world_size}, or re-plan for {hosts.nnodes} hosts (cluster.levels)",
+        )
+    per_host = world_size // hosts.nnodes
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        available, what = torch.cuda.device_count(), "GPUs (torch.cuda.device_count())"
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        available = max(MIN_CPU_PROCESSES, CPU_PROCESSES_PER_CORE * cores)
+        what = f"CPU worker processes ({CPU_PROCESSES_PER_CORE} per core x {cores} cores, at least {MIN_CPU_PROCESSES})"
+    if per_host > available:
+        raise UserError(
+            f"the plan needs {per_host} devices on this host, but only {available} {what} are available",
+            hint="plan for fewer devices (cluster.levels, plan.num_stages) or spread over hosts with --nnodes",
+        )
 
 
 @dataclass(frozen=True)
@@ -99,7 +142,7 @@ def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s:
     except ChildFailedError as e:
         raise TrainingFailed(diagnose(train_dir, placement, e, log_dir)) from None
     except SignalException as e:  # Ctrl-C / SIGTERM on the launcher: the agent stopped the workers
-        raise TrainingFailed(f"interrupted by signal {e.sigval}; all workers were stopped") from None
+        raise TrainingInterrupted(f"interrupted by {e.sigval.name}; all workers were stopped", int(e.sigval)) from None
 
 
 def describe_rank(placement: Placement, rank: int) -> str:

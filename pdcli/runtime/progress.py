@@ -38,6 +38,12 @@ class LossTracker:
         """Start timing samples/s now (after setup, before the first action)."""
         self._last_log_s = time.perf_counter()
 
+    def resume(self, records: dict[int, LossRecord], next_minibatch: int) -> None:
+        """Continue a run from a checkpoint: its loss records, and the minibatches since the
+        last metrics line (they belong to the next line, as in the uninterrupted run)."""
+        self.records.update({int(k): tuple(v) for k, v in records.items()})  # type: ignore[misc]
+        self._interval = list(range(next_minibatch - next_minibatch % self.log_every, next_minibatch))
+
     def record(self, microbatch_id: int, loss: float, correct: int, num_samples: int) -> None:
         self.records[microbatch_id] = (loss, correct, num_samples)
         t = microbatch_id // self.num_microbatches

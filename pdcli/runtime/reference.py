@@ -13,6 +13,9 @@ must give the same losses and final weights as `reference_train`, to float toler
   round of r microbatches (b // r), with the mean of their gradients.
 - 2bw: minibatch t runs on version t - 1 at every stage (clamped at 0), so
   W(t+1) = W(t) - lr * grad computed on W(t-1).
+- drain points (`drain_after`, checkpoints every N minibatches): pipedream and 2bw drain
+  there, so each segment follows the rules above as a run of its own that starts from
+  the weights and optimizer state the previous segment left (`ScheduleSpec.weight_version`).
 
 Stages must be deterministic (no dropout): the reference does not replay random state.
 """
@@ -108,16 +111,18 @@ def reference_train(
     replicas: Sequence[int] | None = None,
     vertical_sync: bool = False,
     model_input_names: Sequence[str] | None = None,
+    drain_after: Sequence[int] = (),
 ) -> ReferenceResult:
     """Train the stages in place on `batches` (minibatches) as `schedule` would.
 
     One optimizer per stage (`make_optimizer(stage parameters)`). Gradients are summed
     over the microbatches an update covers and divided by their number before the step.
     `model_input_names` name `Batch.inputs` in the environment (default: the first
-    stage's `input_names`).
+    stage's `input_names`). `drain_after`: minibatch counts where the pipeline drains
+    (see `pdcli.runtime.schedule.drain_points`).
     """
     spec = ScheduleSpec.make(schedule, len(stages), num_microbatches, len(batches),
-                             replicas, vertical_sync)
+                             replicas, vertical_sync, drain_after)
     modules = [s.module if isinstance(s, StageSpec) else s for s in stages]
     if model_input_names is None:
         model_input_names = stages[0].input_names if isinstance(stages[0], StageSpec) else ()

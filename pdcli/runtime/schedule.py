@@ -16,6 +16,19 @@ The rule each schedule follows is `ScheduleSpec.weight_version`; the reference t
 (`pdcli.runtime.reference`) applies the same rule without action lists, and the checker
 proves that the lists implement it.
 
+Drain points (checkpoints): `ScheduleSpec.drain_after` lists minibatch counts after which
+the pipeline drains. gpipe and 1f1b drain before every step anyway; pipedream and 2bw have
+no flush, so with checkpoints every N minibatches (`train.checkpoint_every`) pipedream
+drains at each checkpoint: the run is cut into segments of N minibatches (the last one
+may be shorter) and each segment is a complete pipedream/2bw run (warm-up, steady state,
+drain) that starts from the weights and optimizer state the previous segment left. Inside
+a segment the weight-version rules apply as if the run began at the segment's first
+microbatch (pipedream: no staleness for its first microbatches; 2bw: its first minibatch
+runs on the segment's starting version). Weight version numbers count on across
+segments. Everything before a drain point is finished on every process, so a checkpoint
+there is a consistent cut and a resumed run (`build_for(..., start_minibatch=t)`) is the
+suffix of the same lists.
+
 Gradients: a Backward adds the gradient of its microbatch's (unscaled) loss to the
 live parameters' `.grad`, whatever version it ran on; AllReduceGrads sums `.grad`
 over the stage's replicas; OptimizerStep divides by the number of microbatches the
@@ -24,6 +37,8 @@ update covers (a mean, so `lr` means what it means without a pipeline), steps, z
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -36,7 +51,7 @@ __all__ = [
     "LoadMicrobatch", "OptimizerStep", "RecvActivations", "RecvGrads", "ScheduleSpec",
     "SCHEDULES", "SendActivations", "SendGrads", "StashDepth", "StashWeights",
     "UnknownActionError", "build_all", "build_for", "build_schedule", "dispatch",
-    "one_f_one_b", "replica_for", "stash_depth",
+    "drain_points", "one_f_one_b", "replica_for", "stash_depth",
 ]
 
 GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW = "gpipe", "1f1b", "pipedream", "2bw"
@@ -45,6 +60,14 @@ FLUSH_SCHEDULES = (GPIPE, ONE_F_ONE_B)
 
 
 # ---- the parameters of a schedule and its rules -------------------------------------------
+
+
+def drain_points(num_steps: int, every: int, extra: Sequence[int] = ()) -> tuple[int, ...]:
+    """Minibatch counts after which the pipeline drains: every `every` minibatches (0 = never)
+    plus `extra` (e.g. the checkpoint a run resumes from), strictly inside (0, num_steps)."""
+    points = set(range(every, num_steps, every)) if every > 0 else set()
+    points |= {t for t in extra if 0 < t < num_steps}
+    return tuple(sorted(points))
 
 
 def replica_for(microbatch_id: int, replicas_of_stage: int) -> int:
@@ -78,13 +101,17 @@ class ScheduleSpec:
     """Replicas (data-parallel copies) of each stage."""
     vertical_sync: bool = False
     """pipedream only: every stage uses the weight version stage 0 used for a microbatch."""
+    drain_after: tuple[int, ...] = ()
+    """Minibatch counts after which the pipeline drains (checkpoint points), increasing,
+    inside (0, num_steps); see `drain_points`. No effect on gpipe/1f1b (they always drain)."""
 
     @classmethod
     def make(cls, name: str, num_stages: int, num_microbatches: int, num_steps: int,
-             replicas: Sequence[int] | None = None, vertical_sync: bool = False) -> ScheduleSpec:
+             replicas: Sequence[int] | None = None, vertical_sync: bool = False,
+             drain_after: Sequence[int] = ()) -> ScheduleSpec:
         """A spec with `replicas=None` meaning one replica per stage."""
         reps = tuple(replicas) if replicas is not None else (1,) * num_stages
-        return cls(name, num_stages, num_microbatches, num_steps, reps, vertical_sync)
+        return cls(name, num_stages, num_microbatches, num_steps, reps, vertical_sync, tuple(drain_after))
 
     def __post_init__(self) -> None:
         problems = []
@@ -97,6 +124,10 @@ class ScheduleSpec:
             problems.append(f"replicas has {len(self.replicas)} entries for {self.num_stages} stages")
         if self.vertical_sync and self.name != PIPEDREAM:
             problems.append(f"vertical_sync only applies to pipedream, not {self.name!r}")
+        if list(self.drain_after) != sorted(set(self.drain_after)) or any(
+                not 0 < t < self.num_steps for t in self.drain_after):
+            problems.append(f"drain_after {list(self.drain_after)} must increase strictly inside "
+                            f"(0, num_steps={self.num_steps})")
         if problems:
             raise UserError("; ".join(problems))
         for stage_id, r in enumerate(self.replicas):
@@ -141,6 +172,23 @@ class ScheduleSpec:
         """Microbatches in the run, ids 0 .. total - 1."""
         return self.num_steps * self.num_microbatches
 
+    def segment_start(self, minibatch: int) -> int:
+        """First minibatch of the segment (between drain points) that holds `minibatch`."""
+        i = bisect.bisect_right(self.drain_after, minibatch)
+        return self.drain_after[i - 1] if i else 0
+
+    @property
+    def segments(self) -> list[range]:
+        """The minibatches of each segment, in order (one segment without drain points)."""
+        bounds = [0, *self.drain_after, self.num_steps]
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def steps_through(self, stage_id: int, num_minibatches: int) -> int:
+        """Optimizer steps `stage_id` has taken once the first `num_minibatches` are done."""
+        if self.name == PIPEDREAM:
+            return num_minibatches * self.num_microbatches // self.replicas[stage_id]
+        return num_minibatches
+
     def num_in_flight(self, stage_id: int) -> int:
         """Forwards one replica of `stage_id` runs before its first backward (1F1B warm-up
         + 1): the devices from this stage to the end over this stage's replicas, rounded
@@ -175,10 +223,13 @@ class ScheduleSpec:
         and the backward of `microbatch_id` use.
 
         gpipe, 1f1b: the minibatch index t (all updates before it).
-        2bw: t - 1 (clamped at 0): W(t+1) = W(t) - lr * grad on W(t - 1).
+        2bw: t - 1 (clamped at the segment's first minibatch t0, 0 without drain points):
+        W(t+1) = W(t) - lr * grad on W(t - 1).
         pipedream: the live version when the microbatch reaches this stage in 1F1B order:
         round k = mb // r of a replica runs after k - n + 1 updates (n = num_in_flight),
-        i.e. on a straight pipeline the updates of microbatches 0 .. mb - (S - s).
+        i.e. on a straight pipeline the updates of microbatches 0 .. mb - (S - s); with
+        drain points, rounds count from the segment's first microbatch and the versions
+        start from the steps taken before the segment.
         With vertical sync: the newest version of this stage whose updates all come from
         microbatches that stage 0's version for `microbatch_id` includes.
         """
@@ -186,15 +237,17 @@ class ScheduleSpec:
         if self.is_flush:
             return minibatch
         if self.name == TWO_BW:
-            return max(0, minibatch - 1)
+            return max(self.segment_start(minibatch), minibatch - 1)
         if self.vertical_sync:
             first_stage = self._pipedream_version(0, microbatch_id)
             return first_stage * self.replicas[0] // self.replicas[stage_id]
         return self._pipedream_version(stage_id, microbatch_id)
 
     def _pipedream_version(self, stage_id: int, microbatch_id: int) -> int:
-        round_index = microbatch_id // self.replicas[stage_id]
-        return max(0, round_index - self.num_in_flight(stage_id) + 1)
+        r = self.replicas[stage_id]
+        first = self.segment_start(microbatch_id // self.num_microbatches) * self.num_microbatches
+        round_index = (microbatch_id - first) // r  # first is a multiple of r (M % r == 0)
+        return first // r + max(0, round_index - self.num_in_flight(stage_id) + 1)
 
     def stash_depth(self, stage_id: int) -> StashDepth:
         """Weight versions and activation sets one replica of `stage_id` holds at most."""
@@ -213,6 +266,8 @@ class ScheduleSpec:
     def _vertical_sync_versions(self, stage_id: int) -> int:
         # After its k-th forward a replica is at version k - n + 1 and still needs every
         # version from the one of its oldest microbatch in flight (round k - n + 1) up.
+        if self.drain_after:  # a drain only shortens the stash: count without drain points
+            return dataclasses.replace(self, drain_after=())._vertical_sync_versions(stage_id)
         r, n = self.replicas[stage_id], self.num_in_flight(stage_id)
         horizon = 4 * (n + self.num_in_flight(0)) * self.replicas[0] * r
         return max(max(0, k - n + 1) - self.weight_version(stage_id, max(0, k - n + 1) * r) + 1
@@ -363,8 +418,11 @@ def _compute_order(spec: ScheduleSpec, stage_id: int, replica_id: int) -> tuple[
         gpipe = spec.name == GPIPE
         order = [a for chunk in per_minibatch
                  for a in one_f_one_b(chunk, len(chunk) if gpipe else spec.num_in_flight(stage_id))]
-    else:  # no flush: one 1F1B sequence over the whole run
-        order = one_f_one_b(own, spec.num_in_flight(stage_id))
+    else:  # no flush: one 1F1B sequence per segment (the whole run without drain points)
+        m = spec.num_microbatches
+        order = [a for seg in spec.segments
+                 for a in one_f_one_b([mb for mb in own if seg.start * m <= mb < seg.stop * m],
+                                      spec.num_in_flight(stage_id))]
     last_of_step = {spec.step_of(stage_id, mb): mb for mb in own}  # own is increasing
     replicated = spec.replicas[stage_id] > 1
     actions: list[Action] = []
@@ -468,8 +526,10 @@ def _add_weight_stashing(actions: list[Action]) -> list[Action]:
 # ---- public entry points ------------------------------------------------------------------
 
 
-def build_for(spec: ScheduleSpec, stage_id: int, replica_id: int = 0) -> list[Action]:
-    """The whole ordered action list of one process (stage `stage_id`, replica `replica_id`)."""
+def build_for(spec: ScheduleSpec, stage_id: int, replica_id: int = 0, start_minibatch: int = 0) -> list[Action]:
+    """The ordered action list of one process (stage `stage_id`, replica `replica_id`);
+    with `start_minibatch` = t > 0 (a drain point: a checkpoint to resume from), only the
+    actions after the first t minibatches, whose weights and optimizer state it continues."""
     if not 0 <= stage_id < spec.num_stages:
         raise ValueError(f"stage_id {stage_id} out of range (num_stages={spec.num_stages})")
     if not 0 <= replica_id < spec.replicas[stage_id]:
@@ -477,7 +537,24 @@ def build_for(spec: ScheduleSpec, stage_id: int, replica_id: int = 0) -> list[Ac
             f"replica_id {replica_id} out of range (stage {stage_id} has "
             f"{spec.replicas[stage_id]} replicas)")
     compute = _compute_order(spec, stage_id, replica_id)
-    return _add_weight_stashing(_add_communication(spec, stage_id, compute))
+    actions = _add_weight_stashing(_add_communication(spec, stage_id, compute))
+    return actions if start_minibatch == 0 else _resume_suffix(spec, stage_id, actions, start_minibatch)
+
+
+def _resume_suffix(spec: ScheduleSpec, stage_id: int, actions: list[Action], start_minibatch: int) -> list[Action]:
+    """The actions after the optimizer step that completes the first `start_minibatch` minibatches."""
+    if not (spec.is_flush or start_minibatch in spec.drain_after) or not 0 < start_minibatch < spec.num_steps:
+        raise ValueError(f"cannot resume {spec.name} at minibatch {start_minibatch}: not a drain point "
+                         f"{list(spec.drain_after)} inside (0, {spec.num_steps})")
+    last_step = spec.steps_through(stage_id, start_minibatch) - 1
+    cut = next(i for i, a in enumerate(actions) if isinstance(a, OptimizerStep) and a.step == last_step) + 1
+    first_mb = start_minibatch * spec.num_microbatches
+    early = [a for a in actions[cut:] if isinstance(a, (Forward, Backward)) and a.microbatch_id < first_mb]
+    late = [a for a in actions[:cut] if isinstance(a, (Forward, Backward)) and a.microbatch_id >= first_mb]
+    stashed = sum(isinstance(a, StashWeights) for a in actions[:cut]) - sum(isinstance(a, FreeWeights) for a in actions[:cut])
+    if early or late or stashed:
+        raise AssertionError(f"stage {stage_id}: minibatch {start_minibatch} is not a clean cut ({early[:2]}, {late[:2]})")
+    return actions[cut:]
 
 
 def build_all(spec: ScheduleSpec) -> list[list[Action]]:
@@ -494,14 +571,17 @@ def build_schedule(
     replicas: Sequence[int] | None = None,
     replica_id: int = 0,
     vertical_sync: bool = False,
+    drain_after: Sequence[int] = (),
+    start_minibatch: int = 0,
 ) -> list[Action]:
     """The action list of one process for a run of `num_steps` minibatches.
 
-    `replicas[s]` is the replication factor of stage s (None: all 1). Raises UserError
-    on parameters no schedule can run (see `ScheduleSpec`).
+    `replicas[s]` is the replication factor of stage s (None: all 1); `drain_after` the
+    drain (checkpoint) points (see `drain_points`); `start_minibatch` a drain point to
+    resume from. Raises UserError on parameters no schedule can run (see `ScheduleSpec`).
     """
-    spec = ScheduleSpec.make(name, num_stages, num_microbatches, num_steps, replicas, vertical_sync)
-    return build_for(spec, stage_id, replica_id)
+    spec = ScheduleSpec.make(name, num_stages, num_microbatches, num_steps, replicas, vertical_sync, drain_after)
+    return build_for(spec, stage_id, replica_id, start_minibatch)
 
 
 def stash_depth(

@@ -23,7 +23,8 @@ from pdcli.runtime.metrics import MetricsLog, RankStats, Timeline, chrome_trace,
 from pdcli.runtime.optim import build_optimizer
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
-from pdcli.runtime.schedule import FLUSH_SCHEDULES, build_schedule, replica_for
+from pdcli.runtime.resume import Checkpointer
+from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replica_for
 from pdcli.runtime.sockets import TRANSPORT_ENV, SocketTransport, socket_transport_possible
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.watchdog import Heartbeat
@@ -88,10 +89,11 @@ def run_session(
     module.to(device).train()
     io = StageIO.from_manifest(manifest, stage_id)
     num_stages, m = placement.num_stages, cfg.schedule.num_microbatches
-    actions = build_schedule(
-        cfg.schedule.name, num_stages, stage_id, m, cfg.train.steps,
-        replicas=list(placement.replicas), replica_id=replica_id, vertical_sync=cfg.schedule.vertical_sync,
-    )
+    resume_step = checkpoint.read_resume_step(train_dir)  # None: a fresh run
+    drains = drain_points(cfg.train.steps, cfg.train.checkpoint_every, extra=[resume_step or 0])
+    spec = ScheduleSpec.make(cfg.schedule.name, num_stages, m, cfg.train.steps, placement.replicas,
+                             cfg.schedule.vertical_sync, drains)
+    actions = build_for(spec, stage_id, replica_id, start_minibatch=resume_step or 0)
     is_last = stage_id == num_stages - 1
     writer_rank = placement.rank(num_stages - 1, 0)
     timeline = Timeline(env.rank, stage_id, replica_id)
@@ -102,7 +104,7 @@ def run_session(
             num_microbatches=m, num_minibatches=cfg.train.steps, log_every=cfg.train.log_every,
             batch_size=cfg.data.batch_size,
             own_per_minibatch=lambda t: sum(1 for mb in range(t * m, (t + 1) * m) if replica_for(mb, r) == replica_id),
-            writer=MetricsLog(train_dir / "metrics.jsonl") if env.rank == writer_rank else None,
+            writer=MetricsLog(train_dir / "metrics.jsonl", append=resume_step is not None) if env.rank == writer_rank else None,
         )
     transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport)
     loss_name = manifest.get("loss", cfg.model.loss)
@@ -118,22 +120,8 @@ def run_session(
     executor = Executor(ctx, actions)
     logger.info("stage %d replica %d: %d actions, %s, device %s", stage_id, replica_id, len(actions), cfg.schedule.name, device)
 
-    def save_checkpoint(step: int) -> None:
-        heartbeat.beat(executor.steps_done, f"checkpoint(step={step})")
-        if replica_id == 0:
-            checkpoint.save_stage(
-                train_dir, step, stage_id, module, entry["param_names"], ctx.optimizer, executor.weights.version,
-                {"schedule": cfg.schedule.name, "num_optimizer_steps": executor.steps_done},
-            )
-        dist.barrier()  # every stage file is written before the marker
-        if env.rank == 0:
-            checkpoint.mark_complete(train_dir, step, num_stages, cfg.train.keep_checkpoints)
-        logger.info("checkpoint of step %d written", step)
-
-    every = cfg.train.checkpoint_every
-    periodic = every > 0 and cfg.schedule.name in FLUSH_SCHEDULES
-    if every > 0 and not periodic:
-        logger.warning("train.checkpoint_every: %s has no flush point; checkpointing at the end only", cfg.schedule.name)
+    checkpoints = Checkpointer(cfg, train_dir, spec, placement, env.rank, entry, module, ctx.optimizer, tracker, heartbeat, logger)
+    checkpoints.start(executor, resume_step)
 
     def on_step(steps_done: int) -> None:
         if steps_done % cfg.train.log_every == 0:
@@ -142,9 +130,7 @@ def run_session(
                 "optimizer step %d: compute %.1f ms, comm %.1f ms, idle %.1f ms so far, %d weight versions held",
                 steps_done, st.compute_ms, st.comm_ms, st.idle_ms, executor.weights.max_versions_held,
             )
-        # gpipe/1f1b: after optimizer step s every stage has drained minibatch s - 1, a consistent cut.
-        if periodic and steps_done % every == 0 and steps_done < cfg.train.steps:
-            save_checkpoint(steps_done)
+        checkpoints.after_step(executor)  # at drain points (train.checkpoint_every): a consistent cut
 
     if tracker is not None:
         tracker.restart_clock()
@@ -152,7 +138,7 @@ def run_session(
     executor.run(on_step)
     loop_s = time.perf_counter() - start_s
     logger.info("training loop done in %.3f s (%d optimizer steps)", loop_s, executor.steps_done)
-    save_checkpoint(cfg.train.steps)
+    checkpoints.save(cfg.train.steps, executor)
 
     heartbeat.beat(executor.steps_done, "report")
     stats = timeline.finish()

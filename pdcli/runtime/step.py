@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import threading
@@ -13,16 +14,17 @@ from tabulate import tabulate
 
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
-from pdcli.rundir import RunDir, atomic_write_json, read_json
-from pdcli.runtime.launcher import Hosts, TrainingFailed, launch_workers
+from pdcli.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
+from pdcli.runtime import checkpoint
+from pdcli.runtime.launcher import Hosts, TrainingFailed, TrainingInterrupted, check_devices, launch_workers
 from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.placement import Placement
-from pdcli.runtime.schedule import build_schedule
+from pdcli.runtime.schedule import build_schedule, drain_points
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.session import SUMMARY_FILE
 from pdcli.runtime.worker import LAUNCH_FILE
 
-__all__ = ["TrainResult", "TrainingFailed", "format_summary", "run_training"]
+__all__ = ["TrainResult", "TrainingFailed", "TrainingInterrupted", "format_summary", "run_training"]
 
 PROGRESS_POLL_S = 0.5
 
@@ -53,12 +55,77 @@ class TrainResult:
         )
 
 
-def _clean_previous(train_dir: Path) -> None:
-    """Stale status/error files would blame the wrong rank; old metrics would mislead."""
+PREVIOUS_CHECKPOINTS = "checkpoints.previous"
+
+
+def _clean_previous(train_dir: Path, resume_step: int | None) -> None:
+    """Stale status/error files would blame the wrong rank; old metrics would mislead. A
+    fresh run moves old checkpoints to `checkpoints.previous/` (one generation) so that a
+    later --resume never picks a checkpoint of an earlier run; a resumed run keeps the
+    metrics lines up to its checkpoint and appends from there."""
     shutil.rmtree(train_dir / "status", ignore_errors=True)
     shutil.rmtree(train_dir / "elastic", ignore_errors=True)  # worker stdout/stderr of the last launch
-    for name in ("metrics.jsonl", SUMMARY_FILE, "trace.json"):
+    for name in (SUMMARY_FILE, "trace.json"):
         (train_dir / name).unlink(missing_ok=True)
+    metrics = train_dir / "metrics.jsonl"
+    if resume_step is None:
+        metrics.unlink(missing_ok=True)
+        if (train_dir / "checkpoints").exists():
+            shutil.rmtree(train_dir / PREVIOUS_CHECKPOINTS, ignore_errors=True)
+            (train_dir / "checkpoints").rename(train_dir / PREVIOUS_CHECKPOINTS)
+        return
+    kept = [line for line in read_metrics(metrics) if not line.get("final") and int(line.get("step", 0)) <= resume_step]
+    atomic_write_text(metrics, "".join(json.dumps(line, sort_keys=True) + "\n" for line in kept))
+
+
+def resume_point(cfg: Config, run: RunDir, manifest: dict[str, Any]) -> int:
+    """The step of the latest complete checkpoint, after checking it fits this run."""
+    train_dir = run / "train"
+    step = checkpoint.latest_step(train_dir)
+    if step is None:
+        raise UserError(
+            f"--resume: no complete checkpoint in {train_dir / 'checkpoints'}",
+            hint="train without --resume first (train.checkpoint_every sets how often checkpoints are taken)",
+        )
+    info = checkpoint.read_info(train_dir, step)
+    where = checkpoint.checkpoint_dir(train_dir, step)
+    if step >= cfg.train.steps:
+        raise UserError(f"--resume: the latest checkpoint {where} is at step {step}, train.steps is {cfg.train.steps}: nothing left to train",
+                        hint="raise train.steps to train further")
+    for key, want in (("num_stages", int(manifest["num_stages"])), ("schedule", cfg.schedule.name),
+                      ("num_microbatches", cfg.schedule.num_microbatches), ("optimizer", cfg.optim.name)):
+        if key in info and info[key] != want:
+            raise UserError(f"--resume: checkpoint {where} has {key}={info[key]!r}, this run {want!r}", hint=checkpoint.RESUME_HINT)
+    for k in range(int(manifest["num_stages"])):
+        payload = checkpoint.load_stage_file(train_dir, step, k)
+        expected = _stage_weights(run, manifest, k)
+        checkpoint.check_weights(payload["model"], expected, f"checkpoint {checkpoint.stage_file(train_dir, step, k)}", checkpoint.RESUME_HINT)
+    return step
+
+
+def _stage_weights(run: RunDir, manifest: dict[str, Any], stage_id: int) -> dict[str, Any]:
+    import torch
+
+    entry = manifest["stages"][stage_id]
+    return dict(torch.load(run / "stages" / entry["weights"], map_location="cpu", weights_only=True))
+
+
+def check_init_from(cfg: Config, run: RunDir, manifest: dict[str, Any]) -> None:
+    """`train.init_from` is an exported state dict holding every weight of every stage."""
+    import torch
+
+    path = Path(cfg.train.init_from or "")
+    hint = "pass a file written by `pd export RUN` for this model (train.init_from=<file>)"
+    if not path.is_file():
+        raise UserError(f"train.init_from: {path} does not exist", hint=hint)
+    try:
+        weights = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch.load raises many types on garbage
+        raise UserError(f"train.init_from: {path} is not a readable state dict ({type(e).__name__})", hint=hint) from None
+    if not isinstance(weights, dict):
+        raise UserError(f"train.init_from: {path} holds a {type(weights).__name__}, not a state dict", hint=hint)
+    for k in range(int(manifest["num_stages"])):
+        checkpoint.check_weights(weights, _stage_weights(run, manifest, k), f"train.init_from {path}", hint)
 
 
 def check_inputs(cfg: Config, plan_json: dict[str, Any], manifest: dict[str, Any]) -> Placement:
@@ -77,10 +144,12 @@ def check_inputs(cfg: Config, plan_json: dict[str, Any], manifest: dict[str, Any
             hint="the stages are stale: re-run `pd compile`",
         )
     check_edges(manifest)
+    drains = drain_points(cfg.train.steps, cfg.train.checkpoint_every)
     for stage_id, replicas in enumerate(placement.replicas):  # pure: a bad schedule fails here, not in 4 workers
         build_schedule(
             cfg.schedule.name, placement.num_stages, stage_id, cfg.schedule.num_microbatches, cfg.train.steps,
             replicas=list(placement.replicas), replica_id=replicas - 1, vertical_sync=cfg.schedule.vertical_sync,
+            drain_after=drains,
         )
     return placement
 
@@ -115,16 +184,23 @@ def run_training(
     master_addr: str | None = None,
     master_port: int | None = None,
     progress: bool = False,
+    resume: bool = False,
 ) -> TrainResult:
-    """Train on `run` (config.yaml and stages/ in place). Raises TrainingFailed if a worker fails."""
+    """Train on `run` (config.yaml and stages/ in place); `resume`: continue from the latest
+    complete checkpoint. Raises TrainingFailed if a worker fails (TrainingInterrupted on a
+    signal), UserError on inputs that cannot run."""
     if not (run / "config.yaml").exists():
         raise FileNotFoundError(f"{run / 'config.yaml'} missing: the resolved config must be written first")
     placement = check_inputs(cfg, plan_json, manifest)
+    hosts = Hosts(nnodes, node_rank, master_addr, master_port)
+    check_devices(placement.world_size, hosts, cfg.cluster.device)
     train_dir = run / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
-    _clean_previous(train_dir)
-    atomic_write_json(train_dir / LAUNCH_FILE, {"plan": plan_json})
-    hosts = Hosts(nnodes, node_rank, master_addr, master_port)
+    resume_step = resume_point(cfg, run, manifest) if resume else None
+    if resume_step is None and cfg.train.init_from:
+        check_init_from(cfg, run, manifest)
+    _clean_previous(train_dir, resume_step)
+    atomic_write_json(train_dir / LAUNCH_FILE, {"plan": plan_json, checkpoint.RESUME_KEY: resume_step})
     bar = ProgressBar(train_dir / "metrics.jsonl", cfg.train.steps) if progress else None
     try:
         launch_workers(run.path, placement, hosts, cfg.train.timeout_s)

@@ -23,6 +23,11 @@ WATCHDOG_EXIT_CODE = 124  # like timeout(1)
 FAULT_ENV = "PD_TEST_FAULT"
 """Tests only: `<rank>:<step>:exit|hang` makes that rank exit (code 3) or hang in its first
 Forward/Backward once it has taken `step` optimizer steps."""
+CHECKPOINT_FAULT_ENV = "PD_TEST_CHECKPOINT_FAULT"
+"""Tests only: `<rank>:<step>:written|complete` makes that rank exit (code 3) while taking the
+checkpoint of minibatch `step`: right after writing its stage file (`written`: the checkpoint
+stays incomplete, a crash mid-write) or once the checkpoint is complete (`complete`)."""
+CHECKPOINT_FAULT_POINTS = ("written", "complete")
 WAITING_ACTIONS = ("RecvActivations", "RecvGrads", "AllReduceGrads", "init_process_group", "checkpoint", "report")
 """Actions that wait for other ranks: a timeout there points at a peer."""
 
@@ -133,3 +138,15 @@ def inject_fault(mode: str) -> None:
         os._exit(3)
     while True:  # "hang": the watchdog must end this process
         time.sleep(3600)
+
+
+def checkpoint_fault(rank: int, step: int, point: str) -> None:
+    """Exit here if `CHECKPOINT_FAULT_ENV` asks it of (rank, step, point)."""
+    spec = os.environ.get(CHECKPOINT_FAULT_ENV)
+    if not spec:
+        return
+    fault_rank, fault_step, fault_point = spec.split(":")
+    if fault_point not in CHECKPOINT_FAULT_POINTS:
+        raise ValueError(f"{CHECKPOINT_FAULT_ENV}={spec!r}: point must be one of {CHECKPOINT_FAULT_POINTS}")
+    if (int(fault_rank), int(fault_step), fault_point) == (rank, step, point):
+        os._exit(3)

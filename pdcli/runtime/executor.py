@@ -16,6 +16,7 @@ Adaptations to the schedule's action set (noted for the schedules engineer):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -27,7 +28,9 @@ from torch.func import functional_call
 
 from pdcli.runtime import schedule as S
 from pdcli.runtime.comm import Mailbox
+from pdcli.runtime.memory import MemoryTracker, tensor_bytes
 from pdcli.runtime.metrics import COMM, COMPUTE, IDLE, Timeline
+from pdcli.runtime.optim import step_out_of_place, supports_out_of_place
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.watchdog import FAULT_ENV, Heartbeat, inject_fault, parse_fault
@@ -41,6 +44,26 @@ CATEGORY: dict[type, str] = {
     S.StashWeights: COMPUTE, S.FreeWeights: COMPUTE, S.SendActivations: COMM, S.SendGrads: COMM,
     S.AllReduceGrads: COMM, S.RecvActivations: IDLE, S.RecvGrads: IDLE,
 }
+
+# glibc mallopt parameters: keep freed blocks of up to 32 MiB in the heap instead of
+# returning them to the kernel (its default trims and unmaps them, so every microbatch
+# page-faults its weight copies, gradients and activations in again: measured 10-40% of
+# a pipedream step on this machine).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum
+TRIM_THRESHOLD_BYTES = 1 << 30
+
+
+def tune_allocator() -> bool:
+    """Stop glibc from returning freed tensor memory to the kernel; False where it cannot."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+        )
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
+        return False
+
 
 LossRecorder = Callable[[int, float, int, int], None]
 """record(microbatch_id, loss, num_correct (-1: not a classifier), num_samples)."""
@@ -80,7 +103,14 @@ class Executor:
     def __init__(self, ctx: StageContext, actions: list[S.Action]) -> None:
         self.ctx = ctx
         self.actions = actions
-        self.weights = WeightVersions(ctx.module, stashed_mode=any(isinstance(a, S.StashWeights) for a in actions))
+        if ctx.device.type == "cpu":
+            tune_allocator()
+        self.weights = WeightVersions(
+            ctx.module,
+            stashed_mode=any(isinstance(a, S.StashWeights) for a in actions),
+            out_of_place_updates=supports_out_of_place(ctx.optimizer),
+        )
+        self.memory = MemoryTracker(self.weights.param_bytes)
         self.handlers: dict[type, Callable[[Any], None]] = {
             S.LoadMicrobatch: self.load_microbatch, S.RecvActivations: self.recv_activations,
             S.Forward: self.forward, S.SendActivations: self.send_activations, S.RecvGrads: self.recv_grads,
@@ -119,6 +149,11 @@ class Executor:
             if on_step is not None and isinstance(action, S.OptimizerStep):
                 on_step(self.steps_done)
         self.ctx.mailbox.drain()
+        tl.stats.memory = self.memory.report(self.ctx.optimizer, self.weights.peak_stashed_bytes, self.ctx.device)
+
+    def _note_memory(self) -> None:
+        grads = tensor_bytes(p.grad for p in self.weights.live.values() if p.grad is not None)
+        self.memory.note(grads, self.weights.stashed_bytes)
 
     def _post_ahead(self, index: int) -> None:
         """Post the receives of the next few receive actions (they complete in the background)."""
@@ -197,35 +232,42 @@ class Executor:
             self.ctx.record_loss(mb, float(loss.detach()), correct, int(target.numel()))
         return loss
 
+    def _weights_of(self, leaves: dict[str, Tensor] | None) -> list[Tensor]:
+        return list(self.weights.live.values()) if leaves is None else list(leaves.values())
+
     def forward(self, a: S.Forward) -> None:
         mb = a.microbatch_id
         inputs = self._inputs(mb)
         leaves = self.weights.leaves(a.weight_version)
         self.saved_inputs[mb] = inputs
-        if self.ctx.recompute:
-            self.rng_states[mb] = torch.get_rng_state()
-            with torch.no_grad():  # keep only the inputs; backward re-runs the forward
+        with self.memory.saving(mb, inputs.values(), self._weights_of(leaves)):
+            if self.ctx.recompute:
+                self.rng_states[mb] = torch.get_rng_state()
+                with torch.no_grad():  # keep only the inputs; backward re-runs the forward
+                    outputs = self._run_stage(inputs, leaves)
+                    self._loss(mb, outputs, record=True)
+            else:
                 outputs = self._run_stage(inputs, leaves)
-                self._loss(mb, outputs, record=True)
-        else:
-            outputs = self._run_stage(inputs, leaves)
-            self.outputs[mb] = outputs
-            self.param_leaves[mb] = leaves
-            loss = self._loss(mb, outputs, record=True)
-            if loss is not None:
-                self.losses[mb] = loss
+                self.outputs[mb] = outputs
+                self.param_leaves[mb] = leaves
+                loss = self._loss(mb, outputs, record=True)
+                if loss is not None:
+                    self.losses[mb] = loss
         if self.ctx.io.acts_out:
             self.to_send[mb] = outputs
+        self._note_memory()
 
     def backward(self, a: S.Backward) -> None:
         mb = a.microbatch_id
         inputs = self.saved_inputs.pop(mb)
         if self.ctx.recompute:
             leaves = self.weights.leaves(a.weight_version)
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(self.rng_states.pop(mb))
-                outputs = self._run_stage(inputs, leaves)
-            loss = self._loss(mb, outputs, record=False)
+            with self.memory.saving(mb, (), self._weights_of(leaves)):
+                with torch.random.fork_rng(devices=[]):
+                    torch.set_rng_state(self.rng_states.pop(mb))
+                    outputs = self._run_stage(inputs, leaves)
+                loss = self._loss(mb, outputs, record=False)
+            self._note_memory()  # the recomputed activations, at their peak
         else:
             outputs, leaves, loss = self.outputs.pop(mb), self.param_leaves.pop(mb), self.losses.pop(mb, None)
         roots: list[Tensor] = []
@@ -246,6 +288,8 @@ class Executor:
             for n, t in inputs.items() if t.requires_grad
         }
         self.batches.pop(mb, None)
+        self.memory.released(mb)
+        self._note_memory()
 
     # ---- communication ------------------------------------------------------------------
     def send_activations(self, a: S.SendActivations) -> None:
@@ -295,13 +339,17 @@ class Executor:
         scale = 1.0 / (a.num_microbatches * self.loss_scale)
         for p in self.weights.live.values():
             if p.grad is not None:
-                p.grad.mul_(scale)
+                if scale != 1.0:  # pipedream steps once per microbatch: mostly 1
+                    p.grad.mul_(scale)
                 if self.loss_scale != 1.0 and not torch.isfinite(p.grad).all():
                     raise FP16OverflowError(
                         f"stage {self.ctx.stage_id}: non-finite fp16 gradients at step {a.step} "
                         f"(static loss scale {self.loss_scale:g}); use train.precision=bf16 or fp32"
                     )
-        self.ctx.optimizer.step()
+        if self.weights.must_update_out_of_place:
+            step_out_of_place(self.ctx.optimizer)  # a stash holds the old storage: no copy
+        else:
+            self.ctx.optimizer.step()
         self.ctx.optimizer.zero_grad(set_to_none=True)
         self.weights.stepped()
         self.steps_done += 1

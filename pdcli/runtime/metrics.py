@@ -37,6 +37,8 @@ class RankStats:
     idle_ms: float = 0.0
     wall_ms: float = 0.0
     num_weight_versions_max: int = 0
+    memory: dict[str, Any] = field(default_factory=dict)
+    """Measured bytes per category (`pdcli.runtime.memory.MemoryTracker.report`)."""
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -107,8 +109,19 @@ def per_stage(all_stats: list[RankStats]) -> list[dict[str, Any]]:
                 "idle_ms": sum(s.idle_ms for s in group) / n,
                 "wall_ms": max(s.wall_ms for s in group),
                 "weight_versions_max": max(s.num_weight_versions_max for s in group),
+                **stage_memory(group),
             }
         )
+    return out
+
+
+def stage_memory(group: list[RankStats]) -> dict[str, Any]:
+    """The measured memory fields of a stage: the largest over its replicas."""
+    keys = sorted({k for s in group for k, v in s.memory.items() if isinstance(v, (int, float))})
+    out: dict[str, Any] = {k: max(s.memory.get(k, 0) for s in group) for k in keys}
+    sources = {s.memory["source"] for s in group if "source" in s.memory}
+    if sources:
+        out["memory_source"] = ", ".join(sorted(sources))
     return out
 
 

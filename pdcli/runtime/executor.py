@@ -288,8 +288,8 @@ class Executor:
             for n, t in inputs.items() if t.requires_grad
         }
         self.batches.pop(mb, None)
+        self._note_memory()  # gradients allocated while this microbatch's activations were alive
         self.memory.released(mb)
-        self._note_memory()
 
     # ---- communication ------------------------------------------------------------------
     def send_activations(self, a: S.SendActivations) -> None:

@@ -30,6 +30,10 @@ stays incomplete, a crash mid-write) or once the checkpoint is complete (`comple
 CHECKPOINT_FAULT_POINTS = ("written", "complete")
 WAITING_ACTIONS = ("RecvActivations", "RecvGrads", "AllReduceGrads", "init_process_group", "checkpoint", "report")
 """Actions that wait for other ranks: a timeout there points at a peer."""
+STARTUP_ACTIONS = ("init_process_group", "load_stage")
+STARTUP_MIN_TIMEOUT_S = 60.0
+"""Start-up (imports, process group, loading the stage) is slow on a loaded host and is not a
+training step: it gets at least this long before the watchdog calls it a hang."""
 
 
 def status_path(train_dir: Path, rank: int) -> Path:
@@ -108,7 +112,8 @@ class Watchdog(threading.Thread):
         poll_s = min(1.0, self.timeout_s / 10)
         while not self._stop_event.wait(poll_s):
             stuck_s = time.monotonic() - self.heartbeat.started_s
-            if stuck_s > self.timeout_s:
+            starting = self.heartbeat.action in STARTUP_ACTIONS
+            if stuck_s > (max(self.timeout_s, STARTUP_MIN_TIMEOUT_S) if starting else self.timeout_s):
                 waiting = self.heartbeat.action.startswith(WAITING_ACTIONS)
                 message = (
                     f"{self.who} {'waited' if waiting else 'made no progress'} for {stuck_s:.1f} s "

@@ -19,6 +19,7 @@ run: setup
 	$(BIN)/pd train recipes/quickstart.yaml
 
 test: setup
+	$(BIN)/mypy
 	$(BIN)/pytest -q
 
 bench: setup

@@ -57,7 +57,11 @@ def _fsync_dir(directory: Path) -> None:
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write `data` to `path` so readers see the old file or the new one, never half of it."""
-    atomic_save(path, lambda name: Path(name).write_bytes(data))
+
+    def write(name: str) -> None:
+        Path(name).write_bytes(data)
+
+    atomic_save(path, write)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -97,7 +97,8 @@ def _parse_defaults(entries: Any, origin: str, problems: list[str]) -> dict[str,
         if entry == "_self_":
             continue
         if isinstance(entry, str) and ":" in entry:
-            entry = dict([tuple(s.strip() for s in entry.split(":", 1))])
+            group_name, _, choice_name = entry.partition(":")
+            entry = {group_name.strip(): choice_name.strip()}
         if not isinstance(entry, dict) or len(entry) != 1:
             problems.append(f"{origin}: defaults: entry {entry!r} must be a single `group: name`")
             continue
@@ -180,7 +181,7 @@ def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | No
     layers.append(("command line", cli))  # type: ignore[arg-type]
 
     sources: dict[str, str] = {}
-    merged = OmegaConf.create({})
+    merged: Any = OmegaConf.create({})
     for label, layer in layers:
         for key in _flatten(layer):
             sources[key] = label
@@ -193,7 +194,7 @@ def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | No
             problems.append(f"command line: ~{key}: no such key to delete")
         sources = {k: v for k, v in sources.items() if k != key and not k.startswith(key + ".")}
 
-    plain = OmegaConf.to_container(merged, resolve=False)
+    plain: Any = OmegaConf.to_container(merged, resolve=False)
     assert isinstance(plain, dict)
     problems += validate_tree(plain, Config, sources)
     if problems:

@@ -60,7 +60,7 @@ def _groups_with_field(name: str) -> list[str]:
     return groups
 
 
-def validate_tree(tree: dict[str, Any], cls: type, sources: dict[str, str], prefix: str = "") -> list[str]:
+def validate_tree(tree: dict[str, Any], cls: Any, sources: dict[str, str], prefix: str = "") -> list[str]:
     """Unknown keys (with close matches), wrong types and `???` values under `prefix`."""
     problems: list[str] = []
     hints = typing.get_type_hints(cls)
@@ -78,7 +78,7 @@ def validate_tree(tree: dict[str, Any], cls: type, sources: dict[str, str], pref
                 fix = f"known keys: {', '.join(names)}"
             problems.append(f"{_source(sources, dotted)}: {dotted}: unknown key ({fix})")
             continue
-        tp = _unwrap_optional(hints[key])
+        tp: Any = _unwrap_optional(hints[key])
         if value == "???":
             problems.append(
                 f"{_source(sources, dotted)}: {dotted}: missing required value; "

@@ -184,13 +184,13 @@ def antichain_states(graph: "Graph") -> Linearization:
         raise UserError("the graph has no layers besides inputs and unused outputs")
     dag = _Dag(sorted(alive), succ, pred, names)
 
-    first = (min(n for n in alive if not pred[n]),)
+    first: tuple[int, ...] = (min(n for n in alive if not pred[n]),)
     ids = {tuple(sorted(first)): 0}
-    antichains = [first]
+    antichains: list[tuple[int, ...]] = [first]
     out_edges: dict[int, list[int]] = {}
     insertion: dict[int, None] = {}
     expanded: set[int] = set()
-    queue = deque([first])
+    queue: deque[tuple[int, ...]] = deque([first])
     while queue:
         ac = queue.popleft()
         sid = ids[tuple(sorted(ac))]
@@ -209,9 +209,9 @@ def antichain_states(graph: "Graph") -> Linearization:
     order = _dfs_topological(list(insertion) or [0], out_edges)
     position = {sid: pos for pos, sid in enumerate(order)}
     dag_pred: dict[int, set[int]] = {sid: set() for sid in order}
-    for a, outs in out_edges.items():
-        for b in outs:
-            dag_pred[b].add(a)
+    for src, outs in out_edges.items():
+        for dst in outs:
+            dag_pred[dst].add(src)
     dag_anc: dict[int, set[int]] = {}
     for sid in order:  # topological, so predecessors are done
         acc: set[int] = set()

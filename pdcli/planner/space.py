@@ -44,8 +44,8 @@ class SplitSpace:
     @classmethod
     def from_chain(cls, chain: Chain) -> "SplitSpace":
         n = len(chain.nodes)
-        position_members = tuple((node.name,) for node in chain.nodes)
-        member_order = tuple(node.name for node in chain.nodes)
+        position_members: tuple[tuple[str, ...], ...] = tuple((node.name,) for node in chain.nodes)
+        member_order: tuple[str, ...] = tuple(node.name for node in chain.nodes)
         cut = np.zeros(n)
         cut[: n - 1] = np.asarray(chain.cut_bytes, dtype=float)
         dag = chain.meta.get(ANTICHAIN_META) if isinstance(chain.meta, dict) else None

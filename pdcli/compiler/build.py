@@ -28,7 +28,7 @@ def compile_stages(
     `example_inputs` is one microbatch: its shapes become the manifest's (fixed) shapes.
     `model` is left as it was (verification runs on copies).
     """
-    gm = trace_model(model)
+    gm = trace_model(model, example_inputs)
     parts = split_graph(gm, boundaries, example_inputs)
     manifest = write_stages(parts, gm, out_dir, loss, state_keys=model.state_dict().keys())
     report = verify_stages(model, example_inputs, out_dir, seed=seed)

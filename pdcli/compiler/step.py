@@ -84,8 +84,8 @@ def ensure_stages(
 
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
-    _check_node_names(plan_json, [n.name for n in chain_order(trace_model(model))])
     sample = build_data(cfg.data, cfg.data.batch_size).batch(0).split(cfg.schedule.num_microbatches)[0]
+    _check_node_names(plan_json, [n.name for n in chain_order(trace_model(model, sample.inputs))])
     run.create()
     tmp = Path(tempfile.mkdtemp(prefix=f".{STAGES}.", dir=run.path))
     umask = os.umask(0)

@@ -109,7 +109,7 @@ def _run_stages(
 
 def _reference_wires(model: nn.Module, inputs: Sequence[Tensor], seed: int) -> dict[str, Any]:
     """Every fx node's value in the model (train mode, same seed), to locate a forward mismatch."""
-    gm = trace_model(copy.deepcopy(model))
+    gm = trace_model(copy.deepcopy(model), inputs)
     torch.manual_seed(seed)
     values: dict[str, Any] = {}
 

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from pdcli.profiler.chain import Chain, ChainNode
 from pdcli.profiler.clock import Clock, device_name, median_ms
+from pdcli.profiler.optim_cost import OptimizerCost, OptimizerFactory, measure_optimizer, step_overhead_ms
 from pdcli.profiler.replay import call_node, is_inplace, node_inputs, used_parameters
 from pdcli.profiler.sizes import (
     cut_bytes,
@@ -64,19 +65,24 @@ def profile_model(
     *,
     config_hash: str = "",
     model_name: str | None = None,
+    optimizer_factory: OptimizerFactory | None = None,
+    optimizer_name: str = "",
 ) -> Chain:
     """Profile `model` on `batch` (in train mode, moved to `device`) as the planner's chain.
 
     Position i is `chain_order(trace_model(model))[i]`. Every position is run alone on its
     recorded inputs: `warmup` untimed runs, then the median of `repeats` timed forwards and
     of `repeats` timed backwards. The whole model's step (forward, loss, backward) is
-    timed the same way and recorded as `meta.calibration`.
+    timed the same way and recorded as `meta.calibration`. With `optimizer_factory` (the
+    configured optimizer, built as the runtime builds it) each position's optimizer step is
+    timed on its own parameters (`pdcli.profiler.optim_cost`) and the fixed cost of a step
+    is recorded as `meta.optimizer.step_overhead_ms`.
     """
     device = torch.device(device)
     model.to(device).train()
     inputs = tuple(t.to(device) for t in batch.inputs)
     target = batch.target.to(device)
-    gm = trace_model(model)
+    gm = trace_model(model, inputs)
     order = chain_order(gm)
     values = record_values(gm, inputs)
     owned = parameters_by_position(gm, order)
@@ -90,6 +96,8 @@ def profile_model(
         for node, params in zip(order, owned):
             bar.set_postfix_str(node.name, refresh=False)
             timing = time_node(gm, node, values, clock, warmup, repeats, always_alive)
+            optim = (measure_optimizer(params, optimizer_factory, clock, warmup, repeats)
+                     if optimizer_factory is not None else OptimizerCost(0.0, 0))
             nodes.append(
                 ChainNode(
                     name=node.name,
@@ -99,6 +107,8 @@ def profile_model(
                     parameter_bytes=parameter_bytes(params),
                     activation_bytes=value_bytes(values[node]),
                     backward_memory_bytes=timing.saved_bytes,
+                    optimizer_ms=optim.step_ms,
+                    optimizer_state_bytes=optim.state_bytes,
                 )
             )
             bar.update()
@@ -125,6 +135,12 @@ def profile_model(
             "ratio": step_ms / sum_node_ms if sum_node_ms > 0 else None,
         },
     }
+    if optimizer_factory is not None:
+        meta["optimizer"] = {
+            "name": optimizer_name,
+            "step_overhead_ms": step_overhead_ms(optimizer_factory, clock, warmup, repeats),
+            "sum_node_ms": sum(n.optimizer_ms for n in nodes),
+        }
     return Chain(
         nodes=tuple(nodes),
         cut_bytes=cut_bytes(order, gm.graph, values),

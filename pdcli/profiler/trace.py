@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.fx as fx
 
@@ -12,22 +14,63 @@ from pdcli.errors import UserError
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
 
-def trace_model(model: torch.nn.Module) -> fx.GraphModule:
+def trace_model(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | None = None) -> fx.GraphModule:
     """Trace `model` with torch.fx at the granularity of leaf modules and functional ops.
 
-    Both the profiler and the compiler call this, so a plan's node names (fx node names)
-    mean the same graph in both. A construct fx cannot trace is a user error that names it.
+    Where fx cannot trace (e.g. Python control flow on shapes), torch.export traces it for
+    `example_inputs` at ATen-op granularity, shapes fixed to those inputs. Both the profiler
+    and the compiler call this with the same inputs, so a plan's node names mean the same
+    graph in both. When both fail, the user error names both failing constructs.
     """
     try:
         gm = fx.symbolic_trace(model)
-    except Exception as e:  # fx raises TraceError, TypeError, RuntimeError ... for untraceable code
-        raise UserError(
-            f"torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}",
-            hint="avoid data-dependent Python control flow in forward(), or mark the "
-            "offending submodule as a leaf (wrap it in its own nn.Module)",
-        ) from None
+    except Exception as fx_error:  # fx raises TraceError, TypeError, RuntimeError ... for untraceable code
+        if example_inputs is None:
+            raise _untraceable(model, fx_error, None) from None
+        try:
+            gm = _export(model, example_inputs)
+        except Exception as export_error:
+            raise _untraceable(model, fx_error, export_error) from None
     gm.graph.lint()
     return gm
+
+
+def _export(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
+    exported = torch.export.export(model, tuple(example_inputs), strict=False).module()
+    assert isinstance(exported, fx.GraphModule)
+    # The input-shape guard is not a layer: drop it (the runtime's shapes are fixed anyway).
+    for node in list(exported.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards_fn") and not node.users:
+            exported.graph.erase_node(node)
+    # A plain GraphModule over the same graph and weights: the exported module refuses
+    # .train()/.eval(), which the profiler and the compiler's verification need, and wraps
+    # inputs and outputs in pytrees; ours take tensors and return the one output tensor.
+    graph = exported.graph
+    graph._codegen = fx.graph.CodeGen()
+    output = next(n for n in graph.nodes if n.op == "output")
+    result = output.args[0]
+    if isinstance(result, (tuple, list)) and len(result) == 1:
+        output.args = (result[0],)
+    gm = fx.GraphModule(exported, graph)
+    gm.recompile()
+    return gm
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _untraceable(model: torch.nn.Module, fx_error: BaseException, export_error: BaseException | None) -> UserError:
+    name = type(model).__name__
+    message = f"torch.fx cannot trace {name}: {_first_line(fx_error)}"
+    if export_error is not None:
+        message += f"; torch.export cannot either: {_first_line(export_error)}"
+    return UserError(
+        message,
+        hint="avoid data-dependent Python control flow in forward() (control flow on shapes is "
+        "fine for torch.export), or wrap the offending code in a submodule of its own",
+    )
 
 
 def chain_order(gm: fx.GraphModule) -> list[fx.Node]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -254,7 +255,7 @@ def worker_pids(run_dir: Path) -> dict[int, int]:
 @pytest.mark.timeout(90)
 def test_worker_killed_from_outside_stops_the_job_fast(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cfg = toy_config(run_dir, "1f1b", steps=100_000, timeout_s=10, log_every=1000)
+    cfg = toy_config(run_dir, "1f1b", steps=10_000, timeout_s=10, log_every=1000)
     write_toy_run(run_dir, cfg, [1, 1, 1])
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(run_dir)], cwd=REPO, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -281,3 +282,114 @@ def test_worker_killed_from_outside_stops_the_job_fast(tmp_path: Path) -> None:
     assert "last: step=" in first_line
     assert elapsed_s < cfg.train.timeout_s + 15, elapsed_s  # bounded by train.timeout_s, not by the run
     assert processes_mentioning(str(run_dir)) == []
+
+
+# ---- through the CLI: export, init_from under another plan, corrupt checkpoints, Ctrl-C ----
+
+
+def invoke(*args: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, list(args))
+
+
+TRAIN_ARGS = ("plan.num_stages=2", "train.steps=6", "train.checkpoint_every=2", "train.log_every=1")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The quickstart recipe trained for 6 minibatches with checkpoints every 2 (pipedream: drains)."""
+    root = tmp_path_factory.mktemp("trained")
+    result = invoke("train", QUICKSTART, f"run.root={root}", *TRAIN_ARGS)
+    assert result.exit_code == 0, result.output
+    assert checkpoint.complete_steps(root / "quickstart/train") == [4, 6]  # keep_checkpoints=2
+    return root
+
+
+def _copy_run(trained: Path, tmp_path: Path) -> Path:
+    shutil.copytree(trained, tmp_path / "root")
+    return tmp_path / "root"
+
+
+@pytest.mark.timeout(180)
+def test_export_is_a_model_state_dict_and_trains_three_stages_from_where_it_was(trained: Path, tmp_path: Path) -> None:
+    from pdcli.config import load_resolved
+    from pdcli.data import build_data
+    from pdcli.models import build_loss, build_model
+
+    out = tmp_path / "export.pt"
+    result = invoke("export", str(trained / "quickstart"), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    cfg = load_resolved(trained / "quickstart/config.yaml")
+    model = build_model(cfg.model)
+    state = torch.load(out, weights_only=True)
+    model.load_state_dict(state, strict=True)  # original names, nothing missing or extra
+    assert all(torch.equal(state[k], v) for k, v in checkpoint.load_model_state(trained / "quickstart/train", 6).items())
+    assert invoke("export", str(trained / "quickstart"), "--step", "3").exit_code == 2  # no such checkpoint
+
+    root = tmp_path / "three"
+    result = invoke("train", QUICKSTART, f"run.root={root}", "plan.num_stages=3", "cluster.levels=[{devices: 3}]",
+                    f"train.init_from={out}", "train.steps=2", "train.log_every=1")
+    assert result.exit_code == 0, result.output
+    assert len(json.loads((root / "quickstart/plan.json").read_text())["stages"]) == 3
+    # The 3-stage run's first microbatch ran on the exported weights (pipedream: version 0 everywhere).
+    micro = build_data(cfg.data, cfg.data.batch_size).batch(0).split(cfg.schedule.num_microbatches)[0]
+    with torch.no_grad():
+        exported_loss = float(build_loss(cfg.model.loss)(model(*micro.inputs), micro.target))
+    summary = json.loads((root / "quickstart/train/summary.json").read_text())
+    assert summary["microbatch_losses"]["0"] == pytest.approx(exported_loss, abs=1e-5)
+    first = json.loads((trained / "quickstart/train/metrics.jsonl").read_text().splitlines()[0])
+    assert summary["minibatch_losses"][0] < first["loss"] - 0.05  # continues, not from scratch
+
+
+@pytest.mark.timeout(120)
+def test_corrupt_checkpoint_and_checkpoint_of_another_model_are_refused(trained: Path, tmp_path: Path) -> None:
+    root = _copy_run(trained, tmp_path)
+    stage_file = checkpoint.stage_file(root / "quickstart/train", 6, 1)
+    stage_file.write_bytes(stage_file.read_bytes()[:100])  # truncated, as a disk-full write would leave it
+    result = invoke("train", QUICKSTART, f"run.root={root}", *TRAIN_ARGS, "train.steps=8", "--resume")
+    assert result.exit_code == 2, result.output
+    assert "profile: reused" in result.output and "plan:    reused" in result.output and "compile: reused" in result.output
+    assert f"{stage_file} is corrupt" in result.output and "delete" in result.output
+    assert "Traceback" not in result.output
+
+    shutil.rmtree(stage_file.parent)  # as the hint says: the previous checkpoint (step 4) is used
+    other = invoke("train", QUICKSTART, f"run.root={root}", *TRAIN_ARGS, "train.steps=8", "--resume",
+                   "model.kwargs.hidden=64")
+    assert other.exit_code == 2, other.output
+    # a changed input re-runs every step after it: profile -> plan -> stages
+    assert "profile: measured" in other.output and "plan:    wrote" in other.output and "compile: wrote" in other.output
+    assert "checkpoints/step_4/stage_" in other.output and ("shape" in other.output or "lacks" in other.output)
+    assert "pd export" in other.output and "without --resume" in other.output
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_stops_every_worker_and_keeps_the_last_checkpoint(trained: Path, tmp_path: Path) -> None:
+    root = _copy_run(trained, tmp_path)
+    train_dir = root / "quickstart/train"
+    shutil.rmtree(train_dir)  # profile, plan, stages reused; the checkpoints to wait for are this run's
+    proc = subprocess.Popen(
+        [str(PD), "train", QUICKSTART, f"run.root={root}", *TRAIN_ARGS, "train.steps=3000"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not checkpoint.complete_steps(train_dir) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert checkpoint.complete_steps(train_dir), "no checkpoint appeared"
+        proc.send_signal(signal.SIGINT)
+        sent_s = time.monotonic()
+        _, stderr = proc.communicate(timeout=40)
+        stopped_s = time.monotonic() - sent_s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stderr and "--resume" in stderr
+    assert stopped_s < 30, stopped_s
+    assert processes_mentioning(str(root)) == []
+    step = checkpoint.latest_step(train_dir)
+    assert step is not None and step >= 2
+    from pdcli.config import load_resolved
+    from pdcli.models import build_model
+
+    build_model(load_resolved(root / "quickstart/config.yaml").model).load_state_dict(
+        checkpoint.load_model_state(train_dir, step), strict=True)

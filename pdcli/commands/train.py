@@ -50,4 +50,7 @@ def train(
     except TrainingFailed as e:
         echo_err(f"error: training failed: {e}")
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:  # before the launcher took over the signal
+        echo_err("interrupted")
+        raise typer.Exit(130) from None
     typer.echo(format_summary(result))

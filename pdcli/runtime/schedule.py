@@ -419,9 +419,9 @@ def _compute_order(spec: ScheduleSpec, stage_id: int, replica_id: int) -> tuple[
         order = [a for chunk in per_minibatch
                  for a in one_f_one_b(chunk, len(chunk) if gpipe else spec.num_in_flight(stage_id))]
     else:  # no flush: one 1F1B sequence per segment (the whole run without drain points)
-        m = spec.num_microbatches
-        order = [a for seg in spec.segments
-                 for a in one_f_one_b([mb for mb in own if seg.start * m <= mb < seg.stop * m],
+        m, r = spec.num_microbatches, spec.replicas[stage_id]
+        order = [a for seg in spec.segments  # seg.start * m is a multiple of r (M % r == 0)
+                 for a in one_f_one_b(range(seg.start * m + replica_id, seg.stop * m, r),
                                       spec.num_in_flight(stage_id))]
     last_of_step = {spec.step_of(stage_id, mb): mb for mb in own}  # own is increasing
     replicated = spec.replicas[stage_id] > 1
@@ -442,7 +442,8 @@ def _compute_order(spec: ScheduleSpec, stage_id: int, replica_id: int) -> tuple[
 # ---- communication and weight stashing ------------------------------------------------
 
 
-def _receive_first(spec: ScheduleSpec, stage_id: int, sent: int, needed: int) -> bool:
+def _receive_first(spec: ScheduleSpec, stage_id: int, sent: int, needed: int,
+                   positions: dict[int, dict[tuple[type, int], int]]) -> bool:
     """Whether a process that just forwarded `sent` and next backwards `needed` should
     receive the gradient of `needed` before sending the activations of `sent`: yes when
     one replica of the next stage does both and backwards `needed` before it forwards
@@ -452,7 +453,9 @@ def _receive_first(spec: ScheduleSpec, stage_id: int, sent: int, needed: int) ->
     replica_id = replica_for(sent, next_r)
     if replica_for(needed, next_r) != replica_id:
         return False
-    position = _positions(spec, stage_id + 1, replica_id)
+    if replica_id not in positions:  # looked up once per peer: hashing a spec costs O(drain points)
+        positions[replica_id] = _positions(spec, stage_id + 1, replica_id)
+    position = positions[replica_id]
     return position[Backward, needed] < position[Forward, sent]
 
 
@@ -470,6 +473,7 @@ def _add_communication(spec: ScheduleSpec, stage_id: int, compute: Sequence[Acti
     prev_r = spec.replicas[stage_id - 1] if not first else 1
     next_r = spec.replicas[stage_id + 1] if not last else 1
     out: list[Action] = []
+    positions: dict[int, dict[tuple[type, int], int]] = {}
     for action in compute:
         if isinstance(action, Forward):
             mb = action.microbatch_id
@@ -486,7 +490,7 @@ def _add_communication(spec: ScheduleSpec, stage_id: int, compute: Sequence[Acti
                 recv = RecvGrads(mb, replica_for(mb, next_r))
                 previous = out[-1]
                 if isinstance(previous, SendActivations) and _receive_first(
-                        spec, stage_id, previous.microbatch_id, mb):
+                        spec, stage_id, previous.microbatch_id, mb, positions):
                     out.insert(len(out) - 1, recv)
                 else:
                     out.append(recv)

@@ -19,7 +19,7 @@ from pdcli.runtime import checkpoint
 from pdcli.runtime.launcher import Hosts, TrainingFailed, TrainingInterrupted, check_devices, launch_workers
 from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.placement import Placement
-from pdcli.runtime.schedule import build_schedule, drain_points
+from pdcli.runtime.schedule import ScheduleSpec, build_schedule, drain_points
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.session import SUMMARY_FILE
 from pdcli.runtime.worker import LAUNCH_FILE
@@ -27,6 +27,7 @@ from pdcli.runtime.worker import LAUNCH_FILE
 __all__ = ["TrainResult", "TrainingFailed", "TrainingInterrupted", "format_summary", "run_training"]
 
 PROGRESS_POLL_S = 0.5
+SCHEDULE_CHECK_MINIBATCHES = 8
 
 
 @dataclass(frozen=True)
@@ -144,12 +145,16 @@ def check_inputs(cfg: Config, plan_json: dict[str, Any], manifest: dict[str, Any
             hint="the stages are stale: re-run `pd compile`",
         )
     check_edges(manifest)
-    drains = drain_points(cfg.train.steps, cfg.train.checkpoint_every)
-    for stage_id, replicas in enumerate(placement.replicas):  # pure: a bad schedule fails here, not in 4 workers
+    # Pure: a bad schedule fails here, not in 4 workers. The lists of a long run take seconds to
+    # build (~1 s per 100k actions); a few minibatches with the run's drain pattern show the same errors.
+    steps = min(cfg.train.steps, 2 * max(cfg.train.checkpoint_every, 1) + SCHEDULE_CHECK_MINIBATCHES)
+    ScheduleSpec.make(cfg.schedule.name, placement.num_stages, cfg.schedule.num_microbatches, cfg.train.steps,
+                      placement.replicas, cfg.schedule.vertical_sync, drain_points(cfg.train.steps, cfg.train.checkpoint_every))
+    for stage_id, replicas in enumerate(placement.replicas):
         build_schedule(
-            cfg.schedule.name, placement.num_stages, stage_id, cfg.schedule.num_microbatches, cfg.train.steps,
+            cfg.schedule.name, placement.num_stages, stage_id, cfg.schedule.num_microbatches, steps,
             replicas=list(placement.replicas), replica_id=replicas - 1, vertical_sync=cfg.schedule.vertical_sync,
-            drain_after=drains,
+            drain_after=drain_points(steps, cfg.train.checkpoint_every),
         )
     return placement
 

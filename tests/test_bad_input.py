@@ -1,0 +1,85 @@
+"""Bad input to `pd train`: one clear message (naming the file/key and the fix), exit 2, no traceback.
+
+Everything here fails before a worker starts; the tests that need profile/plan/stages
+share one compiled quickstart run directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdcli.cli import app
+from pdcli.runtime import launcher
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "recipes/quickstart.yaml")
+runner = CliRunner()
+
+
+def fails(*args: str, expect: tuple[str, ...]) -> str:
+    """Run `pd ARGS`; it must exit 2 with every string of `expect` in its output and no traceback."""
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    for text in expect:
+        assert text in result.output, (text, result.output)
+    assert "Traceback" not in result.output and "error:" in result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`run.root=...` of a quickstart run with profile, plan and stages (no training)."""
+    root = tmp_path_factory.mktemp("compiled")
+    result = runner.invoke(app, ["compile", QUICKSTART, f"run.root={root}"])
+    assert result.exit_code == 0, result.output
+    return f"run.root={root}"
+
+
+def test_malformed_yaml(tmp_path: Path) -> None:
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("train:\n  steps: [1, 2\n")
+    fails("train", str(recipe), expect=(str(recipe), "malformed YAML"))
+
+
+def test_unknown_key_wrong_type_and_missing_recipe(tmp_path: Path) -> None:
+    fails("train", QUICKSTART, "train.stepz=3", expect=("train.stepz", "unknown key", "train.steps"))
+    fails("train", QUICKSTART, "train.steps=abc", expect=("train.steps", "int", "abc"))
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("defaults:\n  - model: mlp\ntrain:\n  timeout_s: soon\n")
+    fails("train", str(recipe), expect=("train.timeout_s",))
+    fails("train", str(tmp_path / "nope.yaml"), expect=("recipe not found", "nope.yaml"))
+
+
+def test_unknown_model_and_data_set(tmp_path: Path) -> None:
+    fails("train", QUICKSTART, f"run.root={tmp_path}", "model.name=resnet9000", expect=("model.name", "resnet9000", "mlp"))
+    fails("train", QUICKSTART, f"run.root={tmp_path}", "data.name=imagenet22k", expect=("data.name", "imagenet22k", "digits"))
+
+
+def test_schedule_that_needs_more_memory_than_a_device_has(compiled: str) -> None:
+    fails("train", QUICKSTART, compiled, "cluster.memory_bytes_per_device=100000",
+          expect=("memory", "cluster.memory_bytes_per_device"))
+
+
+def test_plan_for_more_devices_than_available(compiled: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CPU "available" = CPU_PROCESSES_PER_CORE per core (at least MIN_CPU_PROCESSES): pretend 1.
+    monkeypatch.setattr(launcher, "CPU_PROCESSES_PER_CORE", 0)
+    monkeypatch.setattr(launcher, "MIN_CPU_PROCESSES", 1)
+    fails("train", QUICKSTART, compiled, "cluster.device=cpu", expect=("needs 2 devices", "only 1", "--nnodes"))
+    monkeypatch.undo()
+    fails("train", QUICKSTART, compiled, "--nnodes", "3", expect=("2 ranks", "--nnodes 3"))
+
+
+def test_resume_without_a_checkpoint(compiled: str) -> None:
+    fails("train", QUICKSTART, compiled, "--resume", expect=("--resume", "no complete checkpoint", "without --resume"))
+
+
+def test_init_from_a_missing_or_foreign_file(compiled: str, tmp_path: Path) -> None:
+    import torch
+
+    fails("train", QUICKSTART, compiled, f"train.init_from={tmp_path / 'nope.pt'}", expect=("train.init_from", "does not exist"))
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"fc.weight": torch.zeros(2, 2)}, foreign)
+    fails("train", QUICKSTART, compiled, f"train.init_from={foreign}", expect=(str(foreign), "lacks", "pd export"))

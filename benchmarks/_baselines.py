@@ -1,9 +1,12 @@
 """Baselines of the runtime benchmark, each in a fresh process so thread settings don't leak:
 single-process training (1 thread / all threads) and torch.distributed.pipelining on 2 ranks.
 
-Parent side: `run_single(shape, num_threads, timeout_s)` and
+Parent side: `run_single(shape, num_threads, timeout_s, num_microbatches=1)` and
 `run_torch_pipelining(shape, schedule_name, timeout_s)` return samples/s or raise BenchFailed.
-Child side: `python _baselines.py single|pipelining <shape json> <arg>` prints one result line.
+Child side: `python _baselines.py single|pipelining <shape json> <arg> [arg]` prints one result line.
+
+Every child applies the same glibc allocator setting as pd's workers
+(`pdcli.runtime.executor.tune_allocator`), so no row wins by the allocator alone.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn import functional as F
+
+from pdcli.runtime.executor import tune_allocator
 
 from _bench_common import (
     NUM_STAGES,
@@ -50,11 +55,12 @@ SINGLE, PIPELINING = "single", "pipelining"
 # ---- parent side --------------------------------------------------------------------------
 
 
-def run_single(shape: BenchShape, num_threads: int, timeout_s: float) -> float:
-    """samples/s of plain single-process training with `num_threads` torch threads."""
-    result = run_child(
-        python_argv(Path(__file__), SINGLE, shape.to_json(), str(num_threads)), timeout_s, env=thread_env(num_threads)
-    )
+def run_single(shape: BenchShape, num_threads: int, timeout_s: float, num_microbatches: int = 1) -> float:
+    """samples/s of plain single-process training with `num_threads` torch threads; with
+    `num_microbatches` > 1 it accumulates gradients over microbatches: the pipeline's
+    arithmetic (matmuls of batch / M rows) on one core."""
+    argv = python_argv(Path(__file__), SINGLE, shape.to_json(), str(num_threads), str(num_microbatches))
+    result = run_child(argv, timeout_s, env=thread_env(num_threads))
     return float(result["samples_per_s"])
 
 
@@ -73,15 +79,17 @@ def run_torch_pipelining(shape: BenchShape, schedule_name: str, timeout_s: float
 # ---- child side: single process -----------------------------------------------------------
 
 
-def single_main(shape: BenchShape, num_threads: int) -> None:
+def single_main(shape: BenchShape, num_threads: int, num_microbatches: int = 1) -> None:
     torch.set_num_threads(num_threads)
     model = build_mlp(shape)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = fixed_batch(shape)
+    chunks = list(zip(x.chunk(num_microbatches), y.chunk(num_microbatches)))
 
     def step() -> None:
         optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        for xc, yc in chunks:
+            (F.cross_entropy(model(xc), yc) / num_microbatches).backward()
         optimizer.step()
 
     for _ in range(shape.num_warmup_steps):
@@ -174,8 +182,9 @@ def _free_port() -> int:
 def main(argv: list[str]) -> None:
     kind, shape_json, arg = argv[:3]
     shape = BenchShape.from_json(shape_json)
+    tune_allocator()
     if kind == SINGLE:
-        single_main(shape, int(arg))
+        single_main(shape, int(arg), int(argv[3]) if len(argv) > 3 else 1)
     elif kind == PIPELINING:
         timeout_s = float(argv[3]) if len(argv) > 3 else DEFAULT_GLOO_TIMEOUT_S
         pipelining_main(shape, arg, timeout_s)

@@ -27,6 +27,7 @@ CHILD_TIMEOUT_S = 60.0
 @pytest.mark.timeout(90)
 def test_single_process_baseline_reports_positive_throughput() -> None:
     assert run_single(TINY, 1, CHILD_TIMEOUT_S) > 0
+    assert run_single(TINY, 1, CHILD_TIMEOUT_S, num_microbatches=TINY.num_microbatches) > 0
 
 
 @pytest.mark.timeout(90)

@@ -54,8 +54,13 @@ MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum
 TRIM_THRESHOLD_BYTES = 1 << 30
 
 
+ALLOCATOR_ENV = "PD_TUNE_ALLOCATOR"  # "0" leaves glibc's defaults (to measure what this buys)
+
+
 def tune_allocator() -> bool:
     """Stop glibc from returning freed tensor memory to the kernel; False where it cannot."""
+    if os.environ.get(ALLOCATOR_ENV) == "0":
+        return False
     try:
         libc = ctypes.CDLL("libc.so.6")
         return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(

@@ -38,6 +38,27 @@ def test_profile_then_reuse_then_force(root: str, tmp_path: Path) -> None:
     assert json.loads(as_json.stdout)["version"] == 1
 
 
+def test_profile_exports_pipedream_graph_that_plans_alike(root: str, tmp_path: Path) -> None:
+    graph = tmp_path / "graph.txt"
+    result = invoke("profile", QUICKSTART, root, "profile.repeats=2", "--export-graph", str(graph))
+    assert result.exit_code == 0, result.output
+    assert graph.read_text().startswith("node")
+    out = tmp_path / "from-graph.json"
+    pipedream = ("~plan.num_stages", "plan.cost_model=pipedream")
+    planned = invoke("plan", QUICKSTART, "--profile", str(graph), root, *pipedream, "-o", str(out))
+    assert planned.exit_code == 0, planned.output
+    own = invoke("plan", QUICKSTART, root, *pipedream, "-o", str(tmp_path / "own.json"))
+    assert own.exit_code == 0, own.output
+    from_graph, own_plan = (json.loads(p.read_text()) for p in (out, tmp_path / "own.json"))
+    assert [(s["start"], s["end"], s["replicas"]) for s in from_graph["stages"]] == [
+        (s["start"], s["end"], s["replicas"]) for s in own_plan["stages"]
+    ]
+    # graph.txt has no field for the profiled batch (a microbatch of 16 here): its costs are
+    # per microbatch, the run's own profile is scaled to the minibatch of 64
+    ratio = own_plan["pipeline"]["time_per_minibatch_ms"] / from_graph["pipeline"]["time_per_minibatch_ms"]
+    assert ratio == pytest.approx(4.0, rel=1e-3)
+
+
 def test_hand_edited_artifact_is_refused(root: str, tmp_path: Path) -> None:
     assert invoke("plan", QUICKSTART, root).exit_code == 0
     plan = tmp_path / "quickstart/plan.json"

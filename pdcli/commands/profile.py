@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Optional
 
 import typer
+from typing_extensions import Annotated
 
 from pdcli.commands.common import ForceOpt, FormatOpt, OverridesArg, RecipeArg, RunNameOpt, check_format, echo_err, is_tty, load, user_errors
 
@@ -16,6 +19,9 @@ def profile(
     force: ForceOpt = False,
     fmt: FormatOpt = "text",
     run_name: RunNameOpt = None,
+    export_graph: Annotated[
+        Optional[Path], typer.Option("--export-graph", help="Also write the profile as PipeDream's graph.txt to this file.")
+    ] = None,
 ) -> None:
     """Measure forward/backward time and activation/parameter bytes of every layer."""
     check_format(fmt)
@@ -24,6 +30,11 @@ def profile(
     from pdcli.profiler.step import ensure_profile
 
     chain, reused = ensure_profile(loaded.config, run, force=force, progress=is_tty() and fmt != "json")
+    if export_graph is not None:
+        from pdcli.profiler.graphtxt import chain_to_graph, write_graph
+
+        write_graph(chain_to_graph(chain), export_graph)
+        echo_err(f"wrote {export_graph} (PipeDream graph.txt)")
     if fmt == "json":
         typer.echo(json.dumps(chain.to_json(), indent=1))
         return

@@ -44,7 +44,7 @@ def test_profile_exports_pipedream_graph_that_plans_alike(root: str, tmp_path: P
     assert result.exit_code == 0, result.output
     assert graph.read_text().startswith("node")
     out = tmp_path / "from-graph.json"
-    pipedream = ("~plan.num_stages", "plan.cost_model=pipedream")
+    pipedream = ("~plan.num_stages", "plan.cost_model=pipedream", "profile.repeats=2")  # the same profile
     planned = invoke("plan", QUICKSTART, "--profile", str(graph), root, *pipedream, "-o", str(out))
     assert planned.exit_code == 0, planned.output
     own = invoke("plan", QUICKSTART, root, *pipedream, "-o", str(tmp_path / "own.json"))

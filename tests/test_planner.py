@@ -26,15 +26,27 @@ SCHEDULES = ("pipedream", "1f1b", "gpipe", "2bw")
 REL = 1e-9
 
 
+def random_node(rng: random.Random, i: int) -> ChainNode:
+    params = rng.choice([0, rng.randrange(1, 20_000_000)])
+    return ChainNode(name=f"n{i}", label=f"layer{i}", fwd_ms=rng.uniform(0.1, 10), bwd_ms=rng.uniform(0.1, 20),
+                     parameter_bytes=params, activation_bytes=rng.randrange(1, 30_000_000),
+                     backward_memory_bytes=rng.choice([0, rng.randrange(1, 1_000_000)]),
+                     optimizer_ms=rng.uniform(0.05, 8) if params else 0.0,
+                     optimizer_state_bytes=rng.choice([0, 1, 2]) * params)
+
+
 def random_chain(rng: random.Random, n: int) -> Chain:
-    nodes = tuple(
-        ChainNode(name=f"n{i}", label=f"layer{i}", fwd_ms=rng.uniform(0.1, 10), bwd_ms=rng.uniform(0.1, 20),
-                  parameter_bytes=rng.choice([0, rng.randrange(1, 20_000_000)]),
-                  activation_bytes=rng.randrange(1, 30_000_000),
-                  backward_memory_bytes=rng.choice([0, rng.randrange(1, 1_000_000)]))
-        for i in range(n)
-    )
-    return Chain(nodes=nodes, cut_bytes=tuple(rng.randrange(0, 20_000_000) for _ in range(n - 1)))
+    nodes = tuple(random_node(rng, i) for i in range(n))
+    meta = {"optimizer": {"step_overhead_ms": rng.choice([0.0, 0.1, 1.0])}} if rng.random() < 0.7 else {}
+    return Chain(nodes=nodes, cut_bytes=tuple(rng.randrange(0, 20_000_000) for _ in range(n - 1)), meta=meta)
+
+
+def hand_optimizer_ms(chain: Chain, start: int, end: int, replicas: int, options: PlanOptions) -> float:
+    """The optimizer term by its definition: one step = the fixed cost once + each position's
+    step less the fixed cost; pipedream steps M / r times per minibatch, the others once."""
+    overhead = chain.meta.get("optimizer", {}).get("step_overhead_ms", 0.0)
+    step = overhead + sum(max(n.optimizer_ms - overhead, 0.0) for n in chain.nodes[start:end] if n.optimizer_ms > 0)
+    return step * (options.num_microbatches / replicas if options.schedule == "pipedream" else 1.0)
 
 
 def random_dag_chain(rng: random.Random) -> Chain:
@@ -82,6 +94,16 @@ def brute_pd(chain: Chain, topology: Topology, options: PlanOptions) -> float:
             continue
         for reps in replica_choices(len(part), topology.num_devices, options):
             ev = evaluate_pd(space, topology, options, scale, [(s, e, r) for (s, e), r in zip(part, reps)])
+            for st in ev.stages:
+                t = st.terms
+                assert t["optimizer_ms"] == pytest.approx(
+                    hand_optimizer_ms(chain, st.start, st.end, st.replicas, options), rel=REL)
+                assert t["stage_time_ms"] == pytest.approx(max(
+                    t["compute_ms"] + t["optimizer_ms"] + t["sync_ms"], t["comm_in_ms"], t["comm_out_ms"]), rel=REL)
+                state = sum(n.optimizer_state_bytes for n in chain.nodes[st.start:st.end])
+                assert st.memory.optimizer_state_bytes == state
+                assert st.memory.total_bytes == pytest.approx(st.memory.weights_bytes + state + st.memory.stashed_weights_bytes
+                                                              + st.memory.activations_bytes, rel=REL)
             limit = options.memory_bytes_per_device
             if limit is None or all(st.memory.total_bytes <= limit for st in ev.stages):
                 best = min(best, ev.time_per_minibatch_ms)
@@ -117,7 +139,7 @@ def random_options(rng: random.Random, cost_model: str, chain: Chain, topology: 
     schedule = rng.choice(SCHEDULES)
     limit = None
     if rng.random() < 0.4:  # a limit around what the stages need, so it sometimes binds
-        total = sum(2 * n.parameter_bytes + 2 * n.activation_bytes for n in chain.nodes)
+        total = sum(2 * n.parameter_bytes + n.optimizer_state_bytes + 2 * n.activation_bytes for n in chain.nodes)
         limit = float(rng.uniform(0.2, 1.2) * total)
     stages = None
     if cost_model == "pd" and rng.random() < 0.25:
@@ -169,6 +191,11 @@ def test_memory_model_per_schedule() -> None:
         assert (float(mem.weights_bytes), float(mem.stashed_weights_bytes), float(mem.activations_bytes)) == (
             weights, stashed, acts), schedule
         assert float(mem.total_bytes) == weights + stashed + acts
+        with_state = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m,
+                                  optimizer_state_bytes=2 * p)  # Adam: two moments per parameter
+        assert float(with_state.optimizer_state_bytes) == 2 * p
+        assert float(with_state.total_bytes) == weights + 2 * p + stashed + acts
+        assert float(with_state.stashed_weights_bytes) == stashed  # a stashed version has no state
 
 
 def test_plan_is_deterministic_and_round_trips() -> None:
@@ -264,7 +291,8 @@ def test_stage_memory_is_reported_and_bounded_by_the_limit() -> None:
     for s in plan.stages:
         p = s.predicted
         assert p["total_bytes"] <= limit
-        assert p["total_bytes"] == pytest.approx(p["weights_bytes"] + p["stashed_weights_bytes"] + p["activations_bytes"])
+        assert p["total_bytes"] == pytest.approx(p["weights_bytes"] + p["optimizer_state_bytes"]
+                                                 + p["stashed_weights_bytes"] + p["activations_bytes"])
     assert np.isfinite(plan.time_per_minibatch_ms)
 
 
@@ -289,3 +317,48 @@ def test_fixed_boundaries_are_kept_and_checked() -> None:
     for bad in [(0, 2), (3, 2), (2, 6), (1, 2, 3)]:
         with pytest.raises(UserError, match="plan.boundaries"):
             plan_chain(chain, topology, PlanOptions(boundaries=bad))
+
+
+def optimizer_chain(optimizer_ms: list[float], overhead_ms: float = 0.0) -> Chain:
+    """Equal layers (1 ms forward, 2 ms backward, parameters) with the given optimizer steps."""
+    nodes = tuple(ChainNode(f"n{i}", f"l{i}", 1.0, 2.0, 1000, 10, optimizer_ms=o, optimizer_state_bytes=2000)
+                  for i, o in enumerate(optimizer_ms))
+    return Chain(nodes=nodes, cut_bytes=(0,) * (len(nodes) - 1),
+                 meta={"batch_size": 4, "optimizer": {"step_overhead_ms": overhead_ms}})
+
+
+@pytest.mark.parametrize(("schedule", "updates"), [("pipedream", 4 / 2), ("1f1b", 1), ("gpipe", 1), ("2bw", 1)])
+def test_optimizer_term_counts_the_updates_of_each_schedule(schedule: str, updates: float) -> None:
+    chain = optimizer_chain([3.0, 5.0], overhead_ms=1.0)
+    options = PlanOptions(schedule=schedule, num_microbatches=4, batch_size=4, boundaries=None)
+    ev = evaluate_pd(SplitSpace.from_chain(chain), Topology.flat(2, 1e12), options, 1.0, [(0, 2, 2)])
+    (stage,) = ev.stages
+    step_ms = 1.0 + (3.0 - 1.0) + (5.0 - 1.0)  # the fixed cost once, not once per position
+    assert stage.terms["optimizer_ms"] == pytest.approx(step_ms * updates)
+    assert stage.terms["stage_time_ms"] == pytest.approx(
+        stage.terms["compute_ms"] + stage.terms["sync_ms"] + step_ms * updates)
+    assert stage.memory.optimizer_state_bytes == 4000
+
+
+def test_a_heavy_optimizer_shifts_the_split() -> None:
+    topology = Topology.flat(2)
+    options = PlanOptions(schedule="1f1b", num_microbatches=4, batch_size=4, straight=True, num_stages=2)
+    light = plan_chain(optimizer_chain([0.0] * 6), topology, options)
+    assert [(s.start, s.end) for s in light.stages] == [(0, 3), (3, 6)]  # equal layers: half each
+    heavy = plan_chain(optimizer_chain([6.0, 0, 0, 0, 0, 0]), topology, options)
+    # 2 x 3 + 6 ms = 12 ms vs 4 x 3 ms = 12 ms (one layer: 9 ms vs 15 ms, three: 15 ms vs 9 ms)
+    assert [(s.start, s.end) for s in heavy.stages] == [(0, 2), (2, 6)]
+    first = heavy.stages[0].predicted
+    assert first["optimizer_ms"] == pytest.approx(6.0)
+    assert heavy.to_json()["stages"][0]["predicted"]["optimizer_ms"] == pytest.approx(6.0)
+    assert "optim ms" in render_plan(heavy, None)
+    assert heavy.time_per_minibatch_ms > light.time_per_minibatch_ms
+
+
+def test_plans_without_optimizer_terms_still_round_trip() -> None:
+    plan = plan_chain(optimizer_chain([1.0, 1.0]), Topology.flat(2), PlanOptions(num_stages=2, straight=True))
+    obj = plan.to_json()
+    for stage in obj["stages"]:
+        del stage["predicted"]["optimizer_ms"], stage["predicted"]["optimizer_state_bytes"]
+    assert Plan.from_json(obj).to_json() == obj
+    assert "optim ms" in render_plan(obj, None)

@@ -13,13 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcli.config.schema import Config, DataConfig, ModelConfig, ProfileConfig, RunConfig, ScheduleConfig
+from pdcli.config.schema import (
+    Config, DataConfig, ModelConfig, OptimConfig, ProfileConfig, RunConfig, ScheduleConfig,
+)
 from pdcli.errors import UserError
 from pdcli.profiler.chain import Chain
+from pdcli.profiler.clock import Clock
 from pdcli.profiler.measure import profile_model
+from pdcli.profiler.optim_cost import OptimizerCost, OptimizerFactory, measure_optimizer
 from pdcli.profiler.step import ensure_profile, torch_threads
 from pdcli.profiler.summary import format_bytes, summarize
 from pdcli.rundir import RunDir
+from pdcli.runtime.optim import build_optimizer
 
 FLOAT32_BYTES = 4
 INT64_BYTES = 8
@@ -193,6 +198,51 @@ def test_calibration_and_meta_are_recorded() -> None:
     assert meta["device"]
 
 
+def sgd(momentum: float = 0.0) -> OptimizerFactory:
+    return lambda module: build_optimizer(OptimConfig(name="sgd", momentum=momentum), module)
+
+
+def test_optimizer_step_is_measured_per_position() -> None:
+    chain = profile_model(TwoLayer(), batch_of(torch.randn(BATCH, 64), target=torch.randint(0, 10, (BATCH,))),
+                          F.cross_entropy, "cpu", **FAST, optimizer_factory=sgd(), optimizer_name="sgd")  # fmt: skip
+    fc1, act, fc2 = chain.nodes
+    assert fc1.optimizer_ms > 0 and fc2.optimizer_ms > 0
+    assert act.optimizer_ms == 0 and act.optimizer_state_bytes == 0
+    assert fc1.optimizer_state_bytes == 0  # plain SGD keeps no state
+    meta = chain.meta["optimizer"]
+    assert meta["name"] == "sgd" and meta["step_overhead_ms"] > 0
+    assert meta["sum_node_ms"] == pytest.approx(fc1.optimizer_ms + fc2.optimizer_ms)
+    without = profile_model(TwoLayer(), batch_of(torch.randn(BATCH, 64), target=torch.randint(0, 10, (BATCH,))),
+                            F.cross_entropy, "cpu", **FAST)  # fmt: skip
+    assert all(n.optimizer_ms == 0 for n in without.nodes) and "optimizer" not in without.meta
+
+
+@pytest.mark.parametrize(("optim", "state_per_param_byte"), [
+    (OptimConfig(name="sgd"), 0), (OptimConfig(name="sgd", momentum=0.9), 1),
+    (OptimConfig(name="adam"), 2), (OptimConfig(name="adamw", weight_decay=0.01), 2),
+])
+def test_optimizer_state_bytes_per_optimizer(optim: OptimConfig, state_per_param_byte: int) -> None:
+    model = TwoLayer()
+    before = [p.detach().clone() for p in model.parameters()]
+    params = list(model.fc1.parameters())
+    cost = measure_optimizer(params, lambda m: build_optimizer(optim, m), Clock(torch.device("cpu")), 1, 2)
+    assert cost.step_ms > 0
+    assert cost.state_bytes == state_per_param_byte * param_bytes(model.fc1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # stepped on copies
+    assert measure_optimizer([], lambda m: build_optimizer(optim, m), Clock(torch.device("cpu")), 1, 2) == (
+        OptimizerCost(0.0, 0))
+
+
+def test_profiles_without_optimizer_fields_still_load() -> None:
+    chain = profile_model(TwoLayer(), batch_of(torch.randn(BATCH, 64), target=torch.randint(0, 10, (BATCH,))),
+                          F.cross_entropy, "cpu", **FAST)  # fmt: skip
+    obj = chain.to_json()
+    for node in obj["nodes"]:
+        del node["optimizer_ms"], node["optimizer_state_bytes"]
+    old = Chain.from_json(json.loads(json.dumps(obj)))
+    assert [n.optimizer_ms for n in old.nodes] == [0.0] * 3 and [n.fwd_ms for n in old.nodes] == [n.fwd_ms for n in chain.nodes]
+
+
 def test_profile_round_trips_through_json() -> None:
     chain = profile_model(Residual(), batch_of(torch.randn(BATCH, 16), target=torch.randint(0, 10, (BATCH,))),
                           F.cross_entropy, "cpu", **FAST)  # fmt: skip
@@ -291,6 +341,12 @@ def test_ensure_profile_reuses_until_inputs_change(tmp_path: Path) -> None:
     assert not reused and remeasured.meta["batch_size"] == 2
     assert remeasured.nodes[1].activation_bytes == 2 * 32 * FLOAT32_BYTES  # first Linear, at batch 2
     assert remeasured.meta["config_hash"] != chain.meta["config_hash"]
+
+    adam = dataclasses.replace(changed, optim=OptimConfig(name="adam"))
+    with_adam, reused = ensure_profile(adam, run, progress=False)  # the optimizer is an input
+    assert not reused and with_adam.meta["optimizer"]["name"] == "adam"
+    first_linear = with_adam.nodes[1]
+    assert first_linear.optimizer_ms > 0 and first_linear.optimizer_state_bytes == 2 * first_linear.parameter_bytes
 
 
 def test_ensure_profile_refuses_a_hand_edited_profile(tmp_path: Path) -> None:

@@ -1,9 +1,15 @@
 """The `pd` cost model: time of one stage and of the whole pipeline, per minibatch.
 
 For a stage with forward/backward time F, B (ms, one minibatch on one device), parameters
-P bytes, r replicas on ranks [a, a + r), and M microbatches per minibatch:
+P bytes, one optimizer step O (ms, the stage's parameters), r replicas on ranks
+[a, a + r), and M microbatches per minibatch:
 
     compute_ms  = (F + B) / r
+    optimizer_ms = O * M / r           pipedream: one update per microbatch (each is a
+                                        minibatch of its own); a replica steps its full
+                                        copy for each of its M / r microbatches
+                 = O                   gpipe, 1f1b, 2bw: one update per minibatch; the
+                                        replicas step at the same time
     allreduce   = 2 (r - 1) / r * P / bw(a .. a+r-1)           ring all-reduce, slowest level spanned
     sync_ms     = allreduce            gpipe, 1f1b, 2bw: replicas split a minibatch's
                                         microbatches and all-reduce once per minibatch
@@ -12,7 +18,17 @@ P bytes, r replicas on ranks [a, a + r), and M microbatches per minibatch:
                                         per round of r
     comm_in_ms  = 2 * cut_in  / bw(a-1, a)     / r     activations in + gradients out
     comm_out_ms = 2 * cut_out / bw(a+r-1, a+r) / r     activations out + gradients in
-    stage_ms    = max(compute_ms + sync_ms, comm_in_ms, comm_out_ms)
+    stage_ms    = max(compute_ms + optimizer_ms + sync_ms, comm_in_ms, comm_out_ms)
+
+O is measured by `pd profile` (`pdcli.profiler.optim_cost`): each position's step on its
+own parameters less the fixed cost of a step, plus that fixed cost once per stage; it does
+not scale with the batch. Profiles without it (older ones, PipeDream graphs) give O = 0.
+
+What the model leaves out: the runtime's per-action overhead (tiny stages run their
+forward several times slower than the module alone), several ranks sharing few CPU cores,
+and data loading. The profile's `meta.calibration.ratio` (whole fwd+bwd step / sum of the
+layers, 0.8-1.0 on CPU) is NOT applied: it scales the compute down where the runs are
+slower than predicted, and made every recipe's prediction worse (bench_prediction.py).
 
 Transfers run off the compute thread, so a link only limits a stage when it is slower than
 the compute. With S stages and max stage_ms = T:
@@ -42,6 +58,7 @@ class StageTerms:
     bwd_ms: Any
     compute_ms: Any
     sync_ms: Any
+    optimizer_ms: Any
     comm_in_ms: Any
     comm_out_ms: Any
     stage_time_ms: Any
@@ -59,17 +76,26 @@ def transfer_ms(cut_bytes: Any, bandwidth_bytes_per_s: Any) -> Any:
     return np.where(np.asarray(cut_bytes) == 0, 0.0, out)
 
 
+def updates_per_minibatch(schedule: str, num_microbatches: int, replicas: Any) -> Any:
+    """Optimizer steps one replica takes per minibatch (also: all-reduces per minibatch)."""
+    r = np.asarray(replicas, dtype=float)
+    return num_microbatches / r if schedule == PIPEDREAM else np.ones(np.shape(r))
+
+
 def pd_stage_terms(fwd_ms: Any, bwd_ms: Any, parameter_bytes: Any, cut_in_bytes: Any,
                    cut_out_bytes: Any, replicas: Any, sync_bw: Any, in_bw: Any, out_bw: Any,
-                   schedule: str, num_microbatches: int) -> StageTerms:
+                   schedule: str, num_microbatches: int, optimizer_step_ms: Any = 0.0) -> StageTerms:
+    """The terms above; `optimizer_step_ms` is O, one step of one replica."""
     r = np.asarray(replicas, dtype=float)
     compute = (np.asarray(fwd_ms) + np.asarray(bwd_ms)) / r
+    updates = updates_per_minibatch(schedule, num_microbatches, r)
     allreduce = np.where(r > 1, ring_allreduce_ms(parameter_bytes, r, sync_bw), 0.0)
-    sync = allreduce * num_microbatches / r if schedule == PIPEDREAM else allreduce
+    sync = allreduce * updates
+    optimizer = np.asarray(optimizer_step_ms, dtype=float) * updates
     comm_in = transfer_ms(cut_in_bytes, in_bw) / r
     comm_out = transfer_ms(cut_out_bytes, out_bw) / r
-    stage = np.maximum(np.maximum(compute + sync, comm_in), comm_out)
-    return StageTerms(fwd_ms, bwd_ms, compute, sync, comm_in, comm_out, stage)
+    stage = np.maximum(np.maximum(compute + optimizer + sync, comm_in), comm_out)
+    return StageTerms(fwd_ms, bwd_ms, compute, sync, optimizer, comm_in, comm_out, stage)
 
 
 def bubble_factor(schedule: str, num_microbatches: int, num_stages: Any) -> Any:

@@ -11,10 +11,12 @@ from pdcli.planner.costs import MS_PER_S, bubble_factor, pd_stage_terms
 from pdcli.planner.memory import StageMemory, stage_memory
 from pdcli.planner.options import PlanOptions
 from pdcli.planner.pipedream import ALLREDUCE_FACTOR, TRANSFER_FACTOR, PdStage
+from pdcli.planner.search import covered_or_zeros, optimizer_step_matrix
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
 
-TERM_NAMES = ("fwd_ms", "bwd_ms", "compute_ms", "sync_ms", "comm_in_ms", "comm_out_ms", "stage_time_ms")
+TERM_NAMES = ("fwd_ms", "bwd_ms", "compute_ms", "optimizer_ms", "sync_ms", "comm_in_ms", "comm_out_ms",
+              "stage_time_ms")
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,11 @@ def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, e
         space.range_total(space.covered_parameter_bytes, start, end),
         space.range_total(space.covered_activation_bytes, start, end) * scale,
         replicas, devices_from, stages_from, options.num_microbatches,
+        space.range_total(covered_or_zeros(space, space.covered_optimizer_state_bytes), start, end),
     )
     return StageMemory(*(float(x) for x in (mem.weights_bytes, mem.stashed_weights_bytes,
-                                            mem.activations_bytes, mem.total_bytes)))
+                                            mem.activations_bytes, mem.total_bytes,
+                                            mem.optimizer_state_bytes)))
 
 
 def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
@@ -61,6 +65,7 @@ def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, sca
     n, bw = space.num_positions, topology.span_bandwidth_matrix()
     used, num_stages = sum(r for _, _, r in partition), len(partition)
     stages, first = [], 0
+    optimizer = optimizer_step_matrix(space)
     for index, (start, end, r) in enumerate(partition):
         last = first + r - 1
         terms = pd_stage_terms(
@@ -71,7 +76,7 @@ def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, sca
             space.cut_bytes[end - 1] * scale if end < n else 0.0,
             r, bw[first, last], bw[first - 1, first] if first > 0 else np.inf,
             bw[last, last + 1] if last + 1 < bw.shape[0] else np.inf,
-            options.schedule, options.num_microbatches,
+            options.schedule, options.num_microbatches, float(optimizer[start, end]),
         )
         values = {name: float(getattr(terms, name)) for name in TERM_NAMES}
         memory = _memory(space, options, scale, start, end, r, used - first, num_stages - index)
@@ -84,8 +89,8 @@ def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, sca
 
 def evaluate_pipedream(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
                        stages: Sequence[PdStage]) -> PlanEval:
-    """PipeDream's terms per stage. Exact for one level; for several levels the outer
-    all-reduce of a stage is charged to each of its inner stages (an attribution)."""
+    """PipeDream's terms per stage (its model has no optimizer term: optimizer_ms = 0).
+    Exact for one level; for several levels the outer all-reduce of a stage is charged to each of its inner stages (an attribution)."""
     n, levels = space.num_positions, topology.levels
     out, total_devices = [], sum(len(s.ranks) for s in stages)
     devices_after = total_devices
@@ -109,7 +114,7 @@ def evaluate_pipedream(space: SplitSpace, topology: Topology, options: PlanOptio
                 comm_out = TRANSFER_FACTOR * space.cut_bytes[e - 1] * scale / (bw * nm) * MS_PER_S / outer
                 found_out = True
         compute = (fwd + bwd) / replicas
-        terms = {"fwd_ms": fwd, "bwd_ms": bwd, "compute_ms": compute, "sync_ms": sync,
+        terms = {"fwd_ms": fwd, "bwd_ms": bwd, "compute_ms": compute, "optimizer_ms": 0.0, "sync_ms": sync,
                  "comm_in_ms": comm_in, "comm_out_ms": comm_out,
                  "stage_time_ms": max(compute + sync, comm_in, comm_out)}
         memory = _memory(space, options, scale, st.start, st.end, replicas, devices_after,

@@ -24,9 +24,12 @@ from typing import Any
 PLAN_VERSION = 1
 SIGNIFICANT_DIGITS = 9
 PREDICTED_KEYS = (
-    "fwd_ms", "bwd_ms", "compute_ms", "sync_ms", "comm_in_ms", "comm_out_ms", "stage_time_ms",
-    "weights_bytes", "stashed_weights_bytes", "activations_bytes", "total_bytes",
+    "fwd_ms", "bwd_ms", "compute_ms", "optimizer_ms", "sync_ms", "comm_in_ms", "comm_out_ms",
+    "stage_time_ms", "weights_bytes", "optimizer_state_bytes", "stashed_weights_bytes",
+    "activations_bytes", "total_bytes",
 )
+ADDED_PREDICTED_KEYS = ("optimizer_ms", "optimizer_state_bytes")
+"""Keys plans written before the optimizer was modelled lack (read back as absent)."""
 PIPELINE_KEYS = (
     "time_per_minibatch_ms", "throughput_samples_per_s", "data_parallel_time_per_minibatch_ms",
     "speedup_over_data_parallel", "num_devices", "num_devices_used", "bottleneck_stage",
@@ -69,7 +72,8 @@ class Stage:
             "first_node": self.first_node, "last_node": self.last_node,
             "node_names": list(self.node_names), "replicas": self.replicas,
             "ranks": list(self.ranks),
-            "predicted": {k: _clean(self.predicted[k]) for k in PREDICTED_KEYS},
+            "predicted": {k: _clean(self.predicted[k]) for k in PREDICTED_KEYS
+                          if k in self.predicted or k not in ADDED_PREDICTED_KEYS},
         }
 
     @classmethod

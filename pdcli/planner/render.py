@@ -67,12 +67,13 @@ def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "te
             f"[{s['start']}, {s['end']})",
             s["replicas"],
             format_ranks(s["ranks"]),
-            p["fwd_ms"], p["bwd_ms"], p["sync_ms"], max(p["comm_in_ms"], p["comm_out_ms"]),
+            p["fwd_ms"], p["bwd_ms"], p.get("optimizer_ms"), p["sync_ms"],
+            max(p["comm_in_ms"], p["comm_out_ms"]),
             p["stage_time_ms"], format_bytes(p["total_bytes"]),
         ])
     headers = ["stage", "first layer", "last layer", "positions", "replicas", "ranks",
-               "fwd ms", "bwd ms", "sync ms", "comm ms", "stage ms", "memory"]
-    table = tabulate(rows, headers=headers, tablefmt=TABLE_STYLE[fmt], floatfmt=".4g")
+               "fwd ms", "bwd ms", "optim ms", "sync ms", "comm ms", "stage ms", "memory"]
+    table = tabulate(rows, headers=headers, tablefmt=TABLE_STYLE[fmt], floatfmt=".4g", missingval="-")
     inputs = plan_json.get("inputs", {})
     head = (f"plan: {len(rows)} stages, schedule {inputs.get('schedule', '?')}, "
             f"cost model {inputs.get('cost_model', '?')} ({BOTTLENECK_MARK} = bottleneck)")

@@ -51,6 +51,17 @@ def needs_stage_axis(options: PlanOptions) -> bool:
     return options.schedule in FLUSH_SCHEDULES or options.num_stages is not None or memory_by_stage
 
 
+def covered_or_zeros(space: SplitSpace, covered: np.ndarray | None) -> np.ndarray:
+    """A SplitSpace's optional covered totals (None: not measured) as an array."""
+    return np.zeros(space.num_positions) if covered is None else covered
+
+
+def optimizer_step_matrix(space: SplitSpace) -> np.ndarray:
+    """O[i, e]: one optimizer step of stage [i, e) (its positions' steps + the fixed cost once)."""
+    covered = covered_or_zeros(space, space.covered_optimizer_ms)
+    return space.range_matrix(covered) + space.optimizer_step_overhead_ms
+
+
 class PdCosts:
     """Stage costs of the `pd` model for every (start, end) at once, for one anchor."""
 
@@ -62,6 +73,8 @@ class PdCosts:
         self.bwd = space.range_matrix(space.covered_bwd_ms) * scale
         self.params = space.range_matrix(space.covered_parameter_bytes)
         self.acts = space.range_matrix(space.covered_activation_bytes) * scale
+        self.optimizer = optimizer_step_matrix(space)
+        self.optimizer_state = space.range_matrix(covered_or_zeros(space, space.covered_optimizer_state_bytes))
         self.valid = space.valid_stages() & ~np.isnan(self.fwd)
         cut = space.cut_bytes * scale
         self.cut_in = np.concatenate(([0.0], cut[: n - 1]))[:, None]  # stage starting at i
@@ -76,7 +89,7 @@ class PdCosts:
     def _memory(self, d: int, r: int) -> np.ndarray:
         o = self.options
         return stage_memory(o.schedule, self.params, self.acts, r, d, self.stages_from,
-                            o.num_microbatches).total_bytes
+                            o.num_microbatches, self.optimizer_state).total_bytes
 
     def time(self, d: int, r: int) -> np.ndarray:
         a = self.anchor - d
@@ -84,7 +97,8 @@ class PdCosts:
         key = (r,) + links  # on a uniform cluster most (d, r) share their bandwidths
         if key not in self._time_cache:
             terms = pd_stage_terms(self.fwd, self.bwd, self.params, self.cut_in, self.cut_out, r,
-                                   *links, self.options.schedule, self.options.num_microbatches)
+                                   *links, self.options.schedule, self.options.num_microbatches,
+                                   self.optimizer)
             self._time_cache[key] = np.where(self.valid, terms.stage_time_ms, np.inf)[None]
         out = self._time_cache[key]
         limit = self.options.memory_bytes_per_device

@@ -40,6 +40,12 @@ class SplitSpace:
     position_members: tuple[tuple[str, ...], ...]
     """Per position, what a plan lists in `node_names`: the chain node's name (our chains,
     which the compiler checks), or the graph nodes it merges (imported chains)."""
+    covered_optimizer_ms: np.ndarray | None = None
+    """Optimizer step time of the parameters at or before j: each position's own step less
+    the fixed cost of a step (which a stage pays once); None = not measured (0)."""
+    covered_optimizer_state_bytes: np.ndarray | None = None
+    optimizer_step_overhead_ms: float = 0.0
+    """Fixed cost of one optimizer step (`meta.optimizer.step_overhead_ms`), once per stage."""
 
     @classmethod
     def from_chain(cls, chain: Chain) -> "SplitSpace":
@@ -68,12 +74,16 @@ class SplitSpace:
                 covered_masks=tuple(int(m, 16) for m in dag["covered_hex"]),
                 member_order=member_order,
                 position_members=position_members,
+                covered_optimizer_ms=np.zeros(n),
+                covered_optimizer_state_bytes=np.zeros(n),
             )
 
         def cum(values: list[float]) -> np.ndarray:
             return np.cumsum(np.asarray(values, dtype=float))
 
         nodes = chain.nodes
+        optimizer_meta = chain.meta.get("optimizer") if isinstance(chain.meta, dict) else None
+        overhead_ms = float((optimizer_meta or {}).get("step_overhead_ms", 0.0))
         return cls(
             num_positions=n,
             covered_fwd_ms=cum([x.fwd_ms for x in nodes]),
@@ -85,6 +95,10 @@ class SplitSpace:
             covered_masks=None,
             member_order=member_order,
             position_members=position_members,
+            covered_optimizer_ms=cum([max(x.optimizer_ms - overhead_ms, 0.0) if x.optimizer_ms > 0 else 0.0
+                                      for x in nodes]),
+            covered_optimizer_state_bytes=cum([x.optimizer_state_bytes for x in nodes]),
+            optimizer_step_overhead_ms=overhead_ms,
         )
 
     # -- ranges ---------------------------------------------------------------------------

@@ -28,6 +28,11 @@ class ChainNode:
     """Extra memory the backward of this position keeps alive (saved tensors)."""
     members: tuple[str, ...] = ()
     """Graph nodes merged into this position (PipeDream antichain states); empty = just `name`."""
+    optimizer_ms: float = 0.0
+    """Time of one step of the configured optimizer on this position's parameters alone
+    (0 without parameters, and in profiles written before it was measured)."""
+    optimizer_state_bytes: int = 0
+    """Bytes of optimizer state for this position's parameters (momentum, Adam's moments)."""
 
 
 @dataclass(frozen=True)

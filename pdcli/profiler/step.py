@@ -59,10 +59,12 @@ def cpu_threads_per_worker(cfg: Config) -> int:
 
 
 def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | None) -> str:
-    """Hash of everything the profile depends on: model, data, profile settings, batch, device."""
+    """Hash of everything the profile depends on: model, data, optimizer, profile settings,
+    batch, device."""
     section: dict[str, Any] = {
         "model": asdict(cfg.model),
         "data": asdict(cfg.data),
+        "optim": asdict(cfg.optim),
         "profile": asdict(cfg.profile),
         "microbatch_size": profile_batch_size(cfg),
         "device": device.type,
@@ -97,6 +99,7 @@ def ensure_profile(
     from pdcli.data import Batch, build_data
     from pdcli.models import build_loss, build_model
     from pdcli.profiler.measure import profile_model
+    from pdcli.runtime.optim import build_optimizer
 
     batch_size = profile_batch_size(cfg)
     torch.manual_seed(cfg.train.seed)
@@ -115,6 +118,8 @@ def ensure_profile(
             progress=progress,
             config_hash=inputs_hash,
             model_name=cfg.model.target or cfg.model.name,
+            optimizer_factory=lambda module: build_optimizer(cfg.optim, module),
+            optimizer_name=cfg.optim.name,
         )
     run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
     return chain, False

@@ -2,8 +2,11 @@
 
 The plan gives per-stage terms per minibatch (`data.batch_size` samples); the simulator
 (`pdcli.planner.simulator`) replays the schedule's action lists with per-microbatch costs
-derived from them and gives the idle time (pipeline bubble) of every rank. The plan has
-no term for the optimizer step, data loading or weight stashing: they cost 0 here.
+derived from them and gives the idle time (pipeline bubble) of every rank. The plan's
+`optimizer_ms` (per minibatch: the steps one replica takes) is split into its steps, so
+predicted compute = forward + backward + optimizer steps, as the runtime measures compute.
+Plans made before the optimizer was modelled have no `optimizer_ms`: it counts 0. Data
+loading and weight stashing are not modelled: they cost 0 here.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdcli.planner.costs import updates_per_minibatch
 from pdcli.planner.simulator import StageCost, simulate
-from pdcli.runtime.schedule import PIPEDREAM, Backward, Forward, ScheduleSpec
+from pdcli.runtime.schedule import Backward, Forward, OptimizerStep, ScheduleSpec
 
 MAX_SIMULATED_STEPS = 200
 """Longer runs are simulated over this many minibatches (per-minibatch values barely change)."""
@@ -28,6 +32,7 @@ class PredictedStage:
     fwd_ms: float
     bwd_ms: float
     compute_ms: float
+    """Forward + backward + optimizer steps, per minibatch, the replicas sharing the work."""
     comm_ms: float
     """comm_in + comm_out + sync (transfers and the gradient all-reduce)."""
     idle_ms: float
@@ -35,6 +40,8 @@ class PredictedStage:
     stage_time_ms: float
     wall_ms: float
     """Simulated makespan per minibatch."""
+    optimizer_ms: float = 0.0
+    """Optimizer steps per minibatch (part of compute_ms)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -61,11 +68,13 @@ def stage_costs(plan: dict[str, Any], schedule: str, num_microbatches: int) -> l
         p, r = stage["predicted"], int(stage["replicas"])
         # comm_out_ms = 2 transfers of the whole minibatch's cut, shared by r replicas
         comm_ms = float(p["comm_out_ms"]) * r / (WAYS_PER_CUT * num_microbatches)
-        # sync_ms = one all-reduce per minibatch, pipedream: one per round of r microbatches
-        rounds = num_microbatches / r if schedule == PIPEDREAM else 1.0
+        # sync_ms, optimizer_ms: one all-reduce and one step per minibatch, pipedream: one
+        # per round of r microbatches
+        rounds = float(updates_per_minibatch(schedule, num_microbatches, r))
         costs.append(StageCost(
             fwd_ms=float(p["fwd_ms"]) / num_microbatches, bwd_ms=float(p["bwd_ms"]) / num_microbatches,
-            comm_ms=comm_ms, allreduce_ms=float(p["sync_ms"]) / rounds,
+            comm_ms=comm_ms, optimizer_ms=float(p.get("optimizer_ms", 0.0)) / rounds,
+            allreduce_ms=float(p["sync_ms"]) / rounds,
         ))
     return costs
 
@@ -80,15 +89,16 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
     stages = []
     for stage_id, stage in enumerate(plan["stages"]):
         p = stage["predicted"]
+        optimizer_ms = float(p.get("optimizer_ms", 0.0))
         busy_ms = [
             sum(t.end_ms - t.start_ms for t in sim.timeline[spec.rank_of(stage_id, replica)]
-                if isinstance(t.action, (Forward, Backward)))
+                if isinstance(t.action, (Forward, Backward, OptimizerStep)))
             for replica in range(replicas[stage_id])
         ]
         idle_ms = sim.makespan_ms - sum(busy_ms) / len(busy_ms)
         stages.append(PredictedStage(
             stage_id=stage_id, replicas=replicas[stage_id], fwd_ms=float(p["fwd_ms"]), bwd_ms=float(p["bwd_ms"]),
-            compute_ms=float(p["compute_ms"]),
+            compute_ms=float(p["compute_ms"]) + optimizer_ms, optimizer_ms=optimizer_ms,
             comm_ms=float(p["comm_in_ms"]) + float(p["comm_out_ms"]) + float(p["sync_ms"]),
             idle_ms=idle_ms / steps, stage_time_ms=float(p["stage_time_ms"]), wall_ms=sim.makespan_ms / steps,
         ))

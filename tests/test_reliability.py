@@ -368,14 +368,14 @@ def test_ctrl_c_stops_every_worker_and_keeps_the_last_checkpoint(trained: Path, 
     shutil.rmtree(train_dir)  # profile, plan, stages reused; the checkpoints to wait for are this run's
     proc = subprocess.Popen(
         [str(PD), "train", QUICKSTART, f"run.root={root}", *TRAIN_ARGS, "train.steps=3000"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 90
         while not checkpoint.complete_steps(train_dir) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
         assert checkpoint.complete_steps(train_dir), "no checkpoint appeared"
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: pd train and its workers
         sent_s = time.monotonic()
         _, stderr = proc.communicate(timeout=40)
         stopped_s = time.monotonic() - sent_s

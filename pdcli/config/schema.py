@@ -113,7 +113,7 @@ class TrainConfig:
     log_every: int = 5
     """Write a metrics line every this many steps."""
     checkpoint_every: int = 0
-    """Checkpoint every this many steps (0 = only at the end)."""
+    """Checkpoint every this many minibatches (0 = only at the end); pipedream/2bw drain the pipeline there."""
     keep_checkpoints: int = 2
     """How many checkpoints to keep."""
     seed: int = 0

@@ -79,7 +79,7 @@ def _clean_previous(train_dir: Path, resume_step: int | None) -> None:
     atomic_write_text(metrics, "".join(json.dumps(line, sort_keys=True) + "\n" for line in kept))
 
 
-def resume_point(cfg: Config, run: RunDir, manifest: dict[str, Any]) -> int:
+def resume_point(cfg: Config, run: RunDir, manifest: dict[str, Any], placement: Placement) -> int:
     """The step of the latest complete checkpoint, after checking it fits this run."""
     train_dir = run / "train"
     step = checkpoint.latest_step(train_dir)
@@ -94,7 +94,8 @@ def resume_point(cfg: Config, run: RunDir, manifest: dict[str, Any]) -> int:
         raise UserError(f"--resume: the latest checkpoint {where} is at step {step}, train.steps is {cfg.train.steps}: nothing left to train",
                         hint="raise train.steps to train further")
     for key, want in (("num_stages", int(manifest["num_stages"])), ("schedule", cfg.schedule.name),
-                      ("num_microbatches", cfg.schedule.num_microbatches), ("optimizer", cfg.optim.name)):
+                      ("num_microbatches", cfg.schedule.num_microbatches), ("optimizer", cfg.optim.name),
+                      ("replicas", list(placement.replicas))):
         if key in info and info[key] != want:
             raise UserError(f"--resume: checkpoint {where} has {key}={info[key]!r}, this run {want!r}", hint=checkpoint.RESUME_HINT)
     for k in range(int(manifest["num_stages"])):
@@ -201,7 +202,7 @@ def run_training(
     check_devices(placement.world_size, hosts, cfg.cluster.device)
     train_dir = run / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
-    resume_step = resume_point(cfg, run, manifest) if resume else None
+    resume_step = resume_point(cfg, run, manifest, placement) if resume else None
     if resume_step is None and cfg.train.init_from:
         check_init_from(cfg, run, manifest)
     _clean_previous(train_dir, resume_step)

@@ -7,6 +7,11 @@ per stage the plan's stage_time_ms vs the measured compute + comm, with where th
 compute goes (forward, backward, optimizer step). Prints a table and writes
 `runs/benchmarks/prediction.json`. Nothing is asserted.
 
+`calib` is what the prediction would be with the profile's `meta.calibration.ratio` (whole
+fwd+bwd step / sum of the layers) applied to the forward and backward terms: per stage
+ratio x compute + optimizer + sync, times the plan's bubble factor (an estimate: the split
+is kept, not searched again). The `pd` cost model does not apply it (see costs.py).
+
     .venv/bin/python benchmarks/bench_prediction.py [--recipes quickstart resnet18 ...] [--steps N] [--rounds R]
 
 Each recipe is trained `--rounds` times in the same run directory (the profile and plan are
@@ -19,6 +24,7 @@ About 2.5 minutes on a quiet 2-core host (5 under heavy load).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -59,6 +65,12 @@ def run_recipe(name: str, steps: int, root: Path) -> dict[str, Any]:
     c = make_report(run_dir, ReplanCommands(str(recipe), tuple(overrides)), DRIFT_THRESHOLD_PCT, charts=False).comparison
     m, p = c.measured, c.predicted
     measured_ms = m.steady_time_per_minibatch_ms or m.time_per_minibatch_ms
+    plan = json.loads((run_dir / "plan.json").read_text())
+    profile_meta = json.loads((run_dir / "profile.json").read_text())["meta"]
+    ratio = (profile_meta.get("calibration") or {}).get("ratio") or 1.0
+    terms = [st["predicted"] for st in plan["stages"]]
+    bubble = p.time_per_minibatch_ms / max(t["stage_time_ms"] for t in terms)
+    calibrated_ms = bubble * max(ratio * t["compute_ms"] + t.get("optimizer_ms", 0.0) + t["sync_ms"] for t in terms)
     return {
         "recipe": name, "schedule": m.schedule, "num_stages": len(c.stages), "steps": steps, "wall_s": wall_s,
         "predicted_time_per_minibatch_ms": p.time_per_minibatch_ms,
@@ -66,11 +78,14 @@ def run_recipe(name: str, steps: int, root: Path) -> dict[str, Any]:
         "measured_time_per_minibatch_ms": measured_ms,
         "measured_loop_time_per_minibatch_ms": m.time_per_minibatch_ms,
         "ratio": measured_ms / p.time_per_minibatch_ms if p.time_per_minibatch_ms > 0 else None,
+        "calibration_ratio": ratio, "calibrated_time_per_minibatch_ms": calibrated_ms,
+        "calibrated_ratio": measured_ms / calibrated_ms if calibrated_ms > 0 else None,
         "predicted_bubble": p.bubble_fraction,
         "stages": [
             {"stage_id": s.stage_id, "predicted_stage_time_ms": s.predicted.stage_time_ms,
              "measured_stage_time_ms": s.measured.stage_time_ms, "predicted_fwd_ms": s.predicted.fwd_ms,
-             "predicted_bwd_ms": s.predicted.bwd_ms, "measured_compute_ms": s.measured.compute_ms,
+             "predicted_bwd_ms": s.predicted.bwd_ms, "predicted_optimizer_ms": terms[s.stage_id].get("optimizer_ms"),
+             "measured_compute_ms": s.measured.compute_ms,
              "measured_comm_ms": s.measured.comm_ms, "measured_idle_ms": s.measured.idle_ms,
              "measured_bubble": s.measured.bubble_fraction, "measured_actions_ms": s.measured.actions_ms}
             for s in c.stages
@@ -110,19 +125,20 @@ def main() -> None:
     table = []
     for r in rows:
         if "error" in r:
-            table.append([r["recipe"], "-", "-", "-", "-", "-", "-", f"failed: {r['error']}", "", "", "", ""])
+            table.append([r["recipe"], "-", "-", "-", "-", "-", "-", "-", f"failed: {r['error']}", "", "", "", "", ""])
             continue
         table.append([
             r["recipe"], r["schedule"], r["num_stages"], f"{r['predicted_time_per_minibatch_ms']:.2f}",
             f"{r['measured_time_per_minibatch_ms']:.2f}", "{:.2f}-{:.2f}".format(*r["measured_range_ms"]), f"{r['ratio']:.2f}x",
+            f"{r['calibration_ratio']:.2f}: {r['calibrated_ratio']:.2f}x",
             _stage_cell(r, "predicted_stage_time_ms"), _stage_cell(r, "measured_stage_time_ms"),
             _stage_cell(r, "predicted_fwd_ms") + " / " + _stage_cell(r, "predicted_bwd_ms"),
             _action_cell(r, "Forward") + " / " + _action_cell(r, "Backward"),
-            _action_cell(r, "OptimizerStep"),
+            _stage_cell(r, "predicted_optimizer_ms"), _action_cell(r, "OptimizerStep"),
         ])
     print(tabulate(table, headers=[
         "recipe", "schedule", "stages", "pred ms/mb", "meas ms/mb", "meas range", "meas/pred",
-        "pred stage ms", "meas stage ms", "pred fwd / bwd", "meas fwd / bwd", "meas optim",
+        "calib: meas/pred", "pred stage ms", "meas stage ms", "pred fwd / bwd", "meas fwd / bwd", "pred optim", "meas optim",
     ], disable_numparse=True))
     print("\nms per minibatch (data.batch_size samples); stage columns list stages 0 | 1 | ...; "
           "measured stage time = compute + comm; measured time per minibatch = steady state from the trace")

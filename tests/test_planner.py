@@ -37,7 +37,8 @@ def random_node(rng: random.Random, i: int) -> ChainNode:
 
 def random_chain(rng: random.Random, n: int) -> Chain:
     nodes = tuple(random_node(rng, i) for i in range(n))
-    meta = {"optimizer": {"step_overhead_ms": rng.choice([0.0, 0.1, 1.0])}} if rng.random() < 0.7 else {}
+    meta = {"optimizer": {"step_overhead_ms": rng.choice([0.0, 0.1, 1.0])},
+            "calibration": {"ratio": rng.choice([None, 0.8, 1.7])}} if rng.random() < 0.7 else {}
     return Chain(nodes=nodes, cut_bytes=tuple(rng.randrange(0, 20_000_000) for _ in range(n - 1)), meta=meta)
 
 
@@ -362,3 +363,15 @@ def test_plans_without_optimizer_terms_still_round_trip() -> None:
         del stage["predicted"]["optimizer_ms"], stage["predicted"]["optimizer_state_bytes"]
     assert Plan.from_json(obj).to_json() == obj
     assert "optim ms" in render_plan(obj, None)
+
+
+def test_calibration_ratio_above_one_scales_compute() -> None:
+    nodes = tuple(ChainNode(f"n{i}", f"l{i}", 1.0, 2.0, 1000, 10, optimizer_ms=0.5) for i in range(2))
+    topology, options = Topology.flat(2), PlanOptions(schedule="1f1b", num_stages=2, straight=True)
+    for ratio, factor in [(None, 1.0), (0.8, 1.0), (2.5, 2.5)]:
+        chain = Chain(nodes=nodes, cut_bytes=(0,), meta={"calibration": {"ratio": ratio}})
+        stage = plan_chain(chain, topology, options).stages[0].predicted
+        assert (stage["fwd_ms"], stage["bwd_ms"]) == (pytest.approx(factor), pytest.approx(2 * factor))
+        assert stage["optimizer_ms"] == pytest.approx(0.5)  # the optimizer step is not calibrated
+    pipedream = plan_chain(chain, Topology.flat(1), PlanOptions(cost_model="pipedream"))
+    assert pipedream.stages[0].predicted["fwd_ms"] == pytest.approx(2.0)  # PipeDream's model: as profiled

@@ -24,11 +24,20 @@ O is measured by `pd profile` (`pdcli.profiler.optim_cost`): each position's ste
 own parameters less the fixed cost of a step, plus that fixed cost once per stage; it does
 not scale with the batch. Profiles without it (older ones, PipeDream graphs) give O = 0.
 
+F and B are calibrated: multiplied by c = max(1, ratio), ratio = the profile's
+`meta.calibration.ratio` (the whole model's fwd+bwd step timed as one piece / the sum of
+its positions timed alone; `compute_calibration`). A ratio above 1 is what a long piece of
+work loses on this host (other processes, caches) that the medians of short per-layer
+timings hide; below 1 (0.7-0.95: per-call overhead the fused step saves) it is not
+applied, because the runtime's per-action overhead, which the model does not count,
+more than eats that saving. Measured on the 5 recipes of `benchmarks/bench_prediction.py`
+(2-core host, load 6-8), this brought the geometric mean of measured / predicted from
+4.4x to 3.5x; the ratio of one model moved 0.8-3.5 between two profiles a minute apart,
+so it mostly records the load while profiling. The pipedream cost model never applies it.
+
 What the model leaves out: the runtime's per-action overhead (tiny stages run their
-forward several times slower than the module alone), several ranks sharing few CPU cores,
-and data loading. The profile's `meta.calibration.ratio` (whole fwd+bwd step / sum of the
-layers, 0.8-1.0 on CPU) is NOT applied: it scales the compute down where the runs are
-slower than predicted, and made every recipe's prediction worse (bench_prediction.py).
+forward several times slower than the module alone; the OptimizerStep action costs 3-5x
+the optimizer's own step), several ranks sharing few CPU cores, and data loading.
 
 Transfers run off the compute thread, so a link only limits a stage when it is slower than
 the compute. With S stages and max stage_ms = T:
@@ -74,6 +83,13 @@ def transfer_ms(cut_bytes: Any, bandwidth_bytes_per_s: Any) -> Any:
     with np.errstate(invalid="ignore"):
         out = 2.0 * np.asarray(cut_bytes, dtype=float) / bandwidth_bytes_per_s * MS_PER_S
     return np.where(np.asarray(cut_bytes) == 0, 0.0, out)
+
+
+def compute_calibration(ratio: float | None) -> float:
+    """Factor on the profiled forward and backward times: max(1, ratio); 1 when unknown."""
+    if ratio is None or not np.isfinite(ratio):
+        return 1.0
+    return max(1.0, float(ratio))
 
 
 def updates_per_minibatch(schedule: str, num_microbatches: int, replicas: Any) -> Any:

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pdcli.planner.costs import MS_PER_S, bubble_factor, pd_stage_terms
+from pdcli.planner.costs import MS_PER_S, bubble_factor, compute_calibration, pd_stage_terms
 from pdcli.planner.memory import StageMemory, stage_memory
 from pdcli.planner.options import PlanOptions
 from pdcli.planner.pipedream import ALLREDUCE_FACTOR, TRANSFER_FACTOR, PdStage
@@ -61,16 +61,18 @@ def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, e
 
 def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
                 partition: Sequence[tuple[int, int, int]]) -> PlanEval:
-    """`pd` model for stages (start, end, replicas) on contiguous ranks from 0."""
+    """`pd` model for stages (start, end, replicas) on contiguous ranks from 0 (fwd_ms and
+    bwd_ms calibrated, see `pdcli.planner.costs`)."""
     n, bw = space.num_positions, topology.span_bandwidth_matrix()
     used, num_stages = sum(r for _, _, r in partition), len(partition)
     stages, first = [], 0
     optimizer = optimizer_step_matrix(space)
+    compute_scale = scale * compute_calibration(space.calibration_ratio)
     for index, (start, end, r) in enumerate(partition):
         last = first + r - 1
         terms = pd_stage_terms(
-            space.range_total(space.covered_fwd_ms, start, end) * scale,
-            space.range_total(space.covered_bwd_ms, start, end) * scale,
+            space.range_total(space.covered_fwd_ms, start, end) * compute_scale,
+            space.range_total(space.covered_bwd_ms, start, end) * compute_scale,
             space.range_total(space.covered_parameter_bytes, start, end),
             space.cut_bytes[start - 1] * scale if start > 0 else 0.0,
             space.cut_bytes[end - 1] * scale if end < n else 0.0,

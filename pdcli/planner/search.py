@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from pdcli.planner.costs import bubble_factor, pd_stage_terms
+from pdcli.planner.costs import bubble_factor, compute_calibration, pd_stage_terms
 from pdcli.planner.memory import stage_memory
 from pdcli.planner.options import FLUSH_SCHEDULES, ONE_F_ONE_B, TWO_BW, PlanOptions
 from pdcli.planner.space import SplitSpace
@@ -69,8 +69,9 @@ class PdCosts:
                  scale: float, anchor: int, num_layers: int) -> None:
         n = space.num_positions
         self.options, self.anchor, self.num_layers = options, anchor, num_layers
-        self.fwd = space.range_matrix(space.covered_fwd_ms) * scale
-        self.bwd = space.range_matrix(space.covered_bwd_ms) * scale
+        compute_scale = scale * compute_calibration(space.calibration_ratio)
+        self.fwd = space.range_matrix(space.covered_fwd_ms) * compute_scale
+        self.bwd = space.range_matrix(space.covered_bwd_ms) * compute_scale
         self.params = space.range_matrix(space.covered_parameter_bytes)
         self.acts = space.range_matrix(space.covered_activation_bytes) * scale
         self.optimizer = optimizer_step_matrix(space)

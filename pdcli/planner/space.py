@@ -46,6 +46,9 @@ class SplitSpace:
     covered_optimizer_state_bytes: np.ndarray | None = None
     optimizer_step_overhead_ms: float = 0.0
     """Fixed cost of one optimizer step (`meta.optimizer.step_overhead_ms`), once per stage."""
+    calibration_ratio: float | None = None
+    """Whole fwd+bwd step / sum of the positions' (`meta.calibration.ratio`); None = unknown.
+    What the cost model makes of it: `pdcli.planner.costs.compute_calibration`."""
 
     @classmethod
     def from_chain(cls, chain: Chain) -> "SplitSpace":
@@ -82,8 +85,9 @@ class SplitSpace:
             return np.cumsum(np.asarray(values, dtype=float))
 
         nodes = chain.nodes
-        optimizer_meta = chain.meta.get("optimizer") if isinstance(chain.meta, dict) else None
-        overhead_ms = float((optimizer_meta or {}).get("step_overhead_ms", 0.0))
+        meta = chain.meta if isinstance(chain.meta, dict) else {}
+        overhead_ms = float((meta.get("optimizer") or {}).get("step_overhead_ms", 0.0))
+        ratio = (meta.get("calibration") or {}).get("ratio")
         return cls(
             num_positions=n,
             covered_fwd_ms=cum([x.fwd_ms for x in nodes]),
@@ -99,6 +103,7 @@ class SplitSpace:
                                       for x in nodes]),
             covered_optimizer_state_bytes=cum([x.optimizer_state_bytes for x in nodes]),
             optimizer_step_overhead_ms=overhead_ms,
+            calibration_ratio=float(ratio) if ratio is not None else None,
         )
 
     # -- ranges ---------------------------------------------------------------------------

@@ -251,13 +251,17 @@ def test_profile_round_trips_through_json() -> None:
 
 def test_summary_lists_the_costliest_layers_and_totals() -> None:
     chain = profile_model(Residual(), batch_of(torch.randn(BATCH, 16), target=torch.randint(0, 10, (BATCH,))),
-                          F.cross_entropy, "cpu", **FAST)  # fmt: skip
+                          F.cross_entropy, "cpu", **FAST, optimizer_factory=sgd(momentum=0.9),
+                          optimizer_name="sgd")  # fmt: skip
     costliest = max(chain.nodes, key=lambda n: n.fwd_ms + n.bwd_ms)
     text = summarize(chain, top=2)
     assert costliest.label.split(" -> ")[0][:40] in text
     assert "positions     6" in text and "top 2 of 6" in text
     assert format_bytes(sum(n.parameter_bytes for n in chain.nodes)) in text
     assert f"= {chain.meta['calibration']['ratio']:.2f} x" in text
+    state = sum(n.optimizer_state_bytes for n in chain.nodes)
+    assert state == sum(n.parameter_bytes for n in chain.nodes)  # momentum: one buffer per parameter
+    assert "(sgd; fixed cost" in text and f"state {format_bytes(state)}" in text
     assert format_bytes(1536) == "1.5 KiB" and format_bytes(12) == "12 B"
 
 

@@ -61,6 +61,14 @@ def summarize(chain: Chain, top: int = 10) -> str:
         if ratio is not None and "step_ms" in calibration
         else "not measured"
     )
+    optimizer = meta.get("optimizer") or {}
+    optimizer_row = (
+        f"{sum(n.optimizer_ms for n in chain.nodes):.3f} ms per update summed over the positions "
+        f"({optimizer.get('name') or '?'}; fixed cost {optimizer.get('step_overhead_ms', 0.0):.3f} ms a step), "
+        f"state {format_bytes(sum(n.optimizer_state_bytes for n in chain.nodes))}"
+        if optimizer
+        else "not measured"
+    )
     totals = tabulate(
         [
             ["positions", len(chain)],
@@ -71,6 +79,7 @@ def summarize(chain: Chain, top: int = 10) -> str:
             ["model inputs", format_bytes(chain.input_bytes)],
             ["largest cut", format_bytes(max(chain.cut_bytes, default=0))],
             ["whole step", step],
+            ["optimizer", optimizer_row],
         ],
         tablefmt="plain",
     )

@@ -393,3 +393,9 @@ def test_ctrl_c_stops_every_worker_and_keeps_the_last_checkpoint(trained: Path, 
 
     build_model(load_resolved(root / "quickstart/config.yaml").model).load_state_dict(
         checkpoint.load_model_state(train_dir, step), strict=True)
+    # ... and the run goes on from it
+    resumed = invoke("train", QUICKSTART, f"run.root={root}", *TRAIN_ARGS, f"train.steps={step + 2}", "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    lines = [json.loads(x) for x in (train_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [*range(1, step + 3), step + 2] and lines[-1]["final"]
+    assert checkpoint.latest_step(train_dir) == step + 2

@@ -147,14 +147,16 @@ def run_session(
     gathered: list[Any] | None = [None] * placement.world_size if env.rank == writer_rank else None
     dist.gather_object(report, gathered, dst=writer_rank)
     if gathered is not None:
-        write_reports(train_dir, cfg, gathered, loop_s, tracker)
+        write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=resume_step or 0)
     dist.barrier()
     if isinstance(transport, SocketTransport):
         transport.close()
     dist.destroy_process_group()
 
 
-def write_reports(train_dir: Path, cfg: "Config", gathered: list[dict[str, Any]], loop_s: float, tracker: LossTracker | None) -> None:
+def write_reports(
+    train_dir: Path, cfg: "Config", gathered: list[dict[str, Any]], loop_s: float, tracker: LossTracker | None, first_step: int = 0
+) -> None:
     """Chrome trace, summary.json, and the final metrics lines (exact over all last-stage replicas)."""
     all_stats: list[RankStats] = [g["stats"] for g in gathered]
     records: dict[int, Any] = {}
@@ -164,7 +166,7 @@ def write_reports(train_dir: Path, cfg: "Config", gathered: list[dict[str, Any]]
     atomic_write_json(train_dir / "trace.json", chrome_trace(all_stats))
     stages = per_stage(all_stats)
     losses = minibatch_losses(records, m)
-    samples_per_s = cfg.data.batch_size * cfg.train.steps / max(loop_s, 1e-9)
+    samples_per_s = cfg.data.batch_size * (cfg.train.steps - first_step) / max(loop_s, 1e-9)  # this launch's
     final = summarize(records, m, [cfg.train.steps - 1])
     summary = {
         "final_loss": final["loss"], "final_accuracy": final.get("accuracy"), "samples_per_s": samples_per_s,

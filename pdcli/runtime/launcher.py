@@ -9,6 +9,7 @@ worker dies, the elastic agent stops its siblings and `launch_workers` raises
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -16,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -50,13 +52,19 @@ class TrainingInterrupted(TrainingFailed):
         self.signal_number = signal_number
 
 
+@dataclass(frozen=True)
+class Hosts:
+    """Where the workers run: `nnodes` hosts, this one is `node_rank`."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
 def check_devices(world_size: int, hosts: Hosts, device: str) -> None:
     """The plan's ranks fit the launch: divisible by --nnodes, and per host no more processes
     than devices (CUDA: GPUs; CPU: CPU_PROCESSES_PER_CORE per core)."""
-    import os
-
-    import torch
-
     if hosts.nnodes < 1 or not 0 <= hosts.node_rank < hosts.nnodes:
         raise UserError(f"--node-rank {hosts.node_rank} is not in 0..{hosts.nnodes - 1} (--nnodes {hosts.nnodes})")
     if world_size % hosts.nnodes:
@@ -76,16 +84,6 @@ def check_devices(world_size: int, hosts: Hosts, device: str) -> None:
             f"the plan needs {per_host} devices on this host, but only {available} {what} are available",
             hint="plan for fewer devices (cluster.levels, plan.num_stages) or spread over hosts with --nnodes",
         )
-
-
-@dataclass(frozen=True)
-class Hosts:
-    """Where the workers run: `nnodes` hosts, this one is `node_rank`."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int | None = None
 
 
 def free_port() -> int:

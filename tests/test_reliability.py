@@ -195,6 +195,21 @@ def test_interrupted_and_resumed_run_ends_like_the_uninterrupted_one(
             torch.testing.assert_close(whole_weights[name], ref_weights[name], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.timeout(60)
+def test_2bw_with_checkpoints_drains_like_its_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, manifest, _ = _train(tmp_path / "run", "2bw", monkeypatch, checkpoint_every=2)
+    summary = json.loads((tmp_path / "run/train/summary.json").read_text())
+    losses = [summary["microbatch_losses"][str(i)] for i in range(8)]
+    ref_losses, ref_weights = _reference_with_drains(cfg, manifest, tmp_path / "run/stages", (2,))
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    weights = checkpoint.load_model_state(tmp_path / "run/train", 4)
+    for name in ref_weights:
+        torch.testing.assert_close(weights[name], ref_weights[name], atol=1e-5, rtol=1e-5)
+    assert checkpoint.complete_steps(tmp_path / "run/train") == [2, 4]
+    stale_losses, _ = _reference_with_drains(cfg, manifest, tmp_path / "run/stages", ())
+    assert abs(stale_losses[5] - losses[5]) > 1e-6  # without the drain, minibatch 2 would run on version 1
+
+
 def _reference_with_drains(cfg, manifest, stages_dir: Path, drains: tuple[int, ...]):
     from pdcli.compiler import load_stage
     from pdcli.data import build_data

@@ -7,10 +7,10 @@ per stage the plan's stage_time_ms vs the measured compute + comm, with where th
 compute goes (forward, backward, optimizer step). Prints a table and writes
 `runs/benchmarks/prediction.json`. Nothing is asserted.
 
-`calib` is what the prediction would be with the profile's `meta.calibration.ratio` (whole
-fwd+bwd step / sum of the layers) applied to the forward and backward terms: per stage
-ratio x compute + optimizer + sync, times the plan's bubble factor (an estimate: the split
-is kept, not searched again). The `pd` cost model does not apply it (see costs.py).
+`calib` is the profile's `meta.calibration.ratio` (whole fwd+bwd step / sum of the layers;
+the `pd` cost model multiplies forward and backward by max(1, ratio), see costs.py) and
+what measured / predicted would be without it: per stage compute / max(1, ratio) +
+optimizer + sync, times the plan's bubble factor (an estimate: the split is kept).
 
     .venv/bin/python benchmarks/bench_prediction.py [--recipes quickstart resnet18 ...] [--steps N] [--rounds R]
 
@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _bench_common import BenchFailed, run_bounded, stderr_tail  # noqa: E402
 
+from pdcli.planner.costs import compute_calibration  # noqa: E402
 from pdcli.report import ReplanCommands, make_report  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
 
@@ -70,7 +71,8 @@ def run_recipe(name: str, steps: int, root: Path) -> dict[str, Any]:
     ratio = (profile_meta.get("calibration") or {}).get("ratio") or 1.0
     terms = [st["predicted"] for st in plan["stages"]]
     bubble = p.time_per_minibatch_ms / max(t["stage_time_ms"] for t in terms)
-    calibrated_ms = bubble * max(ratio * t["compute_ms"] + t.get("optimizer_ms", 0.0) + t["sync_ms"] for t in terms)
+    factor = compute_calibration(ratio)
+    uncalibrated_ms = bubble * max(t["compute_ms"] / factor + t.get("optimizer_ms", 0.0) + t["sync_ms"] for t in terms)
     return {
         "recipe": name, "schedule": m.schedule, "num_stages": len(c.stages), "steps": steps, "wall_s": wall_s,
         "predicted_time_per_minibatch_ms": p.time_per_minibatch_ms,
@@ -78,8 +80,8 @@ def run_recipe(name: str, steps: int, root: Path) -> dict[str, Any]:
         "measured_time_per_minibatch_ms": measured_ms,
         "measured_loop_time_per_minibatch_ms": m.time_per_minibatch_ms,
         "ratio": measured_ms / p.time_per_minibatch_ms if p.time_per_minibatch_ms > 0 else None,
-        "calibration_ratio": ratio, "calibrated_time_per_minibatch_ms": calibrated_ms,
-        "calibrated_ratio": measured_ms / calibrated_ms if calibrated_ms > 0 else None,
+        "calibration_ratio": ratio, "uncalibrated_time_per_minibatch_ms": uncalibrated_ms,
+        "uncalibrated_ratio": measured_ms / uncalibrated_ms if uncalibrated_ms > 0 else None,
         "predicted_bubble": p.bubble_fraction,
         "stages": [
             {"stage_id": s.stage_id, "predicted_stage_time_ms": s.predicted.stage_time_ms,
@@ -130,7 +132,7 @@ def main() -> None:
         table.append([
             r["recipe"], r["schedule"], r["num_stages"], f"{r['predicted_time_per_minibatch_ms']:.2f}",
             f"{r['measured_time_per_minibatch_ms']:.2f}", "{:.2f}-{:.2f}".format(*r["measured_range_ms"]), f"{r['ratio']:.2f}x",
-            f"{r['calibration_ratio']:.2f}: {r['calibrated_ratio']:.2f}x",
+            f"{r['calibration_ratio']:.2f}: {r['uncalibrated_ratio']:.2f}x",
             _stage_cell(r, "predicted_stage_time_ms"), _stage_cell(r, "measured_stage_time_ms"),
             _stage_cell(r, "predicted_fwd_ms") + " / " + _stage_cell(r, "predicted_bwd_ms"),
             _action_cell(r, "Forward") + " / " + _action_cell(r, "Backward"),
@@ -138,7 +140,7 @@ def main() -> None:
         ])
     print(tabulate(table, headers=[
         "recipe", "schedule", "stages", "pred ms/mb", "meas ms/mb", "meas range", "meas/pred",
-        "calib: meas/pred", "pred stage ms", "meas stage ms", "pred fwd / bwd", "meas fwd / bwd", "pred optim", "meas optim",
+        "calib: uncalibrated meas/pred", "pred stage ms", "meas stage ms", "pred fwd / bwd", "meas fwd / bwd", "pred optim", "meas optim",
     ], disable_numparse=True))
     print("\nms per minibatch (data.batch_size samples); stage columns list stages 0 | 1 | ...; "
           "measured stage time = compute + comm; measured time per minibatch = steady state from the trace")

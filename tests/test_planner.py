@@ -94,6 +94,8 @@ def brute_pd(chain: Chain, topology: Topology, options: PlanOptions) -> float:
         if options.num_stages is not None and len(part) != options.num_stages:
             continue
         for reps in replica_choices(len(part), topology.num_devices, options):
+            if any(options.num_microbatches % r for r in reps):
+                continue  # the runtime cannot spread the microbatches evenly over the replicas
             ev = evaluate_pd(space, topology, options, scale, [(s, e, r) for (s, e), r in zip(part, reps)])
             for st in ev.stages:
                 t = st.terms
@@ -261,9 +263,9 @@ def test_infeasible_requests_say_why() -> None:
 def test_use_fewer_devices_can_leave_devices_idle() -> None:
     # huge parameters and a slow link: replicating costs more than it gains
     chain = Chain(nodes=(ChainNode("a", "a", 1.0, 1.0, 10**10, 1),), cut_bytes=())
-    plan = plan_chain(chain, Topology.flat(4, 1e9), PlanOptions(use_fewer_devices=True))
+    plan = plan_chain(chain, Topology.flat(4, 1e9), PlanOptions(use_fewer_devices=True, num_microbatches=4))
     assert plan.pipeline["num_devices_used"] == 1 and plan.stages[0].ranks == (0,)
-    forced = plan_chain(chain, Topology.flat(4, 1e9), PlanOptions(use_fewer_devices=False))
+    forced = plan_chain(chain, Topology.flat(4, 1e9), PlanOptions(use_fewer_devices=False, num_microbatches=4))
     assert forced.pipeline["num_devices_used"] == 4
     assert forced.time_per_minibatch_ms > plan.time_per_minibatch_ms
 
@@ -375,3 +377,14 @@ def test_calibration_ratio_above_one_scales_compute() -> None:
         assert stage["optimizer_ms"] == pytest.approx(0.5)  # the optimizer step is not calibrated
     pipedream = plan_chain(chain, Topology.flat(1), PlanOptions(cost_model="pipedream"))
     assert pipedream.stages[0].predicted["fwd_ms"] == pytest.approx(2.0)  # PipeDream's model: as profiled
+
+
+def test_replicas_divide_the_microbatches() -> None:
+    # one heavy layer, no parameters: replicating it 3 times would be fastest, but 3 replicas
+    # cannot share 4 microbatches evenly (the runtime refuses), so the plan uses 2 or 4
+    chain = Chain(nodes=(ChainNode("a", "a", 30.0, 60.0, 0, 1), ChainNode("b", "b", 1.0, 1.0, 0, 1)), cut_bytes=(0,))
+    for devices in (3, 4, 5):
+        plan = plan_chain(chain, Topology.flat(devices), PlanOptions(num_microbatches=4, use_fewer_devices=True))
+        assert all(4 % s.replicas == 0 for s in plan.stages), [s.replicas for s in plan.stages]
+    with pytest.raises(UserError, match="no plan exists"):
+        plan_chain(chain, Topology.flat(3), PlanOptions(num_microbatches=4, num_stages=1))

@@ -7,7 +7,9 @@ memory (devices and stages from a stage to the end) is exact, and so are the ban
 (the ranks are known). The stage-count axis is kept only when something depends on it
 (the bubble of flush schedules, 1F1B/2BW activation memory, a forced stage count);
 otherwise all counts share one layer. Every transition is vectorized over (start, end)
-pairs: the Python loops run over devices, replicas and nothing else.
+pairs: the Python loops run over devices, replicas and nothing else. A stage has r
+replicas only when r divides the microbatches per minibatch (the runtime spreads them
+evenly over the replicas).
 
 A plan on fewer than all devices is shifted to start at rank 0; that is exact when the
 shift is a multiple of the topology's alignment, so a non-uniform cluster is searched with
@@ -92,7 +94,13 @@ class PdCosts:
         return stage_memory(o.schedule, self.params, self.acts, r, d, self.stages_from,
                             o.num_microbatches, self.optimizer_state).total_bytes
 
+    def runnable(self, r: int) -> bool:
+        """The runtime spreads a minibatch's microbatches evenly over a stage's replicas."""
+        return self.options.num_microbatches % r == 0
+
     def time(self, d: int, r: int) -> np.ndarray:
+        if not self.runnable(r):
+            return np.full((1,) + self.valid.shape, np.inf)
         a = self.anchor - d
         links = (self._link(a, a + r - 1), self._link(a - 1, a), self._link(a + r - 1, a + r))
         key = (r,) + links  # on a uniform cluster most (d, r) share their bandwidths
@@ -108,7 +116,7 @@ class PdCosts:
         return out
 
     def memory(self, d: int, r: int) -> np.ndarray:
-        out = np.where(self.valid, self._memory(d, r), np.inf)
+        out = np.where(self.valid & self.runnable(r), self._memory(d, r), np.inf)
         return out if out.ndim == 3 else out[None]
 
 

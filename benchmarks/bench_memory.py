@@ -7,10 +7,12 @@ For `pipedream`, `2bw`, `1f1b` and `gpipe` it runs `pd train` (an MLP, a fixed s
 
     .venv/bin/python benchmarks/bench_memory.py [--stages 3] [--width 512] [--layers 6]
         [--batch 64] [--microbatches 4] [--steps 3] [--optim sgd] [--out PATH]
+        [--set train.recompute=true] [--set train.precision=bf16]
 
-Prints a table, writes `runs/benchmarks/memory.json`. Nothing is asserted. The planner
-does not model the optimizer state (`optimizer_state_bytes`, e.g. momentum or Adam's two
-moments); it is measured and shown apart, and included in the measured `peak_bytes`.
+Prints a table, writes `runs/benchmarks/memory.json`. Nothing is asserted. The optimizer
+state (momentum, Adam's two moments) is in both the predicted total and the measured
+peak, and shown apart. `--set KEY=VALUE` (repeatable) passes an override to every run,
+e.g. to compare the plan's recompute or mixed-precision prediction with the measurement.
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ def memory_recipe(shape: BenchShape, num_stages: int, optim_name: str, run_root:
     return out
 
 
-def run_schedule(recipe_path: Path, work_dir: Path, schedule_name: str, timeout_s: float) -> dict[str, Any]:
+def run_schedule(recipe_path: Path, work_dir: Path, schedule_name: str, timeout_s: float,
+                 overrides: list[str]) -> dict[str, Any]:
     """Run `pd train` with `schedule_name`; return {"plan": plan.json, "summary": summary.json}."""
     name = f"mem_{schedule_name}"
-    argv = [str(pd_executable()), "train", str(recipe_path), f"schedule.name={schedule_name}", f"run.name={name}"]
+    argv = [str(pd_executable()), "train", str(recipe_path), f"schedule.name={schedule_name}", f"run.name={name}",
+            *overrides]
     returncode, _, err = run_bounded(argv, timeout_s)
     if returncode != 0:
         raise BenchFailed(f"pd train {schedule_name}: exit status {returncode}: {stderr_tail(err)}")
@@ -127,6 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--optim", choices=("sgd", "adam"), default="sgd", help="sgd runs with momentum 0.9")
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per schedule")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a pd override for every run, e.g. train.recompute=true (repeatable)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p.parse_args(argv)
 
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.schedules:
             print(f"pd train {name} ...", file=sys.stderr, flush=True)
             try:
-                got = run_schedule(recipe_path, work_dir, name, args.timeout_s)
+                got = run_schedule(recipe_path, work_dir, name, args.timeout_s, args.overrides)
             except BenchFailed as exc:
                 failures[name] = str(exc)
                 print(f"  unavailable: {exc}", file=sys.stderr)
@@ -158,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.extend(compare(name, got["plan"], got["summary"]))
     print(
         f"MLP {shape.num_layers} x {shape.width}, batch {shape.batch_size}, {shape.num_microbatches} microbatches, "
-        f"{args.stages} stages, {args.optim}; MiB predicted / measured (measured / predicted)"
+        f"{args.stages} stages, {args.optim}{''.join(', ' + o for o in args.overrides)}; "
+        "MiB predicted / measured (measured / predicted)"
     )
     print(table(rows))
     for name, reason in failures.items():

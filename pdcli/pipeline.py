@@ -32,6 +32,8 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
         cost_model=cfg.plan.cost_model,
         num_stages=cfg.plan.num_stages,
         boundaries=tuple(cfg.plan.boundaries) if cfg.plan.boundaries is not None else None,
+        precision=cfg.train.precision,
+        recompute=cfg.train.recompute,
         profile_sha256=profile_sha256,
     )
 
@@ -42,6 +44,8 @@ def plan_inputs_hash(cfg: Config, profile_sha256: str) -> str:
         "cluster": asdict(cfg.cluster),
         "schedule": asdict(cfg.schedule),
         "batch_size": cfg.data.batch_size,
+        "precision": cfg.train.precision,
+        "recompute": cfg.train.recompute,
     }
     return artifact_inputs_hash(section, profile_sha256)
 

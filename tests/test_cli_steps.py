@@ -44,7 +44,8 @@ def test_profile_exports_pipedream_graph_that_plans_alike(root: str, tmp_path: P
     assert result.exit_code == 0, result.output
     assert graph.read_text().startswith("node")
     out = tmp_path / "from-graph.json"
-    pipedream = ("~plan.num_stages", "plan.cost_model=pipedream", "profile.repeats=2")  # the same profile
+    # the same profile; straight, because a replica's weight sync does not scale with the batch
+    pipedream = ("~plan.num_stages", "plan.cost_model=pipedream", "plan.straight=true", "profile.repeats=2")
     planned = invoke("plan", QUICKSTART, "--profile", str(graph), root, *pipedream, "-o", str(out))
     assert planned.exit_code == 0, planned.output
     own = invoke("plan", QUICKSTART, root, *pipedream, "-o", str(tmp_path / "own.json"))
@@ -97,6 +98,23 @@ def test_plan_pipedream_profile_directly(shared_profiles: Path, tmp_path: Path) 
     optimum_ms = expected["profiles"]["vgg16"]["optima"]["flat4"]["pipeline_time_s"] * 1e3
     got = json.loads(out.read_text())["pipeline"]["time_per_minibatch_ms"]
     assert got == pytest.approx(optimum_ms, rel=1e-6)
+
+
+def test_plan_memory_follows_train_precision_and_recompute(root: str, tmp_path: Path) -> None:
+    plans = {}
+    for name, extra in {"fp32": (), "bf16": ("train.precision=bf16",), "recompute": ("train.recompute=true",)}.items():
+        out = tmp_path / f"{name}.json"
+        result = invoke("plan", QUICKSTART, root, "profile.repeats=2", *extra, "-o", str(out))
+        assert result.exit_code == 0, result.output
+        plans[name] = json.loads(out.read_text())
+    acts = {k: [s["predicted"]["activations_bytes"] for s in p["stages"]] for k, p in plans.items()}
+    weights = [s["predicted"]["weights_bytes"] / 2 for s in plans["fp32"]["stages"]]  # P: weights + grads = 2P
+    sets = [2, 1]  # pipedream on 2 stages holds 2 microbatches on stage 0, 1 on stage 1
+    assert acts["bf16"] == pytest.approx([a / 2 + n * p / 2 for a, n, p in zip(acts["fp32"], sets, weights)])
+    # stage 0 holds two microbatches (pipedream on 2 stages): recompute keeps only its input
+    # for one of them; the last stage holds one, so recompute saves it nothing
+    assert acts["recompute"][0] < acts["fp32"][0]
+    assert plans["recompute"]["inputs"]["recompute"] is True and plans["bf16"]["inputs"]["precision"] == "bf16"
 
 
 def test_infeasible_plans_are_user_errors(root: str) -> None:

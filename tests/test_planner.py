@@ -147,9 +147,13 @@ def random_options(rng: random.Random, cost_model: str, chain: Chain, topology: 
     stages = None
     if cost_model == "pd" and rng.random() < 0.25:
         stages = rng.randint(1, min(len(chain), topology.num_devices))
+    precision, recompute = "fp32", False
+    if cost_model == "pd":
+        precision, recompute = rng.choice(["fp32", "fp32", "bf16"]), rng.random() < 0.25
     return PlanOptions(schedule=schedule, num_microbatches=rng.choice([1, 2, 4]), batch_size=8,
                        memory_bytes_per_device=limit, straight=rng.random() < 0.3,
-                       use_fewer_devices=rng.random() < 0.5, cost_model=cost_model, num_stages=stages)
+                       use_fewer_devices=rng.random() < 0.5, cost_model=cost_model, num_stages=stages,
+                       precision=precision, recompute=recompute)
 
 
 @pytest.mark.timeout(120)
@@ -199,6 +203,38 @@ def test_memory_model_per_schedule() -> None:
         assert float(with_state.optimizer_state_bytes) == 2 * p
         assert float(with_state.total_bytes) == weights + 2 * p + stashed + acts
         assert float(with_state.stashed_weights_bytes) == stashed  # a stashed version has no state
+        half = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m,
+                            precision="bf16")
+        sets = acts / (a / m)
+        # half-width activations, plus the half-width weight copy each held microbatch keeps
+        assert float(half.activations_bytes) == acts / 2 + sets * p / 2 and float(half.weights_bytes) == weights
+        # recompute: each held microbatch keeps its inputs (40 bytes per minibatch -> 10 per
+        # microbatch), plus one microbatch's activations while its forward is re-run
+        again = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m,
+                             recompute=True, input_bytes=40.0)
+        assert float(again.activations_bytes) == sets * 10 + a / m
+        both = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m,
+                            precision="fp16", recompute=True, input_bytes=40.0)
+        assert float(both.activations_bytes) == sets * 10 + a / m / 2 + p / 2
+
+
+def test_precision_and_recompute_reach_the_plan_and_let_a_tighter_limit_fit() -> None:
+    nodes = tuple(ChainNode(f"n{i}", f"l{i}", 1.0, 2.0, 1000, 100_000) for i in range(4))
+    chain = Chain(nodes=nodes, cut_bytes=(1000, 1000, 1000))
+    base = dict(schedule="gpipe", num_microbatches=4, straight=True, num_stages=2)
+    fp32 = plan_chain(chain, Topology.flat(2), PlanOptions(**base))
+    need = max(s.predicted["total_bytes"] for s in fp32.stages)
+    for extra in ({"precision": "bf16"}, {"recompute": True}):
+        plan = plan_chain(chain, Topology.flat(2), PlanOptions(**base, **extra))
+        assert max(s.predicted["total_bytes"] for s in plan.stages) < need
+        assert plan.to_json()["inputs"]["precision"] == extra.get("precision", "fp32")
+        limited = PlanOptions(**base, **extra, memory_bytes_per_device=0.9 * need)
+        assert plan_chain(chain, Topology.flat(2), limited).stages  # fits where fp32 does not
+        with pytest.raises(UserError, match="no plan fits|smallest memory"):
+            plan_chain(chain, Topology.flat(2), PlanOptions(**base, memory_bytes_per_device=0.9 * need))
+    assert "precision" not in fp32.to_json()["inputs"]  # fp32 plans are as before
+    with pytest.raises(UserError, match="precision 'fp8'"):
+        PlanOptions(precision="fp8")
 
 
 def test_plan_is_deterministic_and_round_trips() -> None:

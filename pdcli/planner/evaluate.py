@@ -53,6 +53,8 @@ def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, e
         space.range_total(space.covered_activation_bytes, start, end) * scale,
         replicas, devices_from, stages_from, options.num_microbatches,
         space.range_total(covered_or_zeros(space, space.covered_optimizer_state_bytes), start, end),
+        options.precision, options.recompute,
+        space.cut_bytes[start - 1] * scale if start > 0 else 0.0,
     )
     return StageMemory(*(float(x) for x in (mem.weights_bytes, mem.stashed_weights_bytes,
                                             mem.activations_bytes, mem.total_bytes,

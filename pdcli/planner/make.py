@@ -135,6 +135,9 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
         "use_fewer_devices": options.use_fewer_devices,
         "num_stages": options.num_stages,
     }
+    if options.precision != "fp32" or options.recompute:  # plans of fp32 runs stay as they were
+        inputs["precision"] = options.precision
+        inputs["recompute"] = options.recompute
     if options.boundaries is not None:
         inputs["boundaries"] = list(options.boundaries)
     if options.profile_sha256:

@@ -13,6 +13,19 @@ backward keeps), r replicas, `devices_from` devices from this stage to the end o
   for `pipedream` (one per in-flight microbatch; each microbatch is a PipeDream minibatch
   of its own), min(stages_from, M) for `1f1b` and `2bw`, M for `gpipe`.
 
+Two options every schedule has change the activation term (`train.precision`,
+`train.recompute`):
+
+- mixed precision (`bf16`, `fp16`): autocast saves half-width copies of what its matmuls
+  and convolutions keep, so A is scaled by `HALF_PRECISION_ACTIVATION_FACTOR` (0.5; the
+  profile measures fp32); and each forward casts the weights afresh and its backward keeps
+  that half-width copy, so every held microbatch also holds P / 2 (measured:
+  `benchmarks/bench_memory.py --set train.precision=bf16`). Weights, gradients and
+  optimizer state stay fp32.
+- recomputation: a held microbatch keeps only its stage inputs (I bytes per minibatch,
+  the cut into the stage), and the backward re-runs one microbatch's forward, so
+  activations = sets x I / M + A / M (+ P / 2 under mixed precision).
+
 Every function works elementwise on numpy arrays (the search) and on floats (reports).
 """
 
@@ -24,6 +37,13 @@ from typing import Any
 import numpy as np
 
 from pdcli.planner.options import GPIPE, PIPEDREAM, TWO_BW
+
+HALF_PRECISION_ACTIVATION_FACTOR = 0.5
+"""Saved activations under bf16/fp16 autocast, relative to the fp32 profile."""
+
+
+def activation_factor(precision: str) -> float:
+    return 1.0 if precision == "fp32" else HALF_PRECISION_ACTIVATION_FACTOR
 
 
 @dataclass(frozen=True)
@@ -53,11 +73,18 @@ def activation_sets(schedule: str, devices_from: Any, replicas: Any, stages_from
 
 def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, replicas: Any,
                  devices_from: Any, stages_from: Any, num_microbatches: int,
-                 optimizer_state_bytes: Any = 0.0) -> StageMemory:
+                 optimizer_state_bytes: Any = 0.0, precision: str = "fp32",
+                 recompute: bool = False, input_bytes: Any = 0.0) -> StageMemory:
     weights = 2.0 * np.asarray(parameter_bytes, dtype=float)
     state = np.asarray(optimizer_state_bytes, dtype=float)
     versions = weight_versions(schedule, devices_from, replicas)
     stashed = (versions - 1) * np.asarray(parameter_bytes, dtype=float)
     sets = activation_sets(schedule, devices_from, replicas, stages_from, num_microbatches)
-    activations = sets * np.asarray(activation_bytes, dtype=float) / num_microbatches
+    per_microbatch = activation_factor(precision) * np.asarray(activation_bytes, dtype=float) / num_microbatches
+    if precision != "fp32":
+        per_microbatch = per_microbatch + HALF_PRECISION_ACTIVATION_FACTOR * np.asarray(parameter_bytes, dtype=float)
+    if recompute:
+        activations = sets * np.asarray(input_bytes, dtype=float) / num_microbatches + per_microbatch
+    else:
+        activations = sets * per_microbatch
     return StageMemory(weights, stashed, activations, weights + state + stashed + activations, state)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdcli.config.schema import COST_MODELS, SCHEDULES
+from pdcli.config.schema import COST_MODELS, PRECISIONS, SCHEDULES
 from pdcli.errors import UserError
 
 PIPEDREAM = "pipedream"
@@ -39,6 +39,10 @@ class PlanOptions:
     """Force exactly this many stages; None = the search decides."""
     boundaries: tuple[int, ...] | None = None
     """Fixed split: chain positions where stages 1.. start (one device each); None = search."""
+    precision: str = "fp32"
+    """`train.precision`: `bf16`/`fp16` halve the stashed activations (see planner.memory)."""
+    recompute: bool = False
+    """`train.recompute`: held microbatches keep only their stage inputs."""
     profile_sha256: str | None = None
     """Recorded in the plan's inputs when given."""
 
@@ -47,6 +51,8 @@ class PlanOptions:
             raise UserError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.cost_model not in COST_MODELS:
             raise UserError(f"cost model {self.cost_model!r} is not one of {', '.join(COST_MODELS)}")
+        if self.precision not in PRECISIONS:
+            raise UserError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.num_microbatches < 1:
             raise UserError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
         if self.batch_size < 1:

@@ -92,7 +92,8 @@ class PdCosts:
     def _memory(self, d: int, r: int) -> np.ndarray:
         o = self.options
         return stage_memory(o.schedule, self.params, self.acts, r, d, self.stages_from,
-                            o.num_microbatches, self.optimizer_state).total_bytes
+                            o.num_microbatches, self.optimizer_state, o.precision, o.recompute,
+                            self.cut_in).total_bytes
 
     def runnable(self, r: int) -> bool:
         """The runtime spreads a minibatch's microbatches evenly over a stage's replicas."""

@@ -14,7 +14,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdcli.profiler.chain import Chain
+from pdcli.profiler.chain import Chain, ChainNode
+
+
+def held_activation_bytes(nodes: tuple[ChainNode, ...]) -> list[float]:
+    """What each position keeps for its backward, per minibatch: the tensors its backward
+    saved (`backward_memory_bytes`, measured by `pd profile`), or, for a profile without
+    that measurement (PipeDream's graph.txt), its output activation as PipeDream counts it.
+
+    A tensor saved by two neighbours (a ReLU's output is also the next Linear's input) is
+    counted by both, so this is an upper bound: `benchmarks/bench_memory.py` measures it."""
+    if any(x.backward_memory_bytes for x in nodes):
+        return [float(x.backward_memory_bytes) for x in nodes]
+    return [float(x.activation_bytes) for x in nodes]
 
 ANTICHAIN_META = "antichain_dag"
 
@@ -93,7 +105,7 @@ class SplitSpace:
             covered_fwd_ms=cum([x.fwd_ms for x in nodes]),
             covered_bwd_ms=cum([x.bwd_ms for x in nodes]),
             covered_parameter_bytes=cum([x.parameter_bytes for x in nodes]),
-            covered_activation_bytes=cum([x.activation_bytes + x.backward_memory_bytes for x in nodes]),
+            covered_activation_bytes=cum(held_activation_bytes(nodes)),
             cut_bytes=cut,
             split_ok=np.triu(np.ones((n, n), dtype=bool), k=1),
             covered_masks=None,

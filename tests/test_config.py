@@ -104,3 +104,19 @@ def test_resolved_config_round_trips(tree: Path, tmp_path: Path) -> None:
     loaded = load_config(tree / "recipes/exp.yaml", ["train.steps=7"])
     out = write(tmp_path / "resolved.yaml", loaded.to_yaml())
     assert load_resolved(out) == loaded.config
+
+
+def test_list_items_are_overridden_by_index(tree: Path) -> None:
+    # the recipe sets no cluster.levels: the index reaches into the schema's default list
+    cfg = load_config(tree / "recipes/exp.yaml", ["cluster.levels.0.devices=3"]).config
+    assert cfg.cluster.levels[0].devices == 3 and cfg.cluster.levels[0].bandwidth_bytes_per_s > 0
+    write(tree / "recipes/two.yaml", {"cluster": {"levels": [{"devices": 2}, {"devices": 4, "bandwidth_bytes_per_s": 1e9}]}})
+    loaded = load_config(tree / "recipes/two.yaml", ["cluster.levels.1={devices: 8}", "cluster.levels.0.devices=4"])
+    assert [level.devices for level in loaded.config.cluster.levels] == [4, 8]
+    assert loaded.config.cluster.levels[1].bandwidth_bytes_per_s == 1e9  # a dict value merges
+    assert loaded.sources["cluster.levels.0.devices"] == "command line"
+    with pytest.raises(ConfigError) as err:
+        load_config(tree / "recipes/two.yaml", ["cluster.levels.5.devices=3", "cluster.levels.x=1"])
+    text = str(err.value)
+    assert "cluster.levels.5.devices: cannot set it (list index out of range)" in text
+    assert "cluster.levels.x: cannot set it" in text and "cluster.levels.0.devices=4" in text

@@ -132,6 +132,34 @@ def _parse_overrides(overrides: list[str], problems: list[str]) -> tuple[dict[st
     return groups, dotlist, deletes
 
 
+def _apply_override(cfg: DictConfig, item: str, sources: dict[str, str], problems: list[str]) -> None:
+    """Set `key=value` in `cfg` (OmegaConf's value grammar; a dict value merges), recording
+    its source; an index past a list's end or a bad path is a problem, not a traceback."""
+    key, text = item.split("=", 1)
+    try:
+        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]))["value"]  # type: ignore[index]
+        _seed_lists_from_schema(cfg, key)
+        OmegaConf.update(cfg, key, value, merge=True)
+    except (OmegaConfBaseException, ValueError, TypeError, IndexError, KeyError) as e:
+        problems.append(f"command line: {key}: cannot set it ({_first_line(e)}); "
+                        "a list item is addressed by index, e.g. cluster.levels.0.devices=4")
+        return
+    for sub in _flatten(value, key) or [key]:
+        sources[sub] = "command line"
+
+
+def _seed_lists_from_schema(cfg: DictConfig, key: str) -> None:
+    """Before `a.b.0.c=...`, copy the schema's default list `a.b` when no layer set it."""
+    parts = key.split(".")
+    for i, part in enumerate(parts[1:], start=1):
+        parent = ".".join(parts[:i])
+        if part.isdigit() and OmegaConf.select(cfg, parent) is None:
+            default = OmegaConf.select(OmegaConf.structured(Config), parent)
+            if default is not None:
+                OmegaConf.update(cfg, parent, OmegaConf.to_container(default), merge=False)
+            return
+
+
 def _delete(cfg: DictConfig, dotted: str) -> bool:
     *parents, leaf = dotted.split(".")
     node: Any = cfg
@@ -173,13 +201,6 @@ def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | No
         layers.append((str(path), {group: read_yaml(path, f"{group} config")}))
     layers.append((origin, body))
 
-    try:
-        cli = OmegaConf.to_container(OmegaConf.from_dotlist(dotlist)) if dotlist else {}
-    except OmegaConfBaseException as e:
-        problems.append(f"command line: cannot parse overrides: {e}")
-        cli = {}
-    layers.append(("command line", cli))  # type: ignore[arg-type]
-
     sources: dict[str, str] = {}
     merged: Any = OmegaConf.create({})
     for label, layer in layers:
@@ -189,6 +210,8 @@ def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | No
             merged = OmegaConf.merge(merged, OmegaConf.create(layer))
         except OmegaConfBaseException as e:
             problems.append(f"{label}: {e}")
+    for item in dotlist:  # last, one by one: `cluster.levels.0.devices=3` indexes into the list
+        _apply_override(merged, item, sources, problems)
     for key in deletes:
         if not _delete(merged, key):
             problems.append(f"command line: ~{key}: no such key to delete")

@@ -25,7 +25,7 @@ from pdcli.errors import UserError
 from pdcli.rundir import RunDir
 from pdcli.runtime import checkpoint
 from pdcli.runtime.checker import ScheduleError, SendMode, check_schedules
-from pdcli.runtime.launcher import Hosts, check_devices
+from pdcli.runtime.launcher import Hosts, check_devices, first_slurm_host, hosts_from_env
 from pdcli.runtime.schedule import Backward, Forward, ScheduleSpec, build_all, build_for, drain_points
 from pdcli.runtime.step import TrainingFailed, run_training
 from pdcli.runtime.toy import write_toy_run
@@ -123,6 +123,18 @@ def test_devices_available_on_cpu_and_nnodes_must_divide_the_ranks() -> None:
         check_devices(1000, Hosts(), "cpu")
     with pytest.raises(UserError, match="--nnodes 3"):
         check_devices(2, Hosts(nnodes=3), "cpu")
+
+
+def test_hosts_come_from_the_command_line_then_torchrun_then_slurm() -> None:
+    assert hosts_from_env(None, None, None, None, {}) == Hosts()
+    slurm = {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[03-06],login1"}
+    assert hosts_from_env(None, None, None, None, slurm) == Hosts(4, 2, "gpu03", None)
+    torchrun = slurm | {"PET_NNODES": "2", "PET_NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert hosts_from_env(None, None, None, None, torchrun) == Hosts(2, 1, "10.0.0.1", 29500)
+    assert hosts_from_env(8, 0, "head", 1234, torchrun) == Hosts(8, 0, "head", 1234)  # the command line wins
+    assert [first_slurm_host(x) for x in ("node7", "a[1,4-5]", "b[10-12],c2")] == ["node7", "a1", "b10"]
+    with pytest.raises(UserError, match="SLURM_NNODES='x'"):
+        hosts_from_env(None, None, None, None, {"SLURM_NNODES": "x"})
 
 
 def test_corrupt_stage_file_is_a_user_error_naming_it(tmp_path: Path) -> None:

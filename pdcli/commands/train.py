@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import typer
@@ -16,10 +17,14 @@ def train(
     overrides: OverridesArg = None,
     force: ForceOpt = False,
     run_name: RunNameOpt = None,
-    nnodes: Annotated[int, typer.Option("--nnodes", help="Hosts taking part (torchrun semantics).")] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", help="This host's index among --nnodes.")] = 0,
-    master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Rendezvous host (several hosts).")] = None,
-    master_port: Annotated[Optional[int], typer.Option("--master-port", help="Rendezvous port (default: a free one).")] = None,
+    nnodes: Annotated[Optional[int], typer.Option(
+        "--nnodes", help="Hosts taking part (default: $PET_NNODES or $SLURM_NNODES, else 1).")] = None,
+    node_rank: Annotated[Optional[int], typer.Option(
+        "--node-rank", help="This host's index among --nnodes (default: $PET_NODE_RANK or $SLURM_NODEID, else 0).")] = None,
+    master_addr: Annotated[Optional[str], typer.Option(
+        "--master-addr", help="Rendezvous host (default: $MASTER_ADDR or SLURM's first node, else this host).")] = None,
+    master_port: Annotated[Optional[int], typer.Option(
+        "--master-port", help="Rendezvous port (default: $MASTER_PORT, else a free one).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest complete checkpoint.")] = False,
 ) -> None:
     """Train RECIPE: one process per device of the plan, running the schedule's action lists.
@@ -27,10 +32,11 @@ def train(
     Exit status: 0 done, 1 a worker failed, 2 a user error, 128+N stopped by signal N (130: Ctrl-C)."""
     loaded, run = load(recipe, overrides, run_name)
     from pdcli.pipeline import ensure_all
-    from pdcli.runtime.launcher import TrainingFailed, TrainingInterrupted
+    from pdcli.runtime.launcher import TrainingFailed, TrainingInterrupted, hosts_from_env
     from pdcli.runtime.step import format_summary, run_training
 
     cfg = loaded.config
+    hosts = hosts_from_env(nnodes, node_rank, master_addr, master_port, os.environ)
     try:
         _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err, progress=is_tty())
     except KeyboardInterrupt:  # Ctrl-C before the workers started (profiling, planning, compiling)
@@ -41,7 +47,8 @@ def train(
     try:
         result = run_training(
             cfg, run, plan_json, manifest,
-            nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+            nnodes=hosts.nnodes, node_rank=hosts.node_rank, master_addr=hosts.master_addr,
+            master_port=hosts.master_port,
             progress=is_tty(), resume=resume,
         )
     except TrainingInterrupted as e:

@@ -137,7 +137,8 @@ def _apply_override(cfg: DictConfig, item: str, sources: dict[str, str], problem
     its source; an index past a list's end or a bad path is a problem, not a traceback."""
     key, text = item.split("=", 1)
     try:
-        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]))["value"]  # type: ignore[index]
+        parsed: Any = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]))
+        value = parsed["value"]
         _seed_lists_from_schema(cfg, key)
         OmegaConf.update(cfg, key, value, merge=True)
     except (OmegaConfBaseException, ValueError, TypeError, IndexError, KeyError) as e:

@@ -13,7 +13,9 @@ import os
 import signal
 import socket
 import sys
+import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +62,42 @@ class Hosts:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+
+
+def first_slurm_host(nodelist: str) -> str | None:
+    """The first host of a SLURM node list: `gpu[03-06,9],login1` -> `gpu03`."""
+    m = re.match(r"\s*([^\[,\s]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m:
+        return None
+    prefix, ranges = m.group(1), m.group(2)
+    return prefix if ranges is None else prefix + re.split(r"[-,]", ranges, maxsplit=1)[0]
+
+
+def hosts_from_env(nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None,
+                   env: Mapping[str, str]) -> Hosts:
+    """The command line wins; then torchrun's variables (`PET_NNODES`, `PET_NODE_RANK`,
+    `MASTER_ADDR`, `MASTER_PORT`), then SLURM's (`SLURM_NNODES`, `SLURM_NODEID`, the first
+    host of `SLURM_JOB_NODELIST`); else one host."""
+    def number(value: int | None, *names: str) -> int | None:
+        if value is not None:
+            return value
+        for name in names:
+            text = env.get(name, "").strip()
+            if text:
+                if not text.isdigit():
+                    raise UserError(f"environment variable {name}={text!r} is not a whole number",
+                                    hint=f"unset {name} or pass the value on the command line")
+                return int(text)
+        return None
+
+    addr = master_addr or env.get("MASTER_ADDR") or env.get("PET_MASTER_ADDR") or (
+        first_slurm_host(env.get("SLURM_JOB_NODELIST", "")) if env.get("SLURM_JOB_NODELIST") else None)
+    return Hosts(
+        nnodes=number(nnodes, "PET_NNODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1,
+        node_rank=number(node_rank, "PET_NODE_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_NODEID") or 0,
+        master_addr=addr or None,
+        master_port=number(master_port, "MASTER_PORT", "PET_MASTER_PORT"),
+    )
 
 
 def check_devices(world_size: int, hosts: Hosts, device: str) -> None:

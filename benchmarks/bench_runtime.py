@@ -8,6 +8,9 @@ pipeline's smaller matmuls cost on their own: on this machine a 32-row matmul ru
 60% of the FLOP rate of a 256-row one, so 2 stages of 32-row microbatches top out near
 2 x that row, below 2 x the full-batch row.
 
+The single-process rows train on one fixed batch; pd's rows make every minibatch from the
+synthetic data source (about 3 ms of a 47 ms stage step here), as training does.
+
 Two balanced stages on 2 cores can at best double single-thread throughput, so every row is
 reported against that physical limit. A flush schedule with M microbatches on P stages is
 further bounded by its bubble: P * M / (M + P - 1) x single-thread.
@@ -29,7 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -48,6 +51,11 @@ REFERENCE = "single process, 1 thread"
 DEFAULT_ROUNDS = 2
 UNAVAILABLE = "unavailable: "
 MICROBATCHED_NOTE = "gradient accumulation: the pipeline's matmul sizes on one core"
+LARGE_MICROBATCHES = 1
+"""The extra pd row: pipedream has no flush, so one microbatch per minibatch still keeps both
+stages busy (minibatch t + 1 enters while t is in its backward), every matmul runs at the
+full-batch size and there is one update per minibatch, as in the single-process rows. It
+shows what the runtime itself costs when the microbatch size is not the limit."""
 MAX_REASON_CHARS = 100
 """An unavailable row shows the last line of its reason, cut to this (the JSON keeps all)."""
 
@@ -78,8 +86,8 @@ def variants(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure]]:
     split = f"[0:{cut}) [{cut}:{chain_length})"
     baseline_split = f"split {split}"
 
-    def pd_row(schedule_name: str, work_dir: Path) -> tuple[float, str]:
-        result = run_pd_train(shape, schedule_name, work_dir, timeout_s)
+    def pd_row(schedule_name: str, work_dir: Path, run_shape: BenchShape = shape) -> tuple[float, str]:
+        result = run_pd_train(run_shape, schedule_name, work_dir, timeout_s)
         differs = "" if result.split == split else " (planner's split, not the baselines')"
         return result.samples_per_s, f"split {result.split}{differs}, median of {result.num_logged_steps} steps"
 
@@ -94,6 +102,10 @@ def variants(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure]]:
         ("torch pipelining ScheduleGPipe", lambda _: (run_torch_pipelining(shape, "gpipe", timeout_s), baseline_split)),
         ("pd train pipedream", lambda work_dir: pd_row("pipedream", work_dir)),
         ("pd train 1f1b", lambda work_dir: pd_row("1f1b", work_dir)),
+        (
+            f"pd train pipedream, {LARGE_MICROBATCHES} microbatch{'es' if LARGE_MICROBATCHES > 1 else ''}",
+            lambda work_dir: pd_row("pipedream", work_dir, replace(shape, num_microbatches=LARGE_MICROBATCHES)),
+        ),
     ]
 
 

@@ -135,3 +135,18 @@ def test_quickstart_trains_and_learns(root: str, tmp_path: Path) -> None:
     assert steps[-1]["accuracy"] > steps[0]["accuracy"] + 0.2, steps
     for artifact in ("config.yaml", "profile.json", "plan.json", "stages/manifest.json", "train/trace.json"):
         assert (tmp_path / "quickstart" / artifact).exists(), artifact
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["vgg16", "resnet18", "gnmt", "gpt"])
+def test_paper_recipes_run_end_to_end_on_cpu(name: str, root: str, tmp_path: Path) -> None:
+    recipe = str(REPO / f"recipes/{name}.yaml")
+    result = invoke("train", recipe, root, "train.steps=2", "profile.repeats=2", "profile.warmup=1")
+    assert result.exit_code == 0, result.output
+    run = tmp_path / name  # each recipe's run.name is its file name
+    plan = json.loads((run / "plan.json").read_text())
+    processes = sum(s["replicas"] for s in plan["stages"])
+    assert 2 <= processes <= 4 and len(plan["stages"]) >= 2, plan["stages"]
+    summary = json.loads((run / "train/summary.json").read_text())
+    assert len(summary["stages"]) == len(plan["stages"]) and summary["schedule"]
+    assert summary["final_loss"] is not None and 0 < summary["final_loss"] < 1e4

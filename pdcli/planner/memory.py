@@ -39,11 +39,7 @@ import numpy as np
 from pdcli.planner.options import GPIPE, PIPEDREAM, TWO_BW
 
 HALF_PRECISION_ACTIVATION_FACTOR = 0.5
-"""Saved activations under bf16/fp16 autocast, relative to the fp32 profile."""
-
-
-def activation_factor(precision: str) -> float:
-    return 1.0 if precision == "fp32" else HALF_PRECISION_ACTIVATION_FACTOR
+"""Saved activations (and the weight copy) under bf16/fp16 autocast, relative to fp32."""
 
 
 @dataclass(frozen=True)
@@ -80,9 +76,9 @@ def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, rep
     versions = weight_versions(schedule, devices_from, replicas)
     stashed = (versions - 1) * np.asarray(parameter_bytes, dtype=float)
     sets = activation_sets(schedule, devices_from, replicas, stages_from, num_microbatches)
-    per_microbatch = activation_factor(precision) * np.asarray(activation_bytes, dtype=float) / num_microbatches
-    if precision != "fp32":
-        per_microbatch = per_microbatch + HALF_PRECISION_ACTIVATION_FACTOR * np.asarray(parameter_bytes, dtype=float)
+    per_microbatch = np.asarray(activation_bytes, dtype=float) / num_microbatches
+    if precision != "fp32":  # half-width saved tensors, plus the half-width weight copy
+        per_microbatch = HALF_PRECISION_ACTIVATION_FACTOR * (per_microbatch + np.asarray(parameter_bytes, dtype=float))
     if recompute:
         activations = sets * np.asarray(input_bytes, dtype=float) / num_microbatches + per_microbatch
     else:

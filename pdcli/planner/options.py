@@ -40,7 +40,8 @@ class PlanOptions:
     boundaries: tuple[int, ...] | None = None
     """Fixed split: chain positions where stages 1.. start (one device each); None = search."""
     precision: str = "fp32"
-    """`train.precision`: `bf16`/`fp16` halve the stashed activations (see planner.memory)."""
+    """`train.precision`: `bf16`/`fp16` halve the saved activations and add autocast's
+    half-width weight copy per held microbatch (see planner.memory)."""
     recompute: bool = False
     """`train.recompute`: held microbatches keep only their stage inputs."""
     profile_sha256: str | None = None

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import sys
-import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass

@@ -67,6 +67,19 @@ def test_stream_is_a_function_of_seed_and_index(name: str) -> None:
     assert not a.batch(5).equal(source(name, seed=2).batch(5))
 
 
+@pytest.mark.parametrize("name", ["synthetic_images", "synthetic_tokens", "synthetic_seq2seq", "digits"])
+def test_target_only_batches_have_the_same_target(name: str) -> None:
+    """The last stage asks for the target alone; it must be the target the first stage's
+    full batch carries, and images skip drawing their inputs."""
+    src = source(name, seed=3)
+    for index in (0, 7):
+        full, target_only = src.batch(index), src.batch(index, with_inputs=False)
+        assert torch.equal(target_only.target, full.target)
+        assert target_only.inputs == () if name == "synthetic_images" else target_only.equal(full)
+    parts = src.batch(2, with_inputs=False).split(2)  # the runtime splits it into microbatches
+    assert torch.equal(torch.cat([p.target for p in parts]), src.batch(2).target)
+
+
 def test_synthetic_sets_are_infinite_and_digits_is_finite() -> None:
     assert source("synthetic_images").num_examples is None
     train, test, everything = (source("digits", split=s).num_examples for s in ("train", "test", "all"))

@@ -35,7 +35,10 @@ class BatchSource(Protocol):
     batch_size: int
     num_examples: int | None
 
-    def batch(self, index: int) -> Batch: ...
+    def batch(self, index: int, with_inputs: bool = True) -> Batch:
+        """Minibatch `index`; `with_inputs=False` may leave `inputs` empty (a last stage
+        needs only the target), never changes the target."""
+        ...
 
     def describe(self) -> str: ...
 
@@ -60,6 +63,8 @@ def in_memory(inputs: tuple[Tensor, ...], target: Tensor, description: str) -> E
 
 MakeBatch = Callable[[int, int, int], Batch]
 """make_batch(seed, index, batch_size) -> Batch, a pure function of its arguments."""
+MakeTarget = Callable[[int, int, int], Tensor]
+"""make_target(seed, index, batch_size) -> make_batch(...).target, without making the inputs."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ class Synthetic:
 
     make_batch: MakeBatch
     description: str
+    make_target: MakeTarget | None = None
+    """Where the inputs cost more than the target to draw (images: the noise)."""
 
 
 class ExampleSource:
@@ -84,7 +91,7 @@ class ExampleSource:
         assert self.num_examples is not None
         return torch.from_numpy(rng_for(self.seed, ORDER_STREAM, epoch).permutation(self.num_examples))
 
-    def batch(self, index: int) -> Batch:
+    def batch(self, index: int, with_inputs: bool = True) -> Batch:
         if index < 0:
             raise ValueError(f"batch index must be >= 0, got {index}")
         assert self.num_examples is not None
@@ -113,9 +120,11 @@ class SyntheticSource:
         self.seed = seed
         self.num_examples: int | None = None
 
-    def batch(self, index: int) -> Batch:
+    def batch(self, index: int, with_inputs: bool = True) -> Batch:
         if index < 0:
             raise ValueError(f"batch index must be >= 0, got {index}")
+        if not with_inputs and self.synthetic.make_target is not None:
+            return Batch(inputs=(), target=self.synthetic.make_target(self.seed, index, self.batch_size))
         return self.synthetic.make_batch(self.seed, index, self.batch_size)
 
     def describe(self) -> str:

@@ -31,15 +31,19 @@ def synthetic_images(
 
     def make_batch(seed: int, index: int, batch_size: int) -> Batch:
         rng = rng_for(seed, BATCH_STREAM, index)
-        labels = rng.integers(0, num_classes, size=batch_size)
+        labels = rng.integers(0, num_classes, size=batch_size)  # first: make_target draws only these
         noise = rng.standard_normal((batch_size, *shape), dtype=np.float32)
         images = patterns(seed)[labels] + np.float32(noise_std) * noise
         return Batch(inputs=(torch.from_numpy(images),), target=torch.from_numpy(labels))
+
+    def make_target(seed: int, index: int, batch_size: int) -> torch.Tensor:
+        return torch.from_numpy(rng_for(seed, BATCH_STREAM, index).integers(0, num_classes, size=batch_size))
 
     return Synthetic(
         make_batch,
         f"synthetic_images: {channels}x{image_size}x{image_size} float32 images, "
         f"{num_classes} classes (class pattern + noise std {noise_std})",
+        make_target,
     )
 
 

@@ -190,7 +190,8 @@ class Executor:
             if t not in cache:
                 for old in [k for k in cache if k < t - 1]:
                     del cache[old]
-                cache[t] = self.ctx.data.batch(t).split(m)
+                # a stage without data inputs (the last) needs only the target
+                cache[t] = self.ctx.data.batch(t, with_inputs=bool(self.ctx.io.data_inputs)).split(m)
             self.batches[mb] = cache[t][mb % m]
         return self.batches[mb]
 

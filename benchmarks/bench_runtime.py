@@ -103,7 +103,7 @@ def variants(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure]]:
         ("pd train pipedream", lambda work_dir: pd_row("pipedream", work_dir)),
         ("pd train 1f1b", lambda work_dir: pd_row("1f1b", work_dir)),
         (
-            f"pd train pipedream, {LARGE_MICROBATCHES} microbatch{'es' if LARGE_MICROBATCHES > 1 else ''}",
+            f"pd train pipedream, {LARGE_MICROBATCHES} microbatch(es)",
             lambda work_dir: pd_row("pipedream", work_dir, replace(shape, num_microbatches=LARGE_MICROBATCHES)),
         ),
     ]

@@ -29,15 +29,19 @@ def synthetic_images(
     def patterns(seed: int) -> np.ndarray:
         return rng_for(seed, FIXED_STREAM).standard_normal((num_classes, *shape), dtype=np.float32)
 
-    def make_batch(seed: int, index: int, batch_size: int) -> Batch:
+    def draw_labels(seed: int, index: int, batch_size: int) -> tuple[np.random.Generator, np.ndarray]:
+        """The batch's generator and its labels, drawn first so a target-only batch stops here."""
         rng = rng_for(seed, BATCH_STREAM, index)
-        labels = rng.integers(0, num_classes, size=batch_size)  # first: make_target draws only these
+        return rng, rng.integers(0, num_classes, size=batch_size)
+
+    def make_batch(seed: int, index: int, batch_size: int) -> Batch:
+        rng, labels = draw_labels(seed, index, batch_size)
         noise = rng.standard_normal((batch_size, *shape), dtype=np.float32)
         images = patterns(seed)[labels] + np.float32(noise_std) * noise
         return Batch(inputs=(torch.from_numpy(images),), target=torch.from_numpy(labels))
 
     def make_target(seed: int, index: int, batch_size: int) -> torch.Tensor:
-        return torch.from_numpy(rng_for(seed, BATCH_STREAM, index).integers(0, num_classes, size=batch_size))
+        return torch.from_numpy(draw_labels(seed, index, batch_size)[1])
 
     return Synthetic(
         make_batch,

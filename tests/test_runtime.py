@@ -135,6 +135,29 @@ def test_socket_transport_matches_messages_by_tag_and_reports_a_dead_peer() -> N
     receiver.close()
 
 
+def test_socket_send_returns_before_the_peer_reads_and_fails_once_the_peer_is_gone() -> None:
+    import socket
+
+    from pdcli.runtime.sockets import PeerClosedError, SocketTransport, _Peer, _recv_exact
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sender = SocketTransport({1: _Peer(1, a)}, timeout_s=5)
+    big = torch.ones(4 << 20, dtype=torch.uint8)  # 4 MiB: far more than the socket buffer holds
+    pending = sender.isend(big, 1, tag=3)  # nobody reads b yet: a blocking send would hang here
+    assert not pending.is_completed()
+    header = bytearray(16)
+    assert _recv_exact(b, memoryview(header))
+    body = bytearray(big.numel())
+    assert _recv_exact(b, memoryview(body))
+    pending.wait()
+    assert pending.is_completed() and body == bytes(big.numpy())
+    b.close()  # the receiving worker dies
+    with pytest.raises(PeerClosedError, match="send failed"):
+        for _ in range(100):  # the kernel may still take one message after the close
+            sender.isend(big, 1, tag=5).wait()
+    sender.close()
+
+
 def test_inconsistent_manifest_edges_are_refused(tmp_path: Path) -> None:
     from pdcli.runtime.step import check_edges
 

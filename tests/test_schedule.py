@@ -12,8 +12,8 @@ from pdcli.planner.simulator import StageCost, simulate
 from pdcli.runtime.checker import ScheduleError, SendMode, check_schedules
 from pdcli.runtime.schedule import (
     ACTION_TYPES, SCHEDULES, AllReduceGrads, Backward, Forward, FreeWeights, OptimizerStep,
-    RecvActivations, ScheduleSpec, SendActivations, StashDepth, StashWeights,
-    UnknownActionError, build_all, build_schedule, dispatch, replica_for, stash_depth,
+    RecvActivations, RecvGrads, ScheduleSpec, SendActivations, SendGrads, StashDepth, StashWeights,
+    UnknownActionError, build_all, build_schedule, dispatch, replica_for, sends_first, stash_depth,
 )
 
 
@@ -105,6 +105,35 @@ def test_every_schedule_checks_for_1_to_5_stages_1_to_8_microbatches(send_mode):
         check_schedules(build_all(spec), spec, send_mode)
         checked += 1
     assert checked > (300 if send_mode is SendMode.RENDEZVOUS else 500)
+
+
+def test_sends_first_keeps_compute_and_checks_with_eager_sends():
+    checked = 0
+    for spec in all_specs():
+        lists = build_all(spec)
+        moved = [sends_first(actions) for actions in lists]
+        for before, after in zip(lists, moved):
+            assert sorted(map(repr, before)) == sorted(map(repr, after))  # the same actions
+            assert [a for a in before if not isinstance(a, (RecvActivations, RecvGrads, SendActivations, SendGrads))] == \
+                [a for a in after if not isinstance(a, (RecvActivations, RecvGrads, SendActivations, SendGrads))]
+        check_schedules(moved, spec, SendMode.EAGER)
+        checked += 1
+    assert checked > 500
+
+
+def test_sends_first_sends_activations_before_waiting_for_a_gradient():
+    # Steady 1F1B on stage 0 of 2: forward b + 1, then backward b. The stream-ordered list
+    # receives the gradient of b first; sends_first hands the next stage its input first.
+    actions = build_schedule("pipedream", 2, 0, 1, 4)
+    at = actions.index(RecvGrads(0, 0))
+    assert actions[at + 1] == SendActivations(1, 0)
+    moved = sends_first(actions)
+    assert moved.index(SendActivations(1, 0)) < moved.index(RecvGrads(0, 0))
+    # a send never moves past compute: each still follows the Forward that made it
+    forward_at = {a.microbatch_id: i for i, a in enumerate(moved) if isinstance(a, Forward)}
+    assert all(forward_at[a.microbatch_id] < i for i, a in enumerate(moved) if isinstance(a, SendActivations))
+    last = build_schedule("pipedream", 2, 1, 1, 4)
+    assert [a for a in sends_first(last) if isinstance(a, SendGrads)] == [a for a in last if isinstance(a, SendGrads)]
 
 
 def test_replicated_pipedream_needs_eager_sends():

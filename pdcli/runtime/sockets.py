@@ -3,8 +3,11 @@
 Why: on this machine a gloo send/recv costs ~1.5 ms per message while a local socket moves
 32 KiB in ~15 us (see DESIGN.md "Runtime"). Each connected peer gets one reader thread that
 pulls framed messages (tag, byte count, bytes) off the socket as they arrive, so a receive
-posted ahead completes in the background; a send is a `sendmsg` from the compute thread
-(the kernel buffers it; a reader on the other side drains it continuously).
+posted ahead completes in the background. Each peer also gets one writer thread: `isend`
+queues the message and returns at once. A message larger than the socket buffer (212 KB
+by default; a 256 x 1024 fp32 activation is 1 MB) cannot leave before the peer's reader
+thread gets a core to drain it; with both cores computing, that blocked the compute
+thread 2.5-4 ms per send on the 2-stage runtime benchmark.
 
 Only for ranks on one host; `socket_transport_possible` says when it applies. The
 connection set-up uses the default process group's barrier, so every rank must call
@@ -14,6 +17,7 @@ connection set-up uses the default process group's barrier, so every rank must c
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import struct
 import sys
@@ -69,8 +73,31 @@ class _Peer:
         self.cond = threading.Condition()
         self.error: str | None = None
         self.closing = False
+        self.send_error: str | None = None
+        self.outbox: queue.SimpleQueue[tuple[list[memoryview | bytes], "_Sent"] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._read, name=f"pd-recv-{rank}", daemon=True)
         self.thread.start()
+        self.writer = threading.Thread(target=self._write, name=f"pd-send-{rank}", daemon=True)
+        self.writer.start()
+
+    def _write(self) -> None:
+        """Send queued messages in order; after a failure, fail every later one at once."""
+        while (item := self.outbox.get()) is not None:
+            parts, sent = item
+            if self.send_error is None:
+                try:
+                    for part in parts:
+                        self.sock.sendall(part)  # releases the GIL while the kernel waits for the peer
+                except OSError as e:
+                    self.send_error = f"rank {self.rank}: send failed ({e}; that worker probably died)"
+            sent.done(self.send_error)
+
+    def send(self, parts: list[memoryview | bytes], keep_alive: Tensor) -> "_Sent":
+        if self.send_error is not None:
+            raise PeerClosedError(self.send_error)
+        sent = _Sent(keep_alive)
+        self.outbox.put((parts, sent))
+        return sent
 
     def _read(self) -> None:
         header = bytearray(HEADER.size)
@@ -104,12 +131,25 @@ class _Peer:
             return self.inbox.pop(tag)
 
 
-class _Done:
+class _Sent:
+    """A queued send: complete once the writer thread has handed all its bytes to the kernel."""
+
+    def __init__(self, keep_alive: Tensor) -> None:
+        self.buf: Tensor | None = keep_alive  # the bytes must live until they are sent
+        self.event = threading.Event()
+        self.error: str | None = None
+
+    def done(self, error: str | None) -> None:
+        self.error, self.buf = error, None
+        self.event.set()
+
     def wait(self) -> None:
-        return None
+        self.event.wait()  # the writer always finishes an item: sent, or failed at once
+        if self.error is not None:
+            raise PeerClosedError(self.error)
 
     def is_completed(self) -> bool:
-        return True
+        return self.event.is_set()
 
 
 class _Recv:
@@ -129,6 +169,8 @@ class _Recv:
 
 class SocketTransport:
     """`Transport` over Unix domain sockets to `peers` (CPU tensors only)."""
+
+    stream_ordered = False  # a reader thread per peer files messages by tag, in any order
 
     def __init__(self, peers: dict[int, _Peer], timeout_s: float) -> None:
         self.peers = peers
@@ -165,24 +207,17 @@ class SocketTransport:
             raise KeyError(f"no socket to rank {rank}; connected: {sorted(self.peers)}")
         return self.peers[rank]
 
-    def isend(self, buf: Tensor, dst_rank: int, tag: int) -> _Done:
-        peer = self._peer(dst_rank)
-        payload = memoryview(buf.contiguous().numpy())
-        header = HEADER.pack(tag, buf.numel())
-        sent = peer.sock.sendmsg([header, payload])
-        total = HEADER.size + len(payload)
-        if sent < total:  # a large message: the kernel took part of it; send the rest
-            if sent < HEADER.size:
-                peer.sock.sendall(header[sent:])
-                sent = HEADER.size
-            peer.sock.sendall(payload[sent - HEADER.size :])
-        return _Done()
+    def isend(self, buf: Tensor, dst_rank: int, tag: int) -> _Sent:
+        payload = buf.contiguous()
+        return self._peer(dst_rank).send([HEADER.pack(tag, payload.numel()), memoryview(payload.numpy())], payload)
 
     def irecv(self, buf: Tensor, src_rank: int, tag: int) -> _Recv:
         return _Recv(self._peer(src_rank), buf, tag, self.timeout_s)
 
     def close(self) -> None:
         for peer in self.peers.values():
+            peer.outbox.put(None)  # the writer finishes what is queued, then stops
+            peer.writer.join(timeout=self.timeout_s)
             with peer.cond:
                 peer.closing = True
             try:

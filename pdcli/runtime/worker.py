@@ -110,5 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Flush and leave without the interpreter's teardown. Seen on this host now and then
+    after a complete run (rank logged "done", summary written): a C++ thread torch left
+    joinable is destroyed at exit, `terminate called without an active exception`,
+    SIGABRT, and the launcher reports a finished job as failed. Everything the worker
+    writes is closed by now (atomic files, logs flushed here)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -23,7 +24,7 @@ from _bench_common import (
     stderr_tail,
 )
 
-PD_SCHEDULES = ("pipedream", "1f1b")
+PD_SCHEDULES = ("pipedream", "1f1b", "gpipe")
 THREADS_PER_WORKER = 1
 WORKER_SILENCE_TIMEOUT_S = 60.0
 """`train.timeout_s`: a worker silent this long stops the job (pd's own watchdog)."""
@@ -96,26 +97,30 @@ def write_recipe(shape: BenchShape, work_dir: Path) -> Path:
     return path
 
 
-def overrides(schedule_name: str) -> list[str]:
-    return [f"schedule.name={schedule_name}", f"run.name={run_name(schedule_name)}"]
+def overrides(schedule_name: str, extra: Sequence[str] = ()) -> list[str]:
+    """`schedule.name`, the run's name, then `extra` (`key=value` as on pd's command line)."""
+    return [f"schedule.name={schedule_name}", f"run.name={run_name(schedule_name, extra)}", *extra]
 
 
-def run_name(schedule_name: str) -> str:
-    return f"bench_{schedule_name}"
+def run_name(schedule_name: str, extra: Sequence[str] = ()) -> str:
+    # a run directory per setting: `schedule.split_backward=false` -> `-split_backward_false`
+    suffix = "".join("-" + re.sub(r"[^A-Za-z0-9]+", "_", e.rsplit(".", 1)[-1]) for e in extra)
+    return f"bench_{schedule_name}{suffix}"
 
 
-def run_pd_train(shape: BenchShape, schedule_name: str, work_dir: Path, timeout_s: float) -> PdResult:
-    """Run `pd train` with `schedule_name` in `work_dir`; raise BenchFailed with the reason."""
+def run_pd_train(shape: BenchShape, schedule_name: str, work_dir: Path, timeout_s: float,
+                 extra: Sequence[str] = ()) -> PdResult:
+    """Run `pd train` with `schedule_name` (and `extra` overrides) in `work_dir`; raise BenchFailed with the reason."""
     if schedule_name not in PD_SCHEDULES:
         raise ValueError(f"schedule {schedule_name!r} is not one of {', '.join(PD_SCHEDULES)}")
     pd = pd_executable()
     if not pd.exists():
         raise BenchFailed(f"{pd} not found (pip install -e . first)")
     recipe_path = write_recipe(shape, work_dir)
-    returncode, _, err = run_bounded([str(pd), "train", str(recipe_path), *overrides(schedule_name)], timeout_s)
+    returncode, _, err = run_bounded([str(pd), "train", str(recipe_path), *overrides(schedule_name, extra)], timeout_s)
     if returncode != 0:
         raise BenchFailed(f"pd train exit status {returncode}: {stderr_tail(err)}")
-    run_dir = work_dir / RUNS_DIR / run_name(schedule_name)
+    run_dir = work_dir / RUNS_DIR / run_name(schedule_name, extra)
     samples_per_s, num_logged = median_samples_per_s(run_dir / "train" / "metrics.jsonl", shape.num_warmup_steps)
     return PdResult(samples_per_s, num_logged, planned_split(run_dir / "plan.json"))
 

@@ -1,27 +1,34 @@
-"""Runtime throughput on this machine, one run: `pd train` (pipedream, 1f1b) vs
+"""Runtime throughput on this machine, one run: `pd train` (pipedream, 1f1b, gpipe) vs
 torch.distributed.pipelining (Schedule1F1B, ScheduleGPipe) vs single-process training
 (1 thread, all threads, and 1 thread accumulating over the same M microbatches), same MLP,
-same batch, same 2-stage split.
+same 2-stage split, in two sections:
 
-Ratios are to the 1-thread full-batch row. The 1-thread microbatched row shows what the
-pipeline's smaller matmuls cost on their own: on this machine a 32-row matmul runs at about
-60% of the FLOP rate of a 256-row one, so 2 stages of 32-row microbatches top out near
-2 x that row, below 2 x the full-batch row.
+- `small`: the given batch and microbatches (default 256 in 8 microbatches of 32 rows).
+  The 1-thread microbatched row shows what the pipeline's smaller matmuls cost on their
+  own: on this machine a 32-row microbatch step runs at 60-70% of the full batch's rate,
+  so two stages of them top out near 2 x that row, below 2 x the full-batch row.
+- `large`: `--large-microbatches` microbatches of the full batch each (default 4 x 256
+  rows, a 1024-sample minibatch), where the microbatch size is not the limit: the
+  schedules themselves (flush bubble, split backward, no flush) are compared.
+
+Ratios are to each section's 1-thread full-batch row. Two balanced stages on 2 cores can
+at best double single-thread throughput (the `of 2x limit` column). A flush schedule with
+M microbatches on P stages is further bounded by its bubble, P * M / (M + P - 1) x
+single-thread, unless the backward is split (`pd`'s default for 1f1b and gpipe: the
+Linear weight gradients run in the bubble), which the `split_backward=false` rows turn off.
 
 The single-process rows train on one fixed batch; pd's rows make every minibatch from the
-synthetic data source (about 3 ms of a 47 ms stage step here), as training does.
-
-Two balanced stages on 2 cores can at best double single-thread throughput, so every row is
-reported against that physical limit. A flush schedule with M microbatches on P stages is
-further bounded by its bubble: P * M / (M + P - 1) x single-thread.
+synthetic data source (about 3 ms of a stage's 80 ms step here), as training does.
 
     .venv/bin/python benchmarks/bench_runtime.py [--steps N] [--width 1024] [--layers 8]
-        [--batch 256] [--microbatches 8] [--rounds 2] [--timeout-s 240] [--out PATH]
+        [--batch 256] [--microbatches 8] [--large-microbatches 4] [--sections small,large]
+        [--rounds 2] [--timeout-s 240] [--out PATH]
 
 Every row's samples/s is the median over its timed steps of batch / step time (pd logs it per
 minibatch; the baselines time each step), and with `--rounds R` the median over R rounds run
-one after the other. Prints a table, writes `runs/benchmarks/runtime.json`. Numbers are
-printed, never asserted: on a shared host they move with the other load (see `load before`).
+one after the other. Prints a table per section, writes `runs/benchmarks/runtime.json`.
+Numbers are printed, never asserted: on a shared host they move with the other load (see
+`load before`).
 """
 
 from __future__ import annotations
@@ -51,11 +58,15 @@ REFERENCE = "single process, 1 thread"
 DEFAULT_ROUNDS = 2
 UNAVAILABLE = "unavailable: "
 MICROBATCHED_NOTE = "gradient accumulation: the pipeline's matmul sizes on one core"
-LARGE_MICROBATCHES = 1
-"""The extra pd row: pipedream has no flush, so one microbatch per minibatch still keeps both
-stages busy (minibatch t + 1 enters while t is in its backward), every matmul runs at the
-full-batch size and there is one update per minibatch, as in the single-process rows. It
-shows what the runtime itself costs when the microbatch size is not the limit."""
+ONE_MICROBATCH = 1
+"""The extra pd row of the `small` section: pipedream has no flush, so one microbatch per
+minibatch still keeps both stages busy (minibatch t + 1 enters while t is in its backward),
+every matmul runs at the full-batch size and there is one update per minibatch, as in the
+single-process rows. It shows what the runtime itself costs when the microbatch size is not
+the limit."""
+SECTIONS = ("small", "large")
+DEFAULT_LARGE_MICROBATCHES = 4
+UNSPLIT = "schedule.split_backward=false"
 MAX_REASON_CHARS = 100
 """An unavailable row shows the last line of its reason, cut to this (the JSON keeps all)."""
 
@@ -79,41 +90,55 @@ class Row:
 Measure = Callable[[Path], tuple[float, str]]
 
 
-def variants(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure]]:
+def section_shape(shape: BenchShape, section: str, large_microbatches: int) -> BenchShape:
+    """`small`: the shape as given; `large`: `large_microbatches` microbatches of the given batch each."""
+    if section == "small":
+        return shape
+    return replace(shape, batch_size=shape.batch_size * large_microbatches, num_microbatches=large_microbatches)
+
+
+def variants(shape: BenchShape, timeout_s: float, section: str) -> list[tuple[str, Measure]]:
     """(name, measure) in the order they run; measure(scratch dir) -> (samples/s, note) or raises."""
     num_threads_all = os.cpu_count() or 1
     cut, chain_length = split_point(shape), 2 * shape.num_layers + 2  # flatten, (linear, relu) x L, classifier
     split = f"[0:{cut}) [{cut}:{chain_length})"
     baseline_split = f"split {split}"
+    m = shape.num_microbatches
 
-    def pd_row(schedule_name: str, work_dir: Path, run_shape: BenchShape = shape) -> tuple[float, str]:
-        result = run_pd_train(run_shape, schedule_name, work_dir, timeout_s)
+    def pd_row(schedule_name: str, work_dir: Path, run_shape: BenchShape = shape, extra: Sequence[str] = ()) -> tuple[float, str]:
+        result = run_pd_train(run_shape, schedule_name, work_dir, timeout_s, extra)
         differs = "" if result.split == split else " (planner's split, not the baselines')"
         return result.samples_per_s, f"split {result.split}{differs}, median of {result.num_logged_steps} steps"
 
-    return [
-        (REFERENCE, lambda _: (run_single(shape, 1, timeout_s), "")),
-        (f"single process, {num_threads_all} threads", lambda _: (run_single(shape, num_threads_all, timeout_s), "")),
-        (
-            f"single process, 1 thread, {shape.num_microbatches} microbatches",
-            lambda _: (run_single(shape, 1, timeout_s, shape.num_microbatches), MICROBATCHED_NOTE),
-        ),
-        ("torch pipelining Schedule1F1B", lambda _: (run_torch_pipelining(shape, "1f1b", timeout_s), baseline_split)),
-        ("torch pipelining ScheduleGPipe", lambda _: (run_torch_pipelining(shape, "gpipe", timeout_s), baseline_split)),
-        ("pd train pipedream", lambda work_dir: pd_row("pipedream", work_dir)),
-        ("pd train 1f1b", lambda work_dir: pd_row("1f1b", work_dir)),
-        (
-            f"pd train pipedream, {LARGE_MICROBATCHES} microbatch(es)",
-            lambda work_dir: pd_row("pipedream", work_dir, replace(shape, num_microbatches=LARGE_MICROBATCHES)),
-        ),
+    rows: list[tuple[str, Measure]] = [(REFERENCE, lambda _: (run_single(shape, 1, timeout_s), ""))]
+    if section == "small":
+        rows += [
+            (f"single process, {num_threads_all} threads", lambda _: (run_single(shape, num_threads_all, timeout_s), "")),
+            (f"single process, 1 thread, {m} microbatches",
+             lambda _: (run_single(shape, 1, timeout_s, m), MICROBATCHED_NOTE)),
+        ]
+    rows += [
+        (f"torch pipelining Schedule1F1B, {m} microbatches",
+         lambda _: (run_torch_pipelining(shape, "1f1b", timeout_s), baseline_split)),
+        (f"torch pipelining ScheduleGPipe, {m} microbatches",
+         lambda _: (run_torch_pipelining(shape, "gpipe", timeout_s), baseline_split)),
+        (f"pd train pipedream, {m} microbatches", lambda work_dir: pd_row("pipedream", work_dir)),
+        (f"pd train 1f1b, {m} microbatches", lambda work_dir: pd_row("1f1b", work_dir)),
+        (f"pd train 1f1b, {m} microbatches, {UNSPLIT}", lambda work_dir: pd_row("1f1b", work_dir, extra=[UNSPLIT])),
     ]
+    if section == "large":
+        rows.append((f"pd train gpipe, {m} microbatches", lambda work_dir: pd_row("gpipe", work_dir)))
+    else:
+        rows.append((f"pd train pipedream, {ONE_MICROBATCH} microbatch",
+                     lambda work_dir: pd_row("pipedream", work_dir, replace(shape, num_microbatches=ONE_MICROBATCH))))
+    return rows
 
 
-def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int) -> list[Row]:
+def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int, section: str) -> list[Row]:
     """Every variant once per round, rounds one after the other, so slow phases of the
     host's other load spread over all variants instead of hitting one. A pd variant keeps
     its run directory over rounds: profile, plan and stages are made once and reused."""
-    table = variants(shape, timeout_s)
+    table = variants(shape, timeout_s, section)
     values: dict[str, list[float]] = {name: [] for name, _ in table}
     notes: dict[str, str] = {}
     wall_s: dict[str, float] = {name: 0.0 for name, _ in table}
@@ -122,7 +147,8 @@ def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int) -> list[Ro
         for round_id in range(num_rounds):
             for variant_id, (name, measure) in enumerate(table):
                 load = os.getloadavg()[0]
-                print(f"round {round_id + 1}/{num_rounds}: {name} (load average {load:.2f}) ...", file=sys.stderr, flush=True)
+                print(f"{section} round {round_id + 1}/{num_rounds}: {name} (load average {load:.2f}) ...",
+                      file=sys.stderr, flush=True)
                 start_s = time.perf_counter()
                 try:
                     samples_per_s, note = measure(Path(tmp) / f"variant{variant_id}")
@@ -209,6 +235,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=d.num_layers)
     p.add_argument("--batch", type=int, default=d.batch_size)
     p.add_argument("--microbatches", type=int, default=d.num_microbatches)
+    p.add_argument("--large-microbatches", type=int, default=DEFAULT_LARGE_MICROBATCHES,
+                   help="`large` section: this many microbatches of --batch samples each")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: small, large")
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="run every variant this many times; report the median")
     p.add_argument("--timeout-s", type=float, default=240.0, help="per variant; a variant past it is killed")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results")
@@ -222,18 +251,29 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.rounds < 1 or args.timeout_s <= 0:
-        print(f"error: --rounds must be >= 1 and --timeout-s > 0, got {args.rounds}, {args.timeout_s}", file=sys.stderr)
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    if args.rounds < 1 or args.timeout_s <= 0 or args.large_microbatches < 1 or not sections \
+            or any(x not in SECTIONS for x in sections):
+        print(f"error: --rounds, --large-microbatches must be >= 1, --timeout-s > 0 and --sections a list of "
+              f"{', '.join(SECTIONS)}; got {args.rounds}, {args.large_microbatches}, {args.timeout_s}, {args.sections!r}",
+              file=sys.stderr)
         return 2
-    rows = measure_all(shape, args.timeout_s, args.rounds)
-    result = {**report(shape, rows), "num_rounds": args.rounds}
-    print(
-        f"MLP {shape.num_layers} x {shape.width}, batch {shape.batch_size}, {shape.num_microbatches} microbatches, "
-        f"{NUM_STAGES} stages, {shape.num_steps} timed steps after {shape.num_warmup_steps} warm-up, "
-        f"{args.rounds} round(s); samples/s = median over steps (and rounds); physical limit = {NUM_STAGES}x single-thread, flush-bubble bound = {result['flush_bubble_bound_ratio']:.2f}x"
-    )
-    print(table(result))
-    atomic_write_json(args.out, result)
+    results: dict[str, Any] = {"num_rounds": args.rounds, "sections": {}}
+    for section in sections:
+        run_shape = section_shape(shape, section, args.large_microbatches)
+        rows = measure_all(run_shape, args.timeout_s, args.rounds, section)
+        results["sections"][section] = report(run_shape, rows)
+    for section, result in results["sections"].items():
+        run_shape = BenchShape(**result["shape"])
+        print(
+            f"\n[{section}] MLP {run_shape.num_layers} x {run_shape.width}, batch {run_shape.batch_size} in "
+            f"{run_shape.num_microbatches} microbatches of {run_shape.batch_size // run_shape.num_microbatches}, "
+            f"{NUM_STAGES} stages, {run_shape.num_steps} timed steps after {run_shape.num_warmup_steps} warm-up, "
+            f"{args.rounds} round(s); samples/s = median over steps (and rounds); physical limit = "
+            f"{NUM_STAGES}x single-thread, unsplit flush-bubble bound = {result['flush_bubble_bound_ratio']:.2f}x"
+        )
+        print(table(result))
+    atomic_write_json(args.out, results)
     print(f"wrote {args.out}")
     return 0
 

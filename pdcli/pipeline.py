@@ -34,6 +34,7 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
         boundaries=tuple(cfg.plan.boundaries) if cfg.plan.boundaries is not None else None,
         precision=cfg.train.precision,
         recompute=cfg.train.recompute,
+        split_backward=cfg.schedule.split_backward_on,
         profile_sha256=profile_sha256,
     )
 

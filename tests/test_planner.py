@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -13,14 +14,17 @@ import pytest
 
 from pdcli.errors import UserError
 from pdcli.planner import Plan, PlanOptions, Topology, plan_chain, render_plan
+from pdcli.planner.costs import SHARE_DIGITS, bubble_factor, replayed_bubble_factor, split_shares
 from pdcli.planner.evaluate import batch_scale, evaluate_pd, evaluate_pipedream
-from pdcli.planner.memory import stage_memory
+from pdcli.planner.memory import activation_sets, stage_memory
 from pdcli.planner.pipedream import PdStage
 from pdcli.planner.search import pd_search
+from pdcli.planner.simulator import StageCost, simulate
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain, ChainNode
 from pdcli.profiler.graphtxt import graph_to_chain, parse_graph
 from pdcli.rundir import canonical_json
+from pdcli.runtime.schedule import ScheduleSpec
 
 SCHEDULES = ("pipedream", "1f1b", "gpipe", "2bw")
 REL = 1e-9
@@ -424,3 +428,167 @@ def test_replicas_divide_the_microbatches() -> None:
         assert all(4 % s.replicas == 0 for s in plan.stages), [s.replicas for s in plan.stages]
     with pytest.raises(UserError, match="no plan exists"):
         plan_chain(chain, Topology.flat(3), PlanOptions(num_microbatches=4, num_stages=1))
+
+
+# ---- split backward ------------------------------------------------------------------------
+
+
+def with_wgrad(chain: Chain, rng: random.Random) -> Chain:
+    """`chain` with weight gradients on some positions (0 <= wgrad_ms <= bwd_ms), as `pd profile`
+    measures them for nn.Linear layers."""
+    nodes = tuple(dataclasses.replace(n, wgrad_ms=rng.choice([0.0, rng.uniform(0.1, 0.9) * n.bwd_ms]))
+                  for n in chain.nodes)
+    return dataclasses.replace(chain, nodes=nodes)
+
+
+def linear_chain(wgrad_ms: float, n: int = 4) -> Chain:
+    return Chain(nodes=tuple(ChainNode(f"n{i}", f"l{i}", 1.0, 2.0, 1000, 100, wgrad_ms=wgrad_ms) for i in range(n)),
+                 cut_bytes=(0,) * (n - 1))
+
+
+def steady_factor(schedule: str, num_stages: int, num_microbatches: int, fwd_ms: float, bwd_ms: float,
+                  wgrad_ms: float, num_steps: int = 8) -> float:
+    """The bubble factor of a long replay of equal stages: steady time per minibatch / (M (F + B))."""
+    spec = ScheduleSpec.make(schedule, num_stages, num_microbatches, num_steps, split_backward=True)
+    sim = simulate(spec, [StageCost(fwd_ms, bwd_ms, wgrad_ms=wgrad_ms)] * num_stages)
+    return sim.time_per_minibatch_ms / (num_microbatches * (fwd_ms + bwd_ms))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_split_factor_without_weight_grads_is_the_unsplit_factor(schedule: str) -> None:
+    for num_stages, m in itertools.product((1, 2, 3, 5), (1, 2, 4, 8)):
+        closed = float(bubble_factor(schedule, m, num_stages))
+        assert closed == (m + num_stages - 1) / m
+        # the replay itself reproduces the closed form when there is nothing to defer ...
+        assert replayed_bubble_factor(schedule, m, num_stages, 0.25, 0.0) == pytest.approx(closed, rel=1e-12)
+        # ... and without W the planner does not replay: the factor is exactly the unsplit one
+        assert split_shares(1.0, 3.0, 0.0) is None
+        assert float(bubble_factor(schedule, m, num_stages, split_shares(1.0, 3.0, 0.0))) == closed
+    topology = Topology.flat(2)
+    for m in (2, 8):
+        base = dict(schedule=schedule, num_microbatches=m, straight=True, num_stages=2)
+        plain = plan_chain(linear_chain(0.0), topology, PlanOptions(**base)).to_json()
+        split = plan_chain(linear_chain(0.0), topology, PlanOptions(**base, split_backward=True)).to_json()
+        assert split["pipeline"] == plain["pipeline"]
+        assert split["inputs"].pop("split_backward") is True and split["inputs"] == plain["inputs"]
+    imported = random_dag_chain(random.Random(1))  # PipeDream's graph.txt has no weight gradients
+    assert all(n.wgrad_ms == 0.0 for n in imported.nodes)
+    base = dict(schedule=schedule, num_microbatches=4)
+    assert plan_chain(imported, topology, PlanOptions(**base, split_backward=True)).pipeline == (
+        plan_chain(imported, topology, PlanOptions(**base)).pipeline)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_replayed_factor_is_the_steady_state_and_at_most_the_unsplit_one(schedule: str) -> None:
+    for num_stages, m, (fwd, wgrad) in itertools.product((2, 3, 4), (1, 3, 4, 8), ((0.3, 0.2), (0.5, 0.45))):
+        factor = replayed_bubble_factor(schedule, m, num_stages, fwd, wgrad)
+        assert factor == pytest.approx(steady_factor(schedule, num_stages, m, fwd, 1.0 - fwd, wgrad), rel=1e-9)
+        assert 1.0 <= factor <= (m + num_stages - 1) / m + 1e-12
+        assert float(bubble_factor(schedule, m, num_stages, split_shares(fwd, 1.0 - fwd, wgrad))) == factor
+    assert list(bubble_factor(schedule, 4, np.array([2, 3]), split_shares(1.0, 2.0, 1.0))) == [
+        replayed_bubble_factor(schedule, 4, k, round(1 / 3, SHARE_DIGITS), round(1 / 3, SHARE_DIGITS)) for k in (2, 3)]
+
+
+def test_split_backward_lowers_the_predicted_time_of_a_2_stage_1f1b_plan() -> None:
+    m, fwd, bwd, wgrad = 8, 1.0, 2.0, 1.0
+    chain = dataclasses.replace(linear_chain(wgrad), meta={"batch_size": 4, "calibration": {"ratio": 1.5}})
+    base = dict(schedule="1f1b", num_microbatches=m, straight=True, num_stages=2, batch_size=8)
+    plain = plan_chain(chain, Topology.flat(2), PlanOptions(**base))
+    split = plan_chain(chain, Topology.flat(2), PlanOptions(**base, split_backward=True))
+    assert split.time_per_minibatch_ms < plain.time_per_minibatch_ms
+    assert [s.predicted["stage_time_ms"] for s in split.stages] == [s.predicted["stage_time_ms"] for s in plain.stages]
+    bottleneck = max(s.predicted["stage_time_ms"] for s in split.stages)
+    assert split.time_per_minibatch_ms == pytest.approx(steady_factor("1f1b", 2, m, fwd, bwd, wgrad) * bottleneck, rel=1e-5)
+    assert plain.time_per_minibatch_ms == pytest.approx((m + 1) / m * bottleneck)
+    for stage in split.stages:  # calibrated and batch-scaled like bwd_ms
+        assert stage.predicted["wgrad_ms"] == pytest.approx(2 * wgrad * 1.5 * 2)
+        assert stage.predicted["wgrad_ms"] / stage.predicted["bwd_ms"] == pytest.approx(wgrad / bwd)
+    obj = split.to_json()
+    assert obj["inputs"]["split_backward"] is True and "split_backward" not in plain.to_json()["inputs"]
+    assert all("wgrad_ms" in s["predicted"] for s in obj["stages"])
+    assert canonical_json(plan_chain(chain, Topology.flat(2), PlanOptions(**base, split_backward=True)).to_json()) == (
+        canonical_json(obj))
+    assert "with split backward" in render_plan(obj, chain)
+    pipedream = plan_chain(chain, Topology.flat(1), PlanOptions(cost_model="pipedream", schedule="1f1b",
+                                                                split_backward=True))
+    assert "wgrad_ms" not in pipedream.to_json()["stages"][0]["predicted"]  # PipeDream's model has no W
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
+def test_split_backward_needs_a_flush_schedule(schedule: str) -> None:
+    with pytest.raises(UserError, match=f"split_backward only applies to .*not '{schedule}'"):
+        PlanOptions(schedule=schedule, split_backward=True)
+
+
+def test_split_backward_memory_holds_1f1b_microbatches_until_their_weight_grads() -> None:
+    p, a, m = 100.0, 80.0, 8
+    for num_stages, stages_from in [(2, 1), (2, 2), (3, 3), (4, 2), (6, 5)]:
+        mem = stage_memory("1f1b", p, a, replicas=1, devices_from=stages_from, stages_from=stages_from,
+                           num_microbatches=m, split_backward=True, num_stages=num_stages)
+        assert float(mem.activations_bytes) == min(stages_from + num_stages, m) * a / m
+        plain = stage_memory("1f1b", p, a, replicas=1, devices_from=stages_from, stages_from=stages_from,
+                             num_microbatches=m)
+        assert float(plain.activations_bytes) == min(stages_from, m) * a / m
+        gpipe = stage_memory("gpipe", p, a, replicas=1, devices_from=stages_from, stages_from=stages_from,
+                             num_microbatches=m, split_backward=True, num_stages=num_stages)
+        assert float(gpipe.activations_bytes) == a
+    # the planner's sets are the runtime's declared stash depth, stage by stage
+    for name, num_stages, m in itertools.product(("1f1b", "gpipe"), (2, 3, 4), (2, 4, 8, 16)):
+        spec = ScheduleSpec.make(name, num_stages, m, 1, split_backward=True)
+        for stage_id in range(num_stages):
+            left = num_stages - stage_id
+            sets = activation_sets(name, left, 1, left, m, split_backward=True, num_stages=num_stages)
+            assert int(sets) == spec.stash_depth(stage_id).activation_sets, (name, num_stages, m, stage_id)
+
+
+def test_split_backward_memory_reaches_the_plan() -> None:
+    chain = linear_chain(1.0)
+    base = dict(schedule="1f1b", num_microbatches=8, straight=True, num_stages=2)
+    plain = plan_chain(chain, Topology.flat(2), PlanOptions(**base))
+    split = plan_chain(chain, Topology.flat(2), PlanOptions(**base, split_backward=True))
+    per_set = [s.predicted["activations_bytes"] / min(2 - k, 8) for k, s in enumerate(plain.stages)]
+    assert [s.predicted["activations_bytes"] for s in split.stages] == pytest.approx(
+        [per_set[k] * min(2 - k + 2, 8) for k in range(2)])
+    need = max(s.predicted["total_bytes"] for s in split.stages)
+    assert need > max(s.predicted["total_bytes"] for s in plain.stages)
+    limited = dict(base, num_stages=None, memory_bytes_per_device=0.99 * need)
+    plan_chain(chain, Topology.flat(2), PlanOptions(**limited))  # unsplit fits
+    with pytest.raises(UserError, match="no plan fits"):
+        plan_chain(chain, Topology.flat(2), PlanOptions(**limited, split_backward=True))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", range(3))
+def test_pd_dp_equals_brute_force_with_split_backward(seed: int) -> None:
+    """The memory of 1f1b with a split backward depends on the whole stage count, which the
+    suffix program learns by running once per count: brute force over every partition checks it."""
+    rng = random.Random(200 + seed)
+    checked = 0
+    for _ in range(20):
+        chain = with_wgrad(random_chain(rng, rng.randint(3, 6)), rng)
+        for topology in topologies(rng):
+            options = random_options(rng, "pd", chain, topology)
+            if options.memory_bytes_per_device is None and rng.random() < 0.6:  # where the stage count matters
+                need = sum(2 * n.parameter_bytes + n.optimizer_state_bytes + 2 * n.activation_bytes for n in chain.nodes)
+                options = dataclasses.replace(options, memory_bytes_per_device=float(rng.uniform(0.2, 1.2) * need))
+            options = dataclasses.replace(options, schedule=rng.choice(["1f1b", "1f1b", "gpipe"]),
+                                          num_microbatches=rng.choice([2, 4, 8]), split_backward=True)
+            if options.straight and options.num_stages is None and not options.use_fewer_devices \
+                    and topology.num_devices > len(chain):
+                continue
+            want, got = brute_pd(chain, topology, options), planned_ms(chain, topology, options)
+            assert (math.isinf(want) and math.isinf(got)) or got == pytest.approx(want, rel=REL), (options, topology)
+            checked += math.isfinite(want)
+    assert checked > 8
+
+
+def test_split_backward_reaches_the_plan_options_and_the_plan_hash() -> None:
+    from pdcli.config.schema import Config, ScheduleConfig
+    from pdcli.pipeline import plan_inputs_hash, plan_options
+
+    for name, split, on in [("1f1b", None, True), ("gpipe", None, True), ("1f1b", False, False), ("pipedream", None, False)]:
+        cfg = Config(schedule=ScheduleConfig(name=name, split_backward=split))
+        assert plan_options(cfg, None).split_backward is on
+    hashes = {plan_inputs_hash(Config(schedule=ScheduleConfig(name="1f1b", split_backward=split)), "ab" * 32)
+              for split in (None, True, False)}
+    assert len(hashes) == 3  # changing schedule.split_backward re-plans

@@ -243,6 +243,60 @@ def test_profiles_without_optimizer_fields_still_load() -> None:
     assert [n.optimizer_ms for n in old.nodes] == [0.0] * 3 and [n.fwd_ms for n in old.nodes] == [n.fwd_ms for n in chain.nodes]
 
 
+class Frozen(nn.Module):
+    """A Linear layer, a frozen one, an attention block that reads its projection weights
+    directly, and a leaf block that runs two Linear layers through their forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.frozen = nn.Linear(16, 16).requires_grad_(False)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.frozen(self.fc(x)).unsqueeze(1)
+        return self.block(self.attn(h, h, h)[0]).squeeze(1)
+
+
+def test_weight_grads_are_timed_on_linear_positions_only() -> None:
+    model = TwoLayer()
+    chain = profile_model(model, batch_of(torch.randn(BATCH, 64), target=torch.randint(0, 10, (BATCH,))),
+                          F.cross_entropy, "cpu", **FAST)  # fmt: skip
+    fc1, act, fc2 = chain.nodes
+    for linear in (fc1, fc2):
+        assert 0 < linear.wgrad_ms < float("inf")
+        assert linear.wgrad_ms <= linear.bwd_ms  # a part of the backward, never more
+    assert act.wgrad_ms == 0.0
+    assert all("forward" not in vars(m) for m in model.modules())  # the split-backward patch is gone
+    assert all(p.grad is None for p in model.parameters())
+    assert "weight grads" in summarize(chain)
+    residual = profile_model(Residual(), batch_of(torch.randn(BATCH, 16), target=torch.randint(0, 10, (BATCH,))),
+                             F.cross_entropy, "cpu", **FAST)  # fmt: skip
+    assert [n.name for n in residual.nodes if n.wgrad_ms > 0] == ["stem", "a", "b", "head"]
+    assert all(n.wgrad_ms == 0.0 for n in residual.nodes if n.name in ("act", "add"))
+
+
+def test_frozen_linears_and_attention_defer_no_weight_grads() -> None:
+    chain = profile_model(Frozen(), batch_of(torch.randn(BATCH, 16), target=torch.randn(BATCH, 16)),
+                          F.mse_loss, "cpu", **FAST)  # fmt: skip
+    wgrad = {n.name: n.wgrad_ms for n in chain.nodes}
+    assert wgrad["fc"] > 0 and wgrad["block"] > 0  # the block's feed-forward Linears defer, as at run time
+    assert wgrad["frozen"] == 0.0 and wgrad["attn"] == 0.0  # attention reads out_proj.weight itself: nothing deferred
+    assert chain.nodes[by_name(chain)["attn"]].bwd_ms > 0
+
+
+def test_profiles_without_weight_grads_still_load() -> None:
+    chain = profile_model(TwoLayer(), batch_of(torch.randn(BATCH, 64), target=torch.randint(0, 10, (BATCH,))),
+                          F.cross_entropy, "cpu", **FAST)  # fmt: skip
+    obj = chain.to_json()
+    assert obj["version"] == 1 and all(node["wgrad_ms"] == n.wgrad_ms for node, n in zip(obj["nodes"], chain.nodes))
+    for node in obj["nodes"]:
+        del node["wgrad_ms"]
+    old = Chain.from_json(json.loads(json.dumps(obj)))
+    assert [n.wgrad_ms for n in old.nodes] == [0.0] * 3 and [n.bwd_ms for n in old.nodes] == [n.bwd_ms for n in chain.nodes]
+
+
 def test_profile_round_trips_through_json() -> None:
     chain = profile_model(Residual(), batch_of(torch.randn(BATCH, 16), target=torch.randint(0, 10, (BATCH,))),
                           F.cross_entropy, "cpu", **FAST)  # fmt: skip

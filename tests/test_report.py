@@ -21,20 +21,22 @@ from pdcli.cli import app
 from pdcli.planner.simulator import StageCost, simulate
 from pdcli.report import ReplanCommands, locate_run, make_report
 from pdcli.report.charts import LOSS_FILE, TIMELINE_FILE
+from pdcli.report.measured import completion_times_ms, read_trace
 from pdcli.report.predicted import stage_costs
 from pdcli.runtime.schedule import (
-    Backward, Forward, OptimizerStep, RecvActivations, RecvGrads, ScheduleSpec, SendActivations, SendGrads,
+    Backward, Forward, OptimizerStep, RecvActivations, RecvGrads, ScheduleSpec, SendActivations, SendGrads, WeightGrads,
 )
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NUM_MICROBATCHES, BATCH_SIZE, NUM_STEPS = 2, 8, 12
 FWD_MS, BWD_MS = (1.0, 1.2), (2.0, 2.2)  # per minibatch, stages 0 and 1
+WGRAD_MS = (0.8, 1.0)  # of BWD_MS, the weight gradients (split backward)
 US_PER_MS = 1e3
 runner = CliRunner()
 
 
-def plan_json(schedule: str) -> dict[str, Any]:
+def plan_json(schedule: str, split: bool = False) -> dict[str, Any]:
     stages = []
     for k in range(2):
         compute = FWD_MS[k] + BWD_MS[k]
@@ -45,8 +47,10 @@ def plan_json(schedule: str) -> dict[str, Any]:
                           "comm_in_ms": 0.0, "comm_out_ms": 0.0, "stage_time_ms": compute,
                           "weights_bytes": 1000.0, "stashed_weights_bytes": 0.0, "activations_bytes": 100.0, "total_bytes": 1100.0},
         })
+        if split:
+            stages[-1]["predicted"]["wgrad_ms"] = WGRAD_MS[k]
     bottleneck = max(FWD_MS[k] + BWD_MS[k] for k in range(2))
-    return {
+    plan: dict[str, Any] = {
         "version": 1,
         "inputs": {"batch_size": BATCH_SIZE, "cost_model": "pd", "memory_bytes_per_device": None,
                    "num_microbatches": NUM_MICROBATCHES, "num_stages": 2, "schedule": schedule, "straight": False,
@@ -56,6 +60,9 @@ def plan_json(schedule: str) -> dict[str, Any]:
                      "num_devices_used": 2, "speedup_over_data_parallel": 1.5,
                      "throughput_samples_per_s": BATCH_SIZE * US_PER_MS / bottleneck, "time_per_minibatch_ms": bottleneck},
     }
+    if split:
+        plan["inputs"]["split_backward"] = True
+    return plan
 
 
 def category(action: Any) -> str:
@@ -66,14 +73,20 @@ def category(action: Any) -> str:
     return "compute"
 
 
-def write_run(run_dir: Path, schedule: str = "pipedream", compute_scale: float = 1.0, send_ms: float = 0.0) -> Path:
+def measured_costs(plan: dict[str, Any], schedule: str, compute_scale: float) -> list[StageCost]:
+    return [StageCost(c.fwd_ms * compute_scale, c.bwd_ms * compute_scale, wgrad_ms=c.wgrad_ms * compute_scale)
+            for c in stage_costs(plan, schedule, NUM_MICROBATCHES)]
+
+
+def write_run(run_dir: Path, schedule: str = "pipedream", compute_scale: float = 1.0, send_ms: float = 0.0,
+              split: bool = False) -> Path:
     """A trained run: plan.json, config.yaml and train/ (summary, metrics, trace) in the runtime's formats.
 
-    Measured forward/backward = the plan's x `compute_scale`; each send takes `send_ms`
-    (comm); an optimizer step costs nothing; receives wait as the simulator says."""
-    plan = plan_json(schedule)
-    spec = ScheduleSpec.make(schedule, 2, NUM_MICROBATCHES, NUM_STEPS)
-    costs = [StageCost(c.fwd_ms * compute_scale, c.bwd_ms * compute_scale) for c in stage_costs(plan, schedule, NUM_MICROBATCHES)]
+    Measured forward/backward (and WeightGrads, `split`) = the plan's x `compute_scale`; each
+    send takes `send_ms` (comm); an optimizer step costs nothing; receives wait as the simulator says."""
+    plan = plan_json(schedule, split)
+    spec = ScheduleSpec.make(schedule, 2, NUM_MICROBATCHES, NUM_STEPS, split_backward=split)
+    costs = measured_costs(plan, schedule, compute_scale)
     sim = simulate(spec, costs)
     events: list[dict[str, Any]] = []
     stages = []
@@ -134,6 +147,69 @@ def test_per_stage_numbers_are_per_minibatch(tmp_path: Path, schedule: str) -> N
     assert pipeline["predicted"]["simulated_time_per_minibatch_ms"] == pytest.approx(predicted.time_per_minibatch_ms)
     assert pipeline["measured"]["steady_time_per_minibatch_ms"] == pytest.approx(measured.time_per_minibatch_ms)
     assert pipeline["measured"]["time_per_minibatch_ms"] == pytest.approx(measured.makespan_ms / NUM_STEPS)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_split_backward_is_replayed_with_weight_grads(tmp_path: Path, schedule: str) -> None:
+    scale = 1.5
+    run_dir = write_run(tmp_path / "run", schedule, compute_scale=scale, split=True)
+    out = report_json(run_dir)
+    plan = plan_json(schedule, split=True)
+    costs = stage_costs(plan, schedule, NUM_MICROBATCHES)
+    assert [c.wgrad_ms for c in costs] == pytest.approx([w / NUM_MICROBATCHES for w in WGRAD_MS])
+    split_spec = ScheduleSpec.make(schedule, 2, NUM_MICROBATCHES, NUM_STEPS, split_backward=True)
+    predicted = simulate(split_spec, costs)
+    assert any(isinstance(t.action, WeightGrads) for rank in predicted.timeline for t in rank)
+    unsplit = simulate(ScheduleSpec.make(schedule, 2, NUM_MICROBATCHES, NUM_STEPS), costs)
+    assert predicted.time_per_minibatch_ms < unsplit.time_per_minibatch_ms  # W fills the drain
+    pipeline = out["pipeline"]
+    assert pipeline["predicted"]["split_backward"] is True
+    assert pipeline["predicted"]["simulated_time_per_minibatch_ms"] == pytest.approx(predicted.time_per_minibatch_ms)
+    assert pipeline["predicted"]["bubble_fraction"] == pytest.approx(predicted.bubble_fraction)
+    measured = simulate(split_spec, measured_costs(plan, schedule, scale))
+    # a minibatch completes with its last WeightGrads, as the simulator counts it
+    assert pipeline["measured"]["steady_time_per_minibatch_ms"] == pytest.approx(measured.time_per_minibatch_ms)
+    first_stage = read_trace(run_dir / "train" / "trace.json")[0]
+    done_ms = completion_times_ms([first_stage], NUM_MICROBATCHES)
+    ends_ms = {name: max(s.end_ms for s in first_stage.spans if s.name == name) for name in ("Backward", "WeightGrads")}
+    assert len(done_ms) == NUM_STEPS and done_ms[-1] == ends_ms["WeightGrads"] > ends_ms["Backward"]
+    for k, stage in enumerate(out["stages"]):
+        busy_ms = sum(t.end_ms - t.start_ms for t in predicted.timeline[k]
+                      if isinstance(t.action, (Forward, Backward, WeightGrads, OptimizerStep)))
+        assert stage["predicted"]["idle_ms"] == pytest.approx((predicted.makespan_ms - busy_ms) / NUM_STEPS)
+        assert stage["predicted"]["wgrad_ms"] == WGRAD_MS[k]
+        assert stage["predicted"]["compute_ms"] == pytest.approx(FWD_MS[k] + BWD_MS[k])
+        actions = stage["measured"]["actions_ms"]
+        assert actions["WeightGrads"] == pytest.approx(WGRAD_MS[k] * scale)
+        assert actions["Backward"] == pytest.approx((BWD_MS[k] - WGRAD_MS[k]) * scale)
+        assert stage["measured"]["compute_ms"] == pytest.approx((FWD_MS[k] + BWD_MS[k]) * scale)
+    lines = runner.invoke(app, ["report", str(run_dir), "--no-charts"]).stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("stage") and "plan fwd" in line)
+    header, first_row = lines[at].split(), lines[at + 2].split()  # a rule of dashes between them
+    assert header.index("WeightGrads") == header.index("Backward") + 1
+    assert header.index("wgrad") == header.index("optim") - 2  # "plan wgrad" right after "plan bwd"
+    # the plan's bwd less its wgrad beside it: what Backward and WeightGrads each run
+    assert [float(x) for x in first_row[1:4]] == pytest.approx([FWD_MS[0], BWD_MS[0] - WGRAD_MS[0], WGRAD_MS[0]], abs=1e-3)
+    assert f"{schedule} with split backward" in lines[0]
+
+
+def test_runs_without_weight_grads_keep_the_old_action_table(tmp_path: Path) -> None:
+    text = runner.invoke(app, ["report", str(write_run(tmp_path / "run", "1f1b")), "--no-charts"]).stdout
+    assert "WeightGrads" not in text and "plan wgrad" not in text and "split backward" not in text
+    out = report_json(tmp_path / "run")
+    assert out["pipeline"]["predicted"]["split_backward"] is False
+    assert all(s["predicted"]["wgrad_ms"] == 0.0 for s in out["stages"])
+
+
+def test_timeline_draws_weight_grads_in_their_own_colour(tmp_path: Path) -> None:
+    from pdcli.report.charts import KIND_COLORS, _kind
+
+    assert _kind("WeightGrads", "compute") == "WeightGrads"
+    assert KIND_COLORS["WeightGrads"] not in {c for k, c in KIND_COLORS.items() if k != "WeightGrads"}
+    run_dir = write_run(tmp_path / "run", "1f1b", split=True)
+    result = runner.invoke(app, ["report", str(run_dir), "--timeline-steps", "2"])
+    assert result.exit_code == 0, result.output
+    assert (run_dir / "train" / TIMELINE_FILE).read_bytes()[:8] == PNG_MAGIC
 
 
 def test_a_truncated_trace_keeps_the_totals_of_the_whole_run(tmp_path: Path) -> None:

@@ -13,16 +13,16 @@ from pdcli.runtime.checker import ScheduleError, SendMode, check_schedules
 from pdcli.runtime.schedule import (
     ACTION_TYPES, SCHEDULES, AllReduceGrads, Backward, Forward, FreeWeights, OptimizerStep,
     RecvActivations, RecvGrads, ScheduleSpec, SendActivations, SendGrads, StashDepth, StashWeights,
-    UnknownActionError, build_all, build_schedule, dispatch, replica_for, sends_first, stash_depth,
+    UnknownActionError, WeightGrads, build_all, build_schedule, dispatch, replica_for, sends_first, stash_depth,
 )
 
 
 def compute(actions) -> list[str]:
-    """The compute skeleton of a list: F3, B3, step0 ..."""
-    names = {Forward: "F", Backward: "B"}
+    """The compute skeleton of a list: F3, B3, W3, step0 ..."""
+    names = {Forward: "F", Backward: "B", WeightGrads: "W"}
     out = []
     for a in actions:
-        if isinstance(a, (Forward, Backward)):
+        if isinstance(a, (Forward, Backward, WeightGrads)):
             out.append(f"{names[type(a)]}{a.microbatch_id}")
         elif isinstance(a, OptimizerStep):
             out.append(f"step{a.step}")
@@ -136,6 +136,73 @@ def test_sends_first_sends_activations_before_waiting_for_a_gradient():
     assert [a for a in sends_first(last) if isinstance(a, SendGrads)] == [a for a in last if isinstance(a, SendGrads)]
 
 
+# ---- split backward: WeightGrads ----
+
+
+def test_split_backward_checks_for_every_flush_shape_both_transports():
+    checked = 0
+    for spec in all_specs():
+        if not spec.is_flush:
+            continue
+        split = dataclasses.replace(spec, split_backward=True)
+        for eager in (False, True):
+            lists = build_all(split, eager_sends=eager)
+            plain = build_all(spec, eager_sends=eager)
+            for with_w, without in zip(lists, plain):
+                # the same actions in the same order, plus one W per B, in microbatch order
+                assert [a for a in with_w if not isinstance(a, WeightGrads)] == without
+                ws = [a.microbatch_id for a in with_w if isinstance(a, WeightGrads)]
+                assert ws == [a.microbatch_id for a in without if isinstance(a, Backward)]
+            for mode in ([SendMode.EAGER] if eager or max(spec.replicas) > 1 else list(SendMode)):
+                check_schedules(lists, split, mode)
+            checked += 1
+    assert checked > 300
+
+
+def test_split_backward_fills_the_drain_with_weight_gradients():
+    # Stage 0 of 2, 4 microbatches: each W waits until the stage would wait for a
+    # gradient; the last ones run before the step.
+    actions = build_schedule("1f1b", 2, 0, 4, 1, split_backward=True, eager_sends=True)
+    assert compute(actions) == ["F0", "F1", "B0", "F2", "W0", "B1", "F3", "W1", "B2", "W2", "B3", "W3", "step0"]
+    at = actions.index(WeightGrads(1))
+    assert actions[at + 1] == RecvGrads(2, 0)  # runs while the gradient of 2 is on its way
+    # the last stage receives nothing: its W's trail by num_stages and fill stage 0's drain
+    last = build_schedule("1f1b", 2, 1, 4, 1, split_backward=True)
+    assert compute(last) == ["F0", "B0", "F1", "B1", "F2", "B2", "W0", "F3", "B3", "W1", "W2", "W3", "step0"]
+
+
+def test_split_backward_only_for_flush_schedules():
+    for name in ("pipedream", "2bw"):
+        with pytest.raises(UserError, match="split_backward only applies"):
+            ScheduleSpec.make(name, 2, 4, 2, split_backward=True)
+
+
+@pytest.mark.parametrize("num_stages, num_microbatches", [(2, 4), (2, 8), (3, 8), (4, 8), (4, 16)])
+def test_split_backward_shrinks_the_simulated_bubble(num_stages, num_microbatches):
+    """Forward, input gradient and weight gradient of equal cost: 1F1B's bubble of (S - 1)
+    microbatch times shrinks towards Zero Bubble's (S - 1)(F + B - W)."""
+    costs = [StageCost(1.0, 2.0, comm_ms=0.05, wgrad_ms=1.0)] * num_stages
+    unsplit = simulate(ScheduleSpec.make("1f1b", num_stages, num_microbatches, 6), costs)
+    split = simulate(ScheduleSpec.make("1f1b", num_stages, num_microbatches, 6, split_backward=True), costs)
+    work_ms = 3.0 * num_microbatches
+    assert unsplit.time_per_minibatch_ms >= work_ms + 3.0 * (num_stages - 1)
+    assert split.time_per_minibatch_ms < unsplit.time_per_minibatch_ms - (num_stages - 1)
+    assert split.time_per_minibatch_ms >= work_ms + (num_stages - 1)  # Zero Bubble H1's bound
+    assert split.bubble_fraction < unsplit.bubble_fraction
+    no_w = [StageCost(1.0, 2.0, comm_ms=0.05)] * num_stages  # nothing to defer: the same time
+    assert simulate(ScheduleSpec.make("1f1b", num_stages, num_microbatches, 6, split_backward=True),
+                    no_w).time_per_minibatch_ms == pytest.approx(unsplit.time_per_minibatch_ms, rel=0.02)
+
+
+def test_checker_catches_a_step_before_weight_gradients():
+    spec = ScheduleSpec.make("1f1b", 2, 4, 2, split_backward=True)
+    lists = build_all(spec)
+    w = next(i for i, a in enumerate(lists[1]) if a == WeightGrads(3))
+    lists[1].insert(len(lists[1]), lists[1].pop(w))  # W of mb 3 after the last step
+    with pytest.raises(ScheduleError, match="optimizer step before the WeightGrads of \\[3\\]"):
+        check_schedules(lists, spec)
+
+
 def test_replicated_pipedream_needs_eager_sends():
     spec = ScheduleSpec.make("pipedream", 2, 2, 3, replicas=(2, 1))
     check_schedules(build_all(spec), spec, SendMode.EAGER)
@@ -143,11 +210,13 @@ def test_replicated_pipedream_needs_eager_sends():
         check_schedules(build_all(spec), spec, SendMode.RENDEZVOUS)
 
 
-@pytest.mark.parametrize("name, vertical_sync", [(n, False) for n in SCHEDULES] + [("pipedream", True)])
-def test_declared_stash_depth_is_reached_on_straight_pipelines(name, vertical_sync):
+@pytest.mark.parametrize("name, vertical_sync, split", [(n, False, False) for n in SCHEDULES] + [
+    ("pipedream", True, False), ("1f1b", False, True), ("gpipe", False, True)])
+def test_declared_stash_depth_is_reached_on_straight_pipelines(name, vertical_sync, split):
     for num_stages in range(1, 6):
         for num_microbatches in (num_stages, 8):
-            spec = ScheduleSpec.make(name, num_stages, num_microbatches, 6, vertical_sync=vertical_sync)
+            spec = ScheduleSpec.make(name, num_stages, num_microbatches, 6, vertical_sync=vertical_sync,
+                                     split_backward=split)
             report = check_schedules(build_all(spec), spec)
             for rank, held in enumerate(report.max_depth_by_rank):
                 assert held == spec.stash_depth(rank), (spec, rank)
@@ -159,6 +228,8 @@ def test_stash_depths_by_formula():
     assert stash_depth("1f1b", 4, 0, 2) == StashDepth(1, 2)
     assert stash_depth("gpipe", 4, 0, 8, replicas=(2, 1, 1, 1)) == StashDepth(1, 4)
     assert stash_depth("2bw", 4, 0, 4) == StashDepth(2, 4)
+    # split backward: a microbatch is held until its W, which trails by up to num_stages
+    assert ScheduleSpec.make("1f1b", 2, 8, 1, split_backward=True).stash_depth(0) == StashDepth(1, 4)
 
 
 # ---- the checker catches broken lists ----
@@ -280,8 +351,8 @@ def test_simulated_timeline_respects_each_rank_order_and_communication():
     costs = [StageCost(1.0, 2.0, comm_ms=0.5, optimizer_ms=0.2, allreduce_ms=0.3)] * 3
     for mode in SendMode:
         sim = simulate(spec, costs, mode)
-        for rank, timeline in enumerate(sim.timeline):
-            assert [t.action for t in timeline] == build_all(spec)[rank]
+        for rank, timeline in enumerate(sim.timeline):  # eager sends: the lists a socket transport runs
+            assert [t.action for t in timeline] == build_all(spec, eager_sends=mode is SendMode.EAGER)[rank]
             busy = [t for t in timeline if not isinstance(t.action, SendActivations)]
             for before, after in zip(busy, busy[1:]):
                 assert after.start_ms >= before.start_ms

@@ -2,7 +2,8 @@
 
 Every schedule at 2 and 4 stages and with a replicated stage: the per-microbatch losses
 and the final weights of the pipeline equal the single-process reference (fp32, to float
-tolerance). gpipe and 1f1b also equal plain training with gradient accumulation.
+tolerance). gpipe and 1f1b also equal plain training with gradient accumulation, with
+their backward split (the default: Linear weight gradients in WeightGrads) and without.
 The model is `ToyNet` (pdcli.runtime.toy): it has a two-tensor message, an output with
 two consumers and a skip connection from stage 0 to stage 2.
 """
@@ -34,8 +35,10 @@ MOMENTUM = 0.9
 ATOL = 1e-5
 
 
-def toy_config(run_dir: Path, schedule: str, vertical_sync: bool = False, num_microbatches: int = NUM_MICROBATCHES, **train: object) -> Config:
+def toy_config(run_dir: Path, schedule: str, vertical_sync: bool = False, num_microbatches: int = NUM_MICROBATCHES,
+               split_backward: bool | None = None, **train: object) -> Config:
     cfg = Config()
+    cfg.schedule.split_backward = split_backward
     cfg.data.name = "synthetic_images"
     cfg.data.kwargs = {"channels": 1, "image_size": 4, "num_classes": 4}
     cfg.data.batch_size = BATCH_SIZE
@@ -53,10 +56,11 @@ def toy_config(run_dir: Path, schedule: str, vertical_sync: bool = False, num_mi
     return cfg
 
 
-def pipelined(tmp_path: Path, schedule: str, replicas: list[int], vertical_sync: bool = False, num_microbatches: int = NUM_MICROBATCHES, **train: object):
+def pipelined(tmp_path: Path, schedule: str, replicas: list[int], vertical_sync: bool = False, num_microbatches: int = NUM_MICROBATCHES,
+              split_backward: bool | None = None, **train: object):
     """Run the real pipeline; returns (cfg, manifest, microbatch losses, final weights by original name)."""
     run_dir = tmp_path / "run"
-    cfg = toy_config(run_dir, schedule, vertical_sync, num_microbatches, **train)
+    cfg = toy_config(run_dir, schedule, vertical_sync, num_microbatches, split_backward, **train)
     m = num_microbatches
     plan, manifest = write_toy_run(run_dir, cfg, replicas)
     result = run_training(cfg, RunDir(run_dir), plan, manifest)
@@ -114,6 +118,7 @@ def assert_same(losses, weights, ref_losses, ref_weights) -> None:
 CASES = [  # (schedule, replicas per stage, vertical sync, microbatches per minibatch, transport)
     ("gpipe", [1, 1], False, 2, "socket"),
     ("1f1b", [1, 1], False, 2, "socket"),
+    ("1f1b", [1, 1, 1], False, 4, "socket"),
     ("pipedream", [1, 1], False, 2, "socket"),
     ("pipedream", [1, 1], True, 2, "socket"),
     ("2bw", [1, 1], False, 2, "socket"),
@@ -143,9 +148,26 @@ def test_pipeline_equals_reference(
     cfg, manifest, losses, weights = pipelined(tmp_path, schedule, replicas, vertical_sync, num_microbatches)
     ref_losses, ref_weights = reference(cfg, manifest, replicas, tmp_path / "run" / "stages")
     assert_same(losses, weights, ref_losses, ref_weights)
+    assert (weight_grads_ran(tmp_path / "run") > 0) == (schedule in ("gpipe", "1f1b"))  # split backward is on by default for the flush schedules
     if schedule in ("gpipe", "1f1b"):
         plain_losses, plain_weights = plain_accumulation(cfg, len(replicas))
         assert_same(losses, weights, plain_losses, plain_weights)
+
+
+def weight_grads_ran(run_dir: Path) -> int:
+    """How many WeightGrads actions the run's trace holds (every rank)."""
+    trace = json.loads((run_dir / "train" / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return sum(1 for e in events if e.get("name") == "WeightGrads")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule,replicas", [("1f1b", [1, 1, 1]), ("gpipe", [2, 1])])
+def test_unsplit_backward_equals_reference(tmp_path: Path, schedule: str, replicas: list[int]) -> None:
+    """`schedule.split_backward=false`: every gradient in Backward, the same numbers."""
+    cfg, manifest, losses, weights = pipelined(tmp_path, schedule, replicas, split_backward=False)
+    assert weight_grads_ran(tmp_path / "run") == 0
+    assert_same(losses, weights, *reference(cfg, manifest, replicas, tmp_path / "run" / "stages"))
 
 
 @pytest.mark.timeout(60)

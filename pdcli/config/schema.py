@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 SCHEDULES = ("pipedream", "1f1b", "gpipe", "2bw")
+FLUSH_SCHEDULES = ("1f1b", "gpipe")
 PRECISIONS = ("fp32", "bf16", "fp16")
 COST_MODELS = ("pd", "pipedream")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -88,6 +89,14 @@ class ScheduleConfig:
     """Microbatches per minibatch (flush schedules, 2BW accumulation, pipedream in-flight)."""
     vertical_sync: bool = False
     """pipedream only: every stage uses the weight version stage 0 used for a minibatch."""
+    split_backward: Optional[bool] = None
+    """gpipe/1f1b: Linear weight gradients run later, filling the flush's bubble; null = on for them."""
+
+    @property
+    def split_backward_on(self) -> bool:
+        """Whether the run splits backward: `split_backward`, or by default for gpipe and 1f1b."""
+        flush = self.name in FLUSH_SCHEDULES
+        return flush if self.split_backward is None else bool(self.split_backward) and flush
 
 
 @dataclass
@@ -218,6 +227,11 @@ def check_values(cfg: Config) -> list[str]:
         )
     if cfg.schedule.vertical_sync and cfg.schedule.name != "pipedream":
         problems.append("schedule.vertical_sync: only applies to schedule.name=pipedream")
+    if cfg.schedule.split_backward and cfg.schedule.name not in FLUSH_SCHEDULES:
+        problems.append(
+            f"schedule.split_backward: only applies to schedule.name=1f1b or gpipe (it fills their flush "
+            f"bubble; {cfg.schedule.name} has none); set it to null or false"
+        )
     if cfg.model.target is not None and ":" not in cfg.model.target:
         problems.append(
             f"model.target: {cfg.model.target!r} must look like `package.module:factory`"

@@ -47,6 +47,18 @@ the compute. With S stages and max stage_ms = T:
 
     time per minibatch = T                      pipedream, 2bw (no flush: steady 1F1B)
                        = (M + S - 1) / M * T    gpipe, 1f1b (fill and drain every minibatch)
+                       = k(S) * T               gpipe, 1f1b with a split backward
+
+A split backward (`schedule.split_backward`, `pdcli.runtime.wgrad`) leaves the weight
+gradients W of the `nn.Linear` layers to WeightGrads actions that the schedule places where
+a stage would wait for the fill or the drain; it changes no stage's work (W is part of B,
+so compute_ms is as above), only the bubble. k(S) has no closed form: it is the factor of
+a replay (`pdcli.planner.simulator`) of the schedule on S equal stages, each microbatch
+costing the whole chain's shares of forward, backward less W, and W (calibrated totals,
+`profile.json`'s `wgrad_ms`), no communication: k(S) = simulated time per minibatch /
+(M x (forward + backward)). Replays are cached per (schedule, M, S, shares rounded to
+SHARE_DIGITS). With no W (no Linear layers, PipeDream graphs) k(S) = (M + S - 1) / M. The
+`pipedream` cost model has no split: it ignores the option.
 
 The bubble factor stretches the all-reduce too, which slightly over-estimates flush
 schedules with replicated stages. Every function works on numpy arrays and on floats.
@@ -54,14 +66,23 @@ schedules with replicated stages. Every function works on numpy arrays and on fl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pdcli.planner.options import FLUSH_SCHEDULES, PIPEDREAM
+from pdcli.planner.simulator import StageCost, simulate
+from pdcli.runtime.schedule import ScheduleSpec
 
 MS_PER_S = 1000.0
+SHARE_DIGITS = 6
+"""Decimals the work shares of a split backward are rounded to: the replay cache's key, free
+of the last bits of float sums (the factor moves by about 1e-6 at most)."""
+REPLAYED_MINIBATCHES = 2
+"""Minibatches a split-backward replay runs: the flush schedules repeat from the second
+minibatch on (12-minibatch replays give the same period to 1e-13 for S <= 6, M <= 12)."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +138,48 @@ def pd_stage_terms(fwd_ms: Any, bwd_ms: Any, parameter_bytes: Any, cut_in_bytes:
     return StageTerms(fwd_ms, bwd_ms, compute, sync, optimizer, comm_in, comm_out, stage)
 
 
-def bubble_factor(schedule: str, num_microbatches: int, num_stages: Any) -> Any:
-    """Time per minibatch / bottleneck stage time."""
-    if schedule in FLUSH_SCHEDULES:
+@dataclass(frozen=True)
+class SplitShares:
+    """A chain's work per microbatch under a split backward, as shares of forward + backward."""
+
+    fwd: float
+    """Forward / (forward + backward)."""
+    wgrad: float
+    """Weight gradients (what WeightGrads runs) / (forward + backward); > 0."""
+
+
+def split_shares(fwd_ms: float, bwd_ms: float, wgrad_ms: float) -> SplitShares | None:
+    """The shares of a chain's totals rounded to SHARE_DIGITS; None when no W is left to defer
+    (then the flush factor is the closed form)."""
+    total_ms = fwd_ms + bwd_ms
+    if not total_ms > 0:
+        return None
+    wgrad = round(min(max(wgrad_ms, 0.0), bwd_ms) / total_ms, SHARE_DIGITS)
+    if wgrad <= 0:
+        return None
+    return SplitShares(round(fwd_ms / total_ms, SHARE_DIGITS), wgrad)
+
+
+@functools.lru_cache(maxsize=None)
+def replayed_bubble_factor(schedule: str, num_microbatches: int, num_stages: int, fwd_share: float,
+                           wgrad_share: float) -> float:
+    """k(S) of a split backward: the schedule replayed on `num_stages` equal stages whose
+    microbatch costs fwd_share + (1 - fwd_share) (of which wgrad_share is W); at least 1 (each
+    stage runs all its work), which the search's pruning relies on."""
+    wgrad_share = min(wgrad_share, 1.0 - fwd_share)  # rounding must not make B - W negative
+    spec = ScheduleSpec.make(schedule, num_stages, num_microbatches, REPLAYED_MINIBATCHES, split_backward=True)
+    cost = StageCost(fwd_ms=fwd_share, bwd_ms=1.0 - fwd_share, wgrad_ms=wgrad_share)
+    replay = simulate(spec, [cost] * num_stages)
+    return max(1.0, replay.time_per_minibatch_ms / num_microbatches)
+
+
+def bubble_factor(schedule: str, num_microbatches: int, num_stages: Any, split: SplitShares | None = None) -> Any:
+    """Time per minibatch / bottleneck stage time; `split`: the shares of a split backward
+    (flush schedules only; None = unsplit, or nothing to defer)."""
+    if schedule not in FLUSH_SCHEDULES:
+        return np.ones(np.shape(num_stages))
+    if split is None:
         return (num_microbatches + np.asarray(num_stages, dtype=float) - 1.0) / num_microbatches
-    return np.ones(np.shape(num_stages))
+    replay = np.vectorize(lambda s: replayed_bubble_factor(schedule, num_microbatches, int(s), split.fwd, split.wgrad),
+                          otypes=[float])
+    return replay(num_stages)

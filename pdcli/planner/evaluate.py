@@ -11,7 +11,7 @@ from pdcli.planner.costs import MS_PER_S, bubble_factor, compute_calibration, pd
 from pdcli.planner.memory import StageMemory, stage_memory
 from pdcli.planner.options import PlanOptions
 from pdcli.planner.pipedream import ALLREDUCE_FACTOR, TRANSFER_FACTOR, PdStage
-from pdcli.planner.search import covered_or_zeros, optimizer_step_matrix
+from pdcli.planner.search import backward_split, covered_or_zeros, optimizer_step_matrix
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
 
@@ -25,7 +25,8 @@ class StageEval:
     end: int
     ranks: tuple[int, ...]
     terms: dict[str, float]
-    """TERM_NAMES -> ms per minibatch (fwd/bwd: the whole minibatch on one replica)."""
+    """TERM_NAMES -> ms per minibatch (fwd/bwd: the whole minibatch on one replica); the `pd`
+    model adds `wgrad_ms`, the part of bwd_ms a split backward defers."""
     memory: StageMemory
 
     @property
@@ -46,7 +47,8 @@ def batch_scale(meta: dict, options: PlanOptions) -> float:
 
 
 def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, end: int,
-            replicas: int, devices_from: int, stages_from: int) -> StageMemory:
+            replicas: int, devices_from: int, stages_from: int, num_stages: int,
+            split_backward: bool = False) -> StageMemory:
     mem = stage_memory(
         options.schedule,
         space.range_total(space.covered_parameter_bytes, start, end),
@@ -55,6 +57,7 @@ def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, e
         space.range_total(covered_or_zeros(space, space.covered_optimizer_state_bytes), start, end),
         options.precision, options.recompute,
         space.cut_bytes[start - 1] * scale if start > 0 else 0.0,
+        split_backward, num_stages,
     )
     return StageMemory(*(float(x) for x in (mem.weights_bytes, mem.stashed_weights_bytes,
                                             mem.activations_bytes, mem.total_bytes,
@@ -63,13 +66,14 @@ def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, e
 
 def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
                 partition: Sequence[tuple[int, int, int]]) -> PlanEval:
-    """`pd` model for stages (start, end, replicas) on contiguous ranks from 0 (fwd_ms and
-    bwd_ms calibrated, see `pdcli.planner.costs`)."""
+    """`pd` model for stages (start, end, replicas) on contiguous ranks from 0 (fwd_ms, bwd_ms
+    and wgrad_ms calibrated, see `pdcli.planner.costs`)."""
     n, bw = space.num_positions, topology.span_bandwidth_matrix()
     used, num_stages = sum(r for _, _, r in partition), len(partition)
     stages, first = [], 0
     optimizer = optimizer_step_matrix(space)
     compute_scale = scale * compute_calibration(space.calibration_ratio)
+    covered_wgrad = covered_or_zeros(space, space.covered_wgrad_ms)
     for index, (start, end, r) in enumerate(partition):
         last = first + r - 1
         terms = pd_stage_terms(
@@ -83,11 +87,14 @@ def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, sca
             options.schedule, options.num_microbatches, float(optimizer[start, end]),
         )
         values = {name: float(getattr(terms, name)) for name in TERM_NAMES}
-        memory = _memory(space, options, scale, start, end, r, used - first, num_stages - index)
+        values["wgrad_ms"] = space.range_total(covered_wgrad, start, end) * compute_scale
+        memory = _memory(space, options, scale, start, end, r, used - first, num_stages - index, num_stages,
+                         options.split_backward)
         stages.append(StageEval(start, end, tuple(range(first, first + r)), values, memory))
         first += r
     bottleneck = max(s.terms["stage_time_ms"] for s in stages)
-    factor = float(bubble_factor(options.schedule, options.num_microbatches, num_stages))
+    factor = float(bubble_factor(options.schedule, options.num_microbatches, num_stages,
+                                 backward_split(space, options)))
     return PlanEval(tuple(stages), factor * bottleneck)
 
 
@@ -122,7 +129,7 @@ def evaluate_pipedream(space: SplitSpace, topology: Topology, options: PlanOptio
                  "comm_in_ms": comm_in, "comm_out_ms": comm_out,
                  "stage_time_ms": max(compute + sync, comm_in, comm_out)}
         memory = _memory(space, options, scale, st.start, st.end, replicas, devices_after,
-                         len(stages) - index)
+                         len(stages) - index, len(stages))  # PipeDream's model has no split backward
         devices_after -= len(st.ranks)
         out.append(StageEval(st.start, st.end, st.ranks, terms, memory))
     return PlanEval(tuple(out), max(s.terms["stage_time_ms"] for s in out))

@@ -138,6 +138,8 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
     if options.precision != "fp32" or options.recompute:  # plans of fp32 runs stay as they were
         inputs["precision"] = options.precision
         inputs["recompute"] = options.recompute
+    if options.split_backward:  # plans without it stay as they were; `pd report` reads it
+        inputs["split_backward"] = True
     if options.boundaries is not None:
         inputs["boundaries"] = list(options.boundaries)
     if options.profile_sha256:

@@ -44,6 +44,11 @@ class PlanOptions:
     half-width weight copy per held microbatch (see planner.memory)."""
     recompute: bool = False
     """`train.recompute`: held microbatches keep only their stage inputs."""
+    split_backward: bool = False
+    """`schedule.split_backward` (gpipe, 1f1b): Linear weight gradients run in WeightGrads actions
+    that fill the flush's bubble; the `pd` model replays the schedule for the bubble and holds
+    1f1b's microbatches until their W (see planner.costs, planner.memory). The `pipedream`
+    model ignores it."""
     profile_sha256: str | None = None
     """Recorded in the plan's inputs when given."""
 
@@ -62,3 +67,9 @@ class PlanOptions:
             raise UserError(f"memory_bytes_per_device must be > 0, got {self.memory_bytes_per_device}")
         if self.num_stages is not None and self.num_stages < 1:
             raise UserError(f"num_stages must be >= 1, got {self.num_stages}")
+        if self.split_backward and self.schedule not in FLUSH_SCHEDULES:
+            raise UserError(
+                f"split_backward only applies to schedule {' or '.join(FLUSH_SCHEDULES)} (it fills their flush "
+                f"bubble), not {self.schedule!r}",
+                hint="set schedule.split_backward to null or false",
+            )

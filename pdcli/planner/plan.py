@@ -5,14 +5,16 @@
     {"version": 1,
      "inputs": {"profile_sha256"?, "cost_model", "schedule", "num_microbatches", "batch_size",
                 "topology": {"levels": [...]}, "memory_bytes_per_device", "straight",
-                "use_fewer_devices", "num_stages"},
+                "use_fewer_devices", "num_stages", "precision"?, "recompute"?, "split_backward"?,
+                "boundaries"?},
      "stages": [{"stage_id", "start", "end", "first_node", "last_node", "node_names",
                  "replicas", "ranks", "predicted": {PREDICTED_KEYS}}],
      "pipeline": {PIPELINE_KEYS}}
 
 `start`/`end` are half-open chain positions. Times are ms per minibatch of `batch_size`
-samples; `fwd_ms`/`bwd_ms` are the stage's whole minibatch on one replica, the other terms
-are per minibatch with the replicas sharing the work. Floats are rounded to 9 significant
+samples; `fwd_ms`/`bwd_ms` are the stage's whole minibatch on one replica (`wgrad_ms`, the
+part of `bwd_ms` a split backward defers, too; `pd` cost model only), the other terms are
+per minibatch with the replicas sharing the work. Floats are rounded to 9 significant
 digits so the same inputs give byte-identical files.
 """
 
@@ -26,10 +28,11 @@ SIGNIFICANT_DIGITS = 9
 PREDICTED_KEYS = (
     "fwd_ms", "bwd_ms", "compute_ms", "optimizer_ms", "sync_ms", "comm_in_ms", "comm_out_ms",
     "stage_time_ms", "weights_bytes", "optimizer_state_bytes", "stashed_weights_bytes",
-    "activations_bytes", "total_bytes",
+    "activations_bytes", "total_bytes", "wgrad_ms",
 )
-ADDED_PREDICTED_KEYS = ("optimizer_ms", "optimizer_state_bytes")
-"""Keys plans written before the optimizer was modelled lack (read back as absent)."""
+ADDED_PREDICTED_KEYS = ("optimizer_ms", "optimizer_state_bytes", "wgrad_ms")
+"""Keys plans written before the optimizer (or split backward) was modelled lack, and
+`wgrad_ms` the `pipedream` cost model does not predict (read back as absent)."""
 PIPELINE_KEYS = (
     "time_per_minibatch_ms", "throughput_samples_per_s", "data_parallel_time_per_minibatch_ms",
     "speedup_over_data_parallel", "num_devices", "num_devices_used", "bottleneck_stage",

@@ -75,6 +75,7 @@ def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "te
                "fwd ms", "bwd ms", "optim ms", "sync ms", "comm ms", "stage ms", "memory"]
     table = tabulate(rows, headers=headers, tablefmt=TABLE_STYLE[fmt], floatfmt=".4g", missingval="-")
     inputs = plan_json.get("inputs", {})
-    head = (f"plan: {len(rows)} stages, schedule {inputs.get('schedule', '?')}, "
+    split = " with split backward" if inputs.get("split_backward") else ""
+    head = (f"plan: {len(rows)} stages, schedule {inputs.get('schedule', '?')}{split}, "
             f"cost model {inputs.get('cost_model', '?')} ({BOTTLENECK_MARK} = bottleneck)")
     return f"{head}\n\n{table}\n\n{summary_line(plan_json['pipeline'])}"

@@ -14,16 +14,24 @@ evenly over the replicas).
 A plan on fewer than all devices is shifted to start at rank 0; that is exact when the
 shift is a multiple of the topology's alignment, so a non-uniform cluster is searched with
 one anchor E per residue class.
+
+With a split backward, 1f1b's memory depends on the pipeline's whole stage count (a
+microbatch is held until its WeightGrads, see planner.memory), which a suffix does not
+know: when memory counts (a limit, or the memory search) the program runs once per stage
+count and keeps the best. The flush bubble of a split backward is replayed
+(`pdcli.planner.costs.bubble_factor`); a stage count whose bottleneck alone is already
+slower than the best plan so far is not replayed (the factor is at least 1).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from pdcli.planner.costs import bubble_factor, compute_calibration, pd_stage_terms
+from pdcli.planner.costs import SplitShares, bubble_factor, compute_calibration, pd_stage_terms, split_shares
 from pdcli.planner.memory import stage_memory
 from pdcli.planner.options import FLUSH_SCHEDULES, ONE_F_ONE_B, TWO_BW, PlanOptions
 from pdcli.planner.space import SplitSpace
@@ -56,6 +64,22 @@ def needs_stage_axis(options: PlanOptions) -> bool:
 def covered_or_zeros(space: SplitSpace, covered: np.ndarray | None) -> np.ndarray:
     """A SplitSpace's optional covered totals (None: not measured) as an array."""
     return np.zeros(space.num_positions) if covered is None else covered
+
+
+def backward_split(space: SplitSpace, options: PlanOptions) -> SplitShares | None:
+    """The whole chain's work shares for a split backward's bubble (None: unsplit, or no W).
+    Shares of the calibrated, batch-scaled totals: both factors cancel out."""
+    if not options.split_backward or options.schedule not in FLUSH_SCHEDULES or space.num_positions == 0:
+        return None
+    wgrad_ms = covered_or_zeros(space, space.covered_wgrad_ms)[-1]
+    return split_shares(float(space.covered_fwd_ms[-1]), float(space.covered_bwd_ms[-1]), float(wgrad_ms))
+
+
+def memory_needs_stage_count(options: PlanOptions, minimize: str) -> bool:
+    """1f1b with a split backward under a memory limit (or the memory search): a stage's memory
+    depends on the pipeline's stage count, so the search runs once per count."""
+    memory_counts = minimize == "memory" or options.memory_bytes_per_device is not None
+    return options.split_backward and options.schedule == ONE_F_ONE_B and options.num_stages is None and memory_counts
 
 
 def optimizer_step_matrix(space: SplitSpace) -> np.ndarray:
@@ -91,9 +115,12 @@ class PdCosts:
 
     def _memory(self, d: int, r: int) -> np.ndarray:
         o = self.options
+        # the stage count matters to 1f1b with split backward only, and `pd_search` fixes it
+        # there (num_layers, the most stages searched, would only be an upper bound)
+        total_stages = o.num_stages if o.num_stages is not None else self.num_layers
         return stage_memory(o.schedule, self.params, self.acts, r, d, self.stages_from,
                             o.num_microbatches, self.optimizer_state, o.precision, o.recompute,
-                            self.cut_in).total_bytes
+                            self.cut_in, o.split_backward, total_stages).total_bytes
 
     def runnable(self, r: int) -> bool:
         """The runtime spreads a minibatch's microbatches evenly over a stage's replicas."""
@@ -188,12 +215,31 @@ def pd_search(space: SplitSpace, topology: Topology, options: PlanOptions, scale
               minimize: str = "time") -> SearchResult | None:
     """Best plan under the `pd` model (minimize="time"), or the plan with the smallest peak
     stage memory (minimize="memory"); None when nothing is feasible."""
+    split = backward_split(space, options)
+    if memory_needs_stage_count(options, minimize):
+        counts = range(1, min(space.num_positions, topology.num_devices) + 1)
+        runs = [_search(space, topology, dataclasses.replace(options, num_stages=k), scale, minimize, split)
+                for k in counts]
+    else:
+        runs = [_search(space, topology, options, scale, minimize, split)]
+    found = [run for run in runs if run is not None]
+    if not found:
+        return None
+    return min(found, key=lambda run: run[0])[1]
+
+
+SearchKey = tuple[float, int, int, int]
+"""(objective, devices used, stage count - 1, -anchor): the smallest wins."""
+
+
+def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float, minimize: str,
+            split: SplitShares | None) -> tuple[SearchKey, SearchResult] | None:
     n, total = space.num_positions, topology.num_devices
     layered = needs_stage_axis(options)
     max_stages = min(n, total) if options.num_stages is None else options.num_stages
     num_layers = max_stages if layered else 1
     align = 1 if topology.is_uniform else topology.alignment
-    best: tuple[float, int, int, int] | None = None
+    best: SearchKey | None = None
     runs = {}
     for anchor in _anchors(topology, options):
         costs = PdCosts(space, topology, options, scale, anchor, num_layers)
@@ -209,7 +255,9 @@ def pd_search(space: SplitSpace, topology: Topology, options: PlanOptions, scale
                     break
                 v = float(value[t, 0, d])
                 if minimize == "time" and layered:
-                    v *= float(bubble_factor(options.schedule, options.num_microbatches, t + 1))
+                    if best is not None and v > best[0]:
+                        continue  # the bubble factor is >= 1: this count cannot win
+                    v *= float(bubble_factor(options.schedule, options.num_microbatches, t + 1, split))
                 key = (v, d, t, -anchor)
                 if np.isfinite(v) and (best is None or key < best):
                     best = key
@@ -221,4 +269,4 @@ def pd_search(space: SplitSpace, topology: Topology, options: PlanOptions, scale
     for start, end, r, d in trace_back(value, layered, options.straight, fn, t, d_used):
         first = d_used - d
         stages.append(StageChoice(start, end, r, tuple(range(first, first + r))))
-    return SearchResult(tuple(stages), v)
+    return best, SearchResult(tuple(stages), v)

@@ -6,6 +6,9 @@ an end. With eager sends (the default) a send does not hold its process: the dat
 arrives `comm_ms` after the send starts, and the receive waits for it. With rendezvous
 sends both sides are busy for `comm_ms` from when both are ready. An all-reduce starts
 when every replica reaches it. Weight stashing and data loading are taken as free.
+Eager sends replay the lists built for a transport whose sends never wait (`sends_first`,
+what the CPU runtime runs). With `split_backward` a Backward costs `bwd_ms - wgrad_ms`
+and its WeightGrads `wgrad_ms`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Sequence
 from pdcli.runtime.checker import SendMode, Slot, lockstep
 from pdcli.runtime.schedule import (
     Action, AllReduceGrads, Backward, Forward, OptimizerStep, RecvActivations, RecvGrads,
-    ScheduleSpec, SendActivations, SendGrads, build_all,
+    ScheduleSpec, SendActivations, SendGrads, WeightGrads, build_all,
 )
 
 
@@ -34,6 +37,8 @@ class StageCost:
     """One optimizer step."""
     allreduce_ms: float = 0.0
     """One all-reduce of the stage's gradients over its replicas."""
+    wgrad_ms: float = 0.0
+    """The part of `bwd_ms` a split backward defers to WeightGrads (Linear weight gradients)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class Simulation:
     num_microbatches microbatches each, whatever the schedule), measured over the
     second half of the run; the makespan when the run has one minibatch."""
     bubble_fraction: float
-    """Share of the ranks' time not spent in forward or backward."""
+    """Share of the ranks' time not spent in forward or backward (or WeightGrads)."""
 
 
 def _duration_ms(spec: ScheduleSpec, stage_id: int, action: Action,
@@ -67,7 +72,9 @@ def _duration_ms(spec: ScheduleSpec, stage_id: int, action: Action,
     if isinstance(action, Forward):
         return cost.fwd_ms
     if isinstance(action, Backward):
-        return cost.bwd_ms
+        return cost.bwd_ms - cost.wgrad_ms if spec.split_backward else cost.bwd_ms
+    if isinstance(action, WeightGrads):
+        return cost.wgrad_ms
     if isinstance(action, OptimizerStep):
         return cost.optimizer_ms
     if isinstance(action, AllReduceGrads):
@@ -85,7 +92,7 @@ def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
     """Time the action lists of `spec` (built here unless given) with `costs[stage_id]`."""
     if len(costs) != spec.num_stages:
         raise ValueError(f"{len(costs)} stage costs for {spec.num_stages} stages")
-    lists = lists_by_rank if lists_by_rank is not None else build_all(spec)
+    lists = lists_by_rank if lists_by_rank is not None else build_all(spec, eager_sends=send_mode is SendMode.EAGER)
     stages = [spec.stage_replica_of(rank)[0] for rank in range(spec.num_ranks)]
     clock_ms = [0.0] * spec.num_ranks
     arrival_ms: dict[Slot, float] = {}
@@ -112,13 +119,13 @@ def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
 
 def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]]) -> Simulation:
     makespan_ms = max((t.end_ms for rank in timed for t in rank), default=0.0)
-    done_ms = [0.0] * spec.num_steps  # when the last backward of each minibatch ends
+    done_ms = [0.0] * spec.num_steps  # when the last backward (or W) of each minibatch ends
     busy_ms = 0.0
     for rank in timed:
         for t in rank:
-            if isinstance(t.action, (Forward, Backward)):
+            if isinstance(t.action, (Forward, Backward, WeightGrads)):
                 busy_ms += t.end_ms - t.start_ms
-            if isinstance(t.action, Backward):
+            if isinstance(t.action, (Backward, WeightGrads)):
                 minibatch = t.action.microbatch_id // spec.num_microbatches
                 done_ms[minibatch] = max(done_ms[minibatch], t.end_ms)
     if spec.num_steps == 1:

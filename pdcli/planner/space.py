@@ -61,6 +61,9 @@ class SplitSpace:
     calibration_ratio: float | None = None
     """Whole fwd+bwd step / sum of the positions' (`meta.calibration.ratio`); None = unknown.
     What the cost model makes of it: `pdcli.planner.costs.compute_calibration`."""
+    covered_wgrad_ms: np.ndarray | None = None
+    """Of covered_bwd_ms, the weight gradients a split backward defers (each position's
+    `wgrad_ms`, at most its `bwd_ms`); None = not measured (0: PipeDream graphs)."""
 
     @classmethod
     def from_chain(cls, chain: Chain) -> "SplitSpace":
@@ -116,6 +119,7 @@ class SplitSpace:
             covered_optimizer_state_bytes=cum([x.optimizer_state_bytes for x in nodes]),
             optimizer_step_overhead_ms=overhead_ms,
             calibration_ratio=float(ratio) if ratio is not None else None,
+            covered_wgrad_ms=cum([min(max(x.wgrad_ms, 0.0), x.bwd_ms) for x in nodes]),
         )
 
     # -- ranges ---------------------------------------------------------------------------

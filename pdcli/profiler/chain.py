@@ -33,6 +33,11 @@ class ChainNode:
     (0 without parameters, and in profiles written before it was measured)."""
     optimizer_state_bytes: int = 0
     """Bytes of optimizer state for this position's parameters (momentum, Adam's moments)."""
+    wgrad_ms: float = 0.0
+    """Of `bwd_ms`, the weight-gradient part a split backward defers to WeightGrads: the
+    `g^T x` matmul of an `nn.Linear` layer (pdcli.runtime.wgrad; of each one a leaf module
+    such as `nn.TransformerEncoderLayer` runs); 0 for every other position and in older
+    profiles."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from pdcli.profiler.sizes import (
 )
 from pdcli.profiler.summary import SHAPE_SEPARATOR, summarize  # noqa: F401  (the CLI imports summarize from here)
 from pdcli.profiler.trace import chain_order, trace_model
+from pdcli.runtime.wgrad import DeferredWeightGrads
 
 CREATED_BY = "pd profile"
 LABEL_MAX_CHARS = 72
@@ -52,6 +53,8 @@ class NodeTiming:
     bwd_ms: float
     saved_bytes: int
     """Bytes of the distinct storages its forward saved for backward (parameters excluded)."""
+    wgrad_ms: float = 0.0
+    """Of `bwd_ms`, the weight gradients a split backward defers (see `time_weight_grads`)."""
 
 
 def profile_model(
@@ -72,8 +75,10 @@ def profile_model(
 
     Position i is `chain_order(trace_model(model))[i]`. Every position is run alone on its
     recorded inputs: `warmup` untimed runs, then the median of `repeats` timed forwards and
-    of `repeats` timed backwards. The whole model's step (forward, loss, backward) is
-    timed the same way and recorded as `meta.calibration`. With `optimizer_factory` (the
+    of `repeats` timed backwards; for a module that runs `nn.Linear` layers, the part of the
+    backward a split backward defers is timed on its own (`time_weight_grads`). The whole
+    model's step (forward, loss, backward) is timed the same way and recorded as
+    `meta.calibration`. With `optimizer_factory` (the
     configured optimizer, built as the runtime builds it) each position's optimizer step is
     timed on its own parameters (`pdcli.profiler.optim_cost`) and the fixed cost of a step
     is recorded as `meta.optimizer.step_overhead_ms`.
@@ -109,6 +114,7 @@ def profile_model(
                     backward_memory_bytes=timing.saved_bytes,
                     optimizer_ms=optim.step_ms,
                     optimizer_state_bytes=optim.state_bytes,
+                    wgrad_ms=timing.wgrad_ms,
                 )
             )
             bar.update()
@@ -172,7 +178,8 @@ def time_node(
     floating point and computed by the model (model inputs do not, as in training), so the
     backward computes exactly the gradients training needs. The backward is seeded with
     ones of each output's shape; outputs without a grad_fn (integers, sizes, inputs
-    passed through) have no backward.
+    passed through) have no backward. `bwd_ms` is the whole (unsplit) backward; a
+    `call_module` node's weight gradients are then timed apart (`time_weight_grads`).
     """
     copy_inputs = is_inplace(gm, node)
     used_params = used_parameters(gm, node, values)
@@ -217,7 +224,65 @@ def time_node(
         if iteration >= warmup:
             fwd_samples.append(fwd_ms)
             bwd_samples.append(bwd_ms)
-    return NodeTiming(_median(fwd_samples), _median(bwd_samples), sum(saved.values()))
+    bwd_ms = _median(bwd_samples)
+    wgrad_ms = 0.0
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        # W is part of the backward: timed apart, a tiny layer's W can come out above its
+        # whole backward by the per-call overhead, which the planner must not subtract
+        wgrad_ms = min(time_weight_grads(gm, node, module, values, copy_inputs, clock, warmup, repeats), bwd_ms)
+    return NodeTiming(_median(fwd_samples), bwd_ms, sum(saved.values()), wgrad_ms)
+
+
+def time_weight_grads(
+    gm: fx.GraphModule,
+    node: fx.Node,
+    module: torch.nn.Module,
+    values: Mapping[fx.Node, Any],
+    copy_inputs: bool,
+    clock: Clock,
+    warmup: int,
+    repeats: int,
+) -> float:
+    """Median time of the WeightGrads of `node` (a call of `module`): the `g^T x` matmuls of the
+    `nn.Linear` layers its forward runs, which a split backward leaves to a later action.
+
+    As the runtime does it (`pdcli.runtime.wgrad`): the layers are patched, each run's
+    forward and backward (untimed) file their (x, g) pairs, and `apply` is timed. 0 when
+    nothing was deferred: no Linear layer, or none reached through its forward (e.g.
+    `nn.MultiheadAttention` reads its `out_proj` weight directly). Costs `warmup + repeats`
+    more forward/backward runs of each such position.
+    """
+    deferred = DeferredWeightGrads(module)
+    if not deferred.layers:
+        return 0.0
+    params = list(module.parameters())
+    samples: list[float] = []
+    deferred.install()
+    try:
+        for iteration in range(warmup + repeats):
+            args, kwargs = node_inputs(node, values, copy_inputs)
+            out = call_node(gm, node, args, kwargs)
+            roots = [t for t in iter_tensors(out) if t.grad_fn is not None]
+            if roots:
+                with deferred.collecting(0):
+                    torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+            if not deferred.held(0):
+                return 0.0
+            clock.sync()
+            clock.start()
+            deferred.apply(0)
+            wgrad_ms = clock.stop()
+            for p in params:
+                p.grad = None
+            if iteration >= warmup:
+                samples.append(wgrad_ms)
+    finally:
+        deferred.uninstall()
+        deferred.pending.clear()
+        for p in params:
+            p.grad = None
+    return _median(samples)
 
 
 def time_step(

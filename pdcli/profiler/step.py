@@ -58,10 +58,16 @@ def cpu_threads_per_worker(cfg: Config) -> int:
     return max(1, cores // max(cfg.num_devices, 1))
 
 
+MEASURES = 2
+"""What the profiler measures, counted up when it measures more (2: each position's
+`wgrad_ms`), so a run directory profiled by an older pd is measured again, not reused."""
+
+
 def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | None) -> str:
     """Hash of everything the profile depends on: model, data, optimizer, profile settings,
-    batch, device."""
+    batch, device, and what the profiler measures."""
     section: dict[str, Any] = {
+        "measures": MEASURES,
         "model": asdict(cfg.model),
         "data": asdict(cfg.data),
         "optim": asdict(cfg.optim),

@@ -74,6 +74,8 @@ def summarize(chain: Chain, top: int = 10) -> str:
             ["positions", len(chain)],
             ["forward", f"{sum(n.fwd_ms for n in chain.nodes):.3f} ms"],
             ["backward", f"{sum(n.bwd_ms for n in chain.nodes):.3f} ms"],
+            ["weight grads", f"{sum(n.wgrad_ms for n in chain.nodes):.3f} ms of the backward (nn.Linear layers: "
+                             f"a split backward runs them later, in WeightGrads)"],
             ["activations", format_bytes(sum(n.activation_bytes for n in chain.nodes))],
             ["parameters", format_bytes(sum(n.parameter_bytes for n in chain.nodes))],
             ["model inputs", format_bytes(chain.input_bytes)],

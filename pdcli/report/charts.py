@@ -14,7 +14,7 @@ matplotlib.use("Agg")  # before pyplot: no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from pdcli.report.measured import COMM, IDLE, RankTrace, completion_times_ms  # noqa: E402
+from pdcli.report.measured import COMM, IDLE, WEIGHT_GRADS, RankTrace, completion_times_ms  # noqa: E402
 from pdcli.rundir import atomic_save  # noqa: E402
 
 TIMELINE_FILE = "timeline.png"
@@ -25,12 +25,15 @@ OTHER_COMPUTE = "other compute"
 KIND_COLORS = {
     "Forward": "tab:blue",
     "Backward": "tab:green",
+    WEIGHT_GRADS: "tab:olive",
     "OptimizerStep": "tab:purple",
     OTHER_COMPUTE: "tab:gray",
     COMM: "tab:red",
     IDLE: "#dddddd",
 }
 """Legend order; actions not named here are drawn by their category."""
+OPTIONAL_KINDS = (WEIGHT_GRADS,)
+"""In the legend only when the run has them (split backward)."""
 
 
 def _kind(name: str, category: str) -> str:
@@ -56,6 +59,7 @@ def draw_timeline(ranks: dict[int, RankTrace], num_microbatches: int, stage_rank
     start_ms, end_ms, first = timeline_window_ms(completion_times_ms(first_stage, num_microbatches), start_step, num_steps)
     order = sorted(ranks)
     fig, ax = plt.subplots(figsize=(13, 1.6 + 0.6 * max(len(order), 1)))
+    present = {s.name for trace in ranks.values() for s in trace.spans}
     for row, rank in enumerate(order):
         bars: dict[str, list[tuple[float, float]]] = {}
         for s in ranks[rank].spans:
@@ -70,7 +74,8 @@ def draw_timeline(ranks: dict[int, RankTrace], num_microbatches: int, stage_rank
     last = first + num_steps
     ax.set_title(f"measured timeline, minibatches {first}..{last - 1} (ms from the end of minibatch {first - 1})"
                  if first > 0 else f"measured timeline, minibatches 0..{last - 1}")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLORS.items()], loc="center left",
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLORS.items()
+                       if k not in OPTIONAL_KINDS or k in present], loc="center left",
               bbox_to_anchor=(1.01, 0.5), fontsize="small")
     fig.tight_layout()
     _save(fig, out)

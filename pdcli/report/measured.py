@@ -25,6 +25,7 @@ METRICS_FILE = "metrics.jsonl"
 TRACE_FILE = "trace.json"
 COMPUTE, COMM, IDLE = "compute", "comm", "idle"  # pdcli.runtime.metrics categories
 BACKWARD = "Backward"  # the action whose end completes a microbatch on the first stage
+WEIGHT_GRADS = "WeightGrads"  # with a split backward, the microbatch's weight gradients come after
 US_PER_MS = 1e3
 
 
@@ -156,11 +157,15 @@ def read_metrics_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def completion_times_ms(first_stage: Sequence[RankTrace], num_microbatches: int) -> list[float]:
-    """When each minibatch completed: the end of the last backward of its microbatches on the
-    first stage. Every schedule runs a replica's backwards oldest first, so the k-th backward
-    to end belongs to microbatch k."""
-    ends_ms = sorted(s.end_ms for r in first_stage for s in r.spans if s.name == BACKWARD)
-    return [ends_ms[(t + 1) * num_microbatches - 1] for t in range(len(ends_ms) // num_microbatches)]
+    """When each minibatch completed: the end of the last backward (and, with a split backward,
+    the last WeightGrads) of its microbatches on the first stage, as the simulator counts it.
+    Every schedule runs a replica's backwards oldest first, and its WeightGrads too, so the
+    k-th backward (WeightGrads) to end belongs to microbatch k."""
+    per_name = [sorted(s.end_ms for r in first_stage for s in r.spans if s.name == name)
+                for name in (BACKWARD, WEIGHT_GRADS)]
+    ends_ms = [ends for ends in per_name if ends]
+    count = min((len(ends) for ends in ends_ms), default=0) // num_microbatches
+    return [max(ends[(t + 1) * num_microbatches - 1] for ends in ends_ms) for t in range(count)]
 
 
 def steady_time_per_minibatch_ms(first_stage: Sequence[RankTrace], num_microbatches: int) -> float | None:

@@ -7,6 +7,11 @@ derived from them and gives the idle time (pipeline bubble) of every rank. The p
 predicted compute = forward + backward + optimizer steps, as the runtime measures compute.
 Plans made before the optimizer was modelled have no `optimizer_ms`: it counts 0. Data
 loading and weight stashing are not modelled: they cost 0 here.
+
+A plan made for a split backward (`inputs.split_backward`; absent in older plans: unsplit)
+is replayed with its WeightGrads actions: a Backward costs the plan's `bwd_ms` less its
+`wgrad_ms` (0 when the plan has none), a WeightGrads the `wgrad_ms`, and both count as
+compute.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcli.planner.costs import updates_per_minibatch
+from pdcli.planner.options import FLUSH_SCHEDULES
 from pdcli.planner.simulator import StageCost, simulate
-from pdcli.runtime.schedule import Backward, Forward, OptimizerStep, ScheduleSpec
+from pdcli.runtime.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads
 
 MAX_SIMULATED_STEPS = 200
 """Longer runs are simulated over this many minibatches (per-minibatch values barely change)."""
@@ -42,6 +48,9 @@ class PredictedStage:
     """Simulated makespan per minibatch."""
     optimizer_ms: float = 0.0
     """Optimizer steps per minibatch (part of compute_ms)."""
+    wgrad_ms: float = 0.0
+    """Of bwd_ms, the weight gradients a split backward defers to WeightGrads (0: none, or an
+    older plan)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -57,8 +66,10 @@ class Predicted:
     throughput_samples_per_s: float
     simulated_time_per_minibatch_ms: float
     bubble_fraction: float
-    """Simulated: share of all ranks' time outside forward and backward."""
+    """Simulated: share of all ranks' time outside forward and backward (and WeightGrads)."""
     num_simulated_steps: int
+    split_backward: bool = False
+    """The plan (and so the simulation) splits the backward."""
 
 
 def stage_costs(plan: dict[str, Any], schedule: str, num_microbatches: int) -> list[StageCost]:
@@ -71,12 +82,19 @@ def stage_costs(plan: dict[str, Any], schedule: str, num_microbatches: int) -> l
         # sync_ms, optimizer_ms: one all-reduce and one step per minibatch, pipedream: one
         # per round of r microbatches
         rounds = float(updates_per_minibatch(schedule, num_microbatches, r))
+        bwd_ms = float(p["bwd_ms"]) / num_microbatches
         costs.append(StageCost(
-            fwd_ms=float(p["fwd_ms"]) / num_microbatches, bwd_ms=float(p["bwd_ms"]) / num_microbatches,
+            fwd_ms=float(p["fwd_ms"]) / num_microbatches, bwd_ms=bwd_ms,
             comm_ms=comm_ms, optimizer_ms=float(p.get("optimizer_ms", 0.0)) / rounds,
             allreduce_ms=float(p["sync_ms"]) / rounds,
+            wgrad_ms=min(float(p.get("wgrad_ms", 0.0)) / num_microbatches, bwd_ms),
         ))
     return costs
+
+
+def plan_splits_backward(plan: dict[str, Any], schedule: str) -> bool:
+    """Whether the run of `plan` with `schedule` split its backward (`inputs.split_backward`)."""
+    return bool(plan.get("inputs", {}).get("split_backward", False)) and schedule in FLUSH_SCHEDULES
 
 
 def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_steps: int,
@@ -84,7 +102,9 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
     """The plan's numbers for a run of `num_steps` minibatches of `schedule`."""
     steps = max(1, min(num_steps, MAX_SIMULATED_STEPS))
     replicas = [int(s["replicas"]) for s in plan["stages"]]
-    spec = ScheduleSpec.make(schedule, len(replicas), num_microbatches, steps, replicas, vertical_sync)
+    split = plan_splits_backward(plan, schedule)
+    spec = ScheduleSpec.make(schedule, len(replicas), num_microbatches, steps, replicas, vertical_sync,
+                             split_backward=split)
     sim = simulate(spec, stage_costs(plan, schedule, num_microbatches))
     stages = []
     for stage_id, stage in enumerate(plan["stages"]):
@@ -92,13 +112,14 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
         optimizer_ms = float(p.get("optimizer_ms", 0.0))
         busy_ms = [
             sum(t.end_ms - t.start_ms for t in sim.timeline[spec.rank_of(stage_id, replica)]
-                if isinstance(t.action, (Forward, Backward, OptimizerStep)))
+                if isinstance(t.action, (Forward, Backward, WeightGrads, OptimizerStep)))
             for replica in range(replicas[stage_id])
         ]
         idle_ms = sim.makespan_ms - sum(busy_ms) / len(busy_ms)
         stages.append(PredictedStage(
             stage_id=stage_id, replicas=replicas[stage_id], fwd_ms=float(p["fwd_ms"]), bwd_ms=float(p["bwd_ms"]),
             compute_ms=float(p["compute_ms"]) + optimizer_ms, optimizer_ms=optimizer_ms,
+            wgrad_ms=float(p.get("wgrad_ms", 0.0)),
             comm_ms=float(p["comm_in_ms"]) + float(p["comm_out_ms"]) + float(p["sync_ms"]),
             idle_ms=idle_ms / steps, stage_time_ms=float(p["stage_time_ms"]), wall_ms=sim.makespan_ms / steps,
         ))
@@ -107,5 +128,5 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
         stages=tuple(stages), time_per_minibatch_ms=float(pipeline["time_per_minibatch_ms"]),
         throughput_samples_per_s=float(pipeline["throughput_samples_per_s"]),
         simulated_time_per_minibatch_ms=sim.time_per_minibatch_ms, bubble_fraction=sim.bubble_fraction,
-        num_simulated_steps=steps,
+        num_simulated_steps=steps, split_backward=split,
     )

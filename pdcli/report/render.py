@@ -9,6 +9,7 @@ from typing import Any
 from tabulate import tabulate
 
 from pdcli.report.compare import Comparison, relative_pct
+from pdcli.report.measured import WEIGHT_GRADS
 from pdcli.runtime.schedule import PIPEDREAM
 
 TEXT, MARKDOWN, JSON = "text", "markdown", "json"
@@ -51,21 +52,33 @@ STAGE_HEADERS = ["stage", "replicas", "compute ms", "comm ms", "idle ms", "stage
 
 
 MAIN_ACTIONS = ("Forward", "Backward", "OptimizerStep")
+SPLIT_ACTIONS = ("Forward", "Backward", WEIGHT_GRADS, "OptimizerStep")
+"""MAIN_ACTIONS of a run with a split backward: its Backward leaves the weight gradients to WeightGrads."""
+
+
+def has_weight_grads(c: Comparison) -> bool:
+    """The run traced WeightGrads actions (a split backward)."""
+    return any(WEIGHT_GRADS in s.measured.actions_ms for s in c.stages)
 
 
 def action_rows(c: Comparison) -> list[list[str]]:
-    """Where a stage's measured compute goes (ms per minibatch), beside the plan's fwd/bwd."""
+    """Where a stage's measured compute goes (ms per minibatch), beside the plan's fwd/bwd (and,
+    with WeightGrads, the plan's bwd less its wgrad beside Backward, its wgrad beside WeightGrads)."""
+    split = has_weight_grads(c)
     rows = []
     for s in c.stages:
         m, p = s.measured, s.predicted
-        main = [m.actions_ms.get(name) for name in MAIN_ACTIONS]
+        main = [m.actions_ms.get(name) for name in (SPLIT_ACTIONS if split else MAIN_ACTIONS)]
         other = m.compute_ms - sum(x or 0.0 for x in main) if m.actions_ms else None
-        rows.append([str(s.stage_id), _ms(p.fwd_ms / p.replicas), _ms(p.bwd_ms / p.replicas), _ms(p.optimizer_ms),
+        plan = [p.fwd_ms, p.bwd_ms - p.wgrad_ms, p.wgrad_ms] if split else [p.fwd_ms, p.bwd_ms]
+        rows.append([str(s.stage_id), *(_ms(x / p.replicas) for x in plan), _ms(p.optimizer_ms),
                      *map(_ms, main), _ms(other)])
     return rows
 
 
 ACTION_HEADERS = ["stage", "plan fwd", "plan bwd", "plan optim", "Forward", "Backward", "OptimizerStep", "other compute"]
+SPLIT_ACTION_HEADERS = ["stage", "plan fwd", "plan bwd", "plan wgrad", "plan optim", "Forward", "Backward", WEIGHT_GRADS,
+                        "OptimizerStep", "other compute"]
 
 
 def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> str:
@@ -78,7 +91,8 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     if fmt == MARKDOWN:
         lines.append(f"## pd report: `{run_dir}`\n")
     lines.append(
-        f"{m.schedule}, {len(c.stages)} stages, {m.num_steps} minibatches of {m.batch_size} samples "
+        f"{m.schedule}{' with split backward' if p.split_backward or has_weight_grads(c) else ''}, "
+        f"{len(c.stages)} stages, {m.num_steps} minibatches of {m.batch_size} samples "
         f"({m.num_microbatches} microbatches each{PIPEDREAM_NOTE if m.schedule == PIPEDREAM else ''}); "
         f"final loss {m.final_loss:.4f}" + ("" if m.final_accuracy is None else f", accuracy {m.final_accuracy:.3f}")
     )
@@ -99,8 +113,12 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     ]
     lines.append(tabulate(pipeline, headers=["pipeline", "predicted", "measured", "diff"], tablefmt=table_fmt, disable_numparse=True))
     lines.append("")
-    lines.append("measured compute per action, ms per minibatch (other: data loads, weight stashing, loss; the plan has no term for them):")
-    lines.append(tabulate(action_rows(c), headers=ACTION_HEADERS, tablefmt=table_fmt, disable_numparse=True))
+    split = has_weight_grads(c)
+    lines.append("measured compute per action, ms per minibatch (other: data loads, weight stashing, loss; the plan has no term for them"
+                 + ("; split backward: Backward and plan bwd leave the weight gradients to WeightGrads and plan wgrad" if split else "")
+                 + "):")
+    lines.append(tabulate(action_rows(c), headers=SPLIT_ACTION_HEADERS if split else ACTION_HEADERS, tablefmt=table_fmt,
+                          disable_numparse=True))
     lines.append("")
     if c.drift is None:
         lines.append(f"no drift: every stage time is within {c.threshold_pct:g}% of the plan")
@@ -129,7 +147,7 @@ def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, 
             "stage_id": s.stage_id, "replicas": s.measured.replicas,
             "predicted": {"compute_ms": s.predicted.compute_ms, "comm_ms": s.predicted.comm_ms, "idle_ms": s.predicted.idle_ms,
                           "stage_time_ms": s.predicted.stage_time_ms, "fwd_ms": s.predicted.fwd_ms, "bwd_ms": s.predicted.bwd_ms,
-                          "bubble_fraction": s.predicted.bubble_fraction},
+                          "wgrad_ms": s.predicted.wgrad_ms, "bubble_fraction": s.predicted.bubble_fraction},
             "measured": {"compute_ms": s.measured.compute_ms, "comm_ms": s.measured.comm_ms, "idle_ms": s.measured.idle_ms,
                          "stage_time_ms": s.measured.stage_time_ms, "wall_ms": s.measured.wall_ms,
                          "bubble_fraction": s.measured.bubble_fraction, "actions_ms": s.measured.actions_ms},
@@ -141,7 +159,8 @@ def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, 
         "pipeline": {
             "predicted": {"time_per_minibatch_ms": p.time_per_minibatch_ms,
                           "simulated_time_per_minibatch_ms": p.simulated_time_per_minibatch_ms,
-                          "throughput_samples_per_s": p.throughput_samples_per_s, "bubble_fraction": p.bubble_fraction},
+                          "throughput_samples_per_s": p.throughput_samples_per_s, "bubble_fraction": p.bubble_fraction,
+                          "split_backward": p.split_backward},
             "measured": {"time_per_minibatch_ms": m.time_per_minibatch_ms,
                          "steady_time_per_minibatch_ms": m.steady_time_per_minibatch_ms,
                          "samples_per_s": m.samples_per_s, "bubble_fraction": _measured_bubble(c),

@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 from pdcli.runtime.schedule import (
     ACTION_TYPES, Action, AllReduceGrads, Backward, Forward, FreeWeights, LoadMicrobatch,
     OptimizerStep, RecvActivations, RecvGrads, ScheduleSpec, SendActivations, SendGrads,
-    PIPEDREAM, StashDepth, StashWeights, replica_for,
+    PIPEDREAM, StashDepth, StashWeights, WeightGrads, replica_for,
 )
 
 Slot = tuple[int, int]  # (rank, index of the action in that rank's list)
@@ -138,6 +138,7 @@ class _Process:
     loaded: set[int] = field(default_factory=set)
     received: set[tuple[type, int]] = field(default_factory=set)
     in_flight: dict[int, int] = field(default_factory=dict)  # mb -> weight version
+    deferred: set[int] = field(default_factory=set)  # split_backward: backwarded, WeightGrads to come
     forwarded: set[int] = field(default_factory=set)
     backwarded: set[int] = field(default_factory=set)
     grads: set[int] = field(default_factory=set)  # microbatches in .grad since the last step
@@ -187,7 +188,7 @@ def check_schedules(lists_by_rank: Sequence[Sequence[Action]], spec: ScheduleSpe
 def _apply(spec: ScheduleSpec, p: _Process, action: Action) -> str | None:
     """Update `p` with one completed action; a description of what is wrong, if anything."""
     problem = _apply_unchecked_depth(spec, p, action)
-    versions, activation_sets = len(p.stash | {p.version}), len(p.in_flight)
+    versions, activation_sets = len(p.stash | {p.version}), len(p.in_flight) + len(p.deferred)
     p.max_versions = max(p.max_versions, versions)
     p.max_activation_sets = max(p.max_activation_sets, activation_sets)
     if problem is None and versions > p.declared.weight_versions:
@@ -234,8 +235,15 @@ def _apply_unchecked_depth(spec: ScheduleSpec, p: _Process, a: Action) -> str | 
         if not last and (RecvGrads, mb) not in p.received:
             return "backward before RecvGrads"
         p.backwarded.add(mb)
-        p.grads.add(mb)
+        (p.deferred if spec.split_backward else p.grads).add(mb)
         return _version_problem(spec, p, a, live_only=False)
+    elif isinstance(a, WeightGrads):
+        if a.microbatch_id not in p.deferred:
+            return "WeightGrads without a split Backward waiting for it"
+        if p.deferred and a.microbatch_id != min(p.deferred):
+            return f"WeightGrads out of microbatch order (waiting: {sorted(p.deferred)})"
+        p.deferred.discard(a.microbatch_id)
+        p.grads.add(a.microbatch_id)
     elif isinstance(a, StashWeights):
         if a.version != p.version or a.version in p.stash:
             return f"stashes version {a.version}, live is {p.version}, stash {sorted(p.stash)}"
@@ -249,6 +257,8 @@ def _apply_unchecked_depth(spec: ScheduleSpec, p: _Process, a: Action) -> str | 
             return "all-reduce on a stage without replicas"
         if a.step != p.version:
             return f"all-reduce for step {a.step} while at version {p.version}"
+        if p.deferred:
+            return f"all-reduce before the WeightGrads of {sorted(p.deferred)}"
     elif isinstance(a, OptimizerStep):
         return _step_problem(spec, p, a)
     return None
@@ -267,6 +277,8 @@ def _version_problem(spec: ScheduleSpec, p: _Process, a: Forward | Backward,
 
 
 def _step_problem(spec: ScheduleSpec, p: _Process, a: OptimizerStep) -> str | None:
+    if p.deferred:
+        return f"optimizer step before the WeightGrads of {sorted(p.deferred)}"
     replicated = spec.replicas[p.stage_id] > 1
     covered = p.reduced if replicated else frozenset(p.grads)
     expected = frozenset(spec.microbatches_of_step(p.stage_id, a.step))
@@ -293,6 +305,7 @@ def _final_problems(spec: ScheduleSpec, p: _Process) -> list[str]:
                         f"expected {sorted(own)}")
     if p.version != spec.num_optimizer_steps(p.stage_id):
         problems.append(f"took {p.version} steps, expected {spec.num_optimizer_steps(p.stage_id)}")
-    if p.stash or p.grads:
-        problems.append(f"ends with stash {sorted(p.stash)} and gradients of {sorted(p.grads)}")
+    if p.stash or p.grads or p.deferred:
+        problems.append(f"ends with stash {sorted(p.stash)}, gradients of {sorted(p.grads)} and "
+                        f"deferred weight gradients of {sorted(p.deferred)}")
     return problems

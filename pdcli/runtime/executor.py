@@ -35,12 +35,13 @@ from pdcli.runtime.placement import Placement
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.watchdog import FAULT_ENV, Heartbeat, inject_fault, parse_fault
 from pdcli.runtime.weights import WeightVersions
+from pdcli.runtime.wgrad import DeferredWeightGrads
 
 RECV_LOOKAHEAD_ACTIONS = 16
 FP16_LOSS_SCALE = 1024.0  # static; an overflow stops training with a clear error
 
 CATEGORY: dict[type, str] = {
-    S.LoadMicrobatch: COMPUTE, S.Forward: COMPUTE, S.Backward: COMPUTE, S.OptimizerStep: COMPUTE,
+    S.LoadMicrobatch: COMPUTE, S.Forward: COMPUTE, S.Backward: COMPUTE, S.WeightGrads: COMPUTE, S.OptimizerStep: COMPUTE,
     S.StashWeights: COMPUTE, S.FreeWeights: COMPUTE, S.SendActivations: COMM, S.SendGrads: COMM,
     S.AllReduceGrads: COMM, S.RecvActivations: IDLE, S.RecvGrads: IDLE,
 }
@@ -119,7 +120,8 @@ class Executor:
         self.handlers: dict[type, Callable[[Any], None]] = {
             S.LoadMicrobatch: self.load_microbatch, S.RecvActivations: self.recv_activations,
             S.Forward: self.forward, S.SendActivations: self.send_activations, S.RecvGrads: self.recv_grads,
-            S.Backward: self.backward, S.SendGrads: self.send_grads, S.StashWeights: self.stash_weights,
+            S.Backward: self.backward, S.SendGrads: self.send_grads, S.WeightGrads: self.weight_grads,
+            S.StashWeights: self.stash_weights,
             S.FreeWeights: self.free_weights, S.AllReduceGrads: self.all_reduce_grads,
             S.OptimizerStep: self.optimizer_step,
         }
@@ -133,6 +135,9 @@ class Executor:
         self.rng_states: dict[int, Tensor] = {}
         self.out_grads: dict[int, dict[str, Tensor]] = {}
         self.in_grads: dict[int, dict[str, Tensor]] = {}
+        # split backward (WeightGrads in the list): Linear layers leave their weight gradients to W
+        self.deferred = (DeferredWeightGrads(ctx.module).install()
+                         if any(isinstance(a, S.WeightGrads) for a in actions) else None)
         self.steps_done = 0
         self.loss_scale = FP16_LOSS_SCALE if ctx.precision == "fp16" else 1.0
         self._recv_positions = [i for i, a in enumerate(actions) if isinstance(a, (S.RecvActivations, S.RecvGrads))]
@@ -286,7 +291,8 @@ class Executor:
                 roots.append(outputs[name])
                 grads.append(g.to(outputs[name].dtype))
         if roots:
-            torch.autograd.backward(roots, grads)
+            with self.deferred.collecting(mb) if self.deferred is not None else contextlib.nullcontext():
+                torch.autograd.backward(roots, grads)
         if leaves is not None:
             self.weights.accumulate(leaves)
         self.in_grads[mb] = {
@@ -296,6 +302,14 @@ class Executor:
         self.batches.pop(mb, None)
         self._note_memory()  # gradients allocated while this microbatch's activations were alive
         self.memory.released(mb)
+        if self.deferred is not None:  # what its WeightGrads needs stays until then
+            self.memory.hold(mb, self.deferred.held(mb), self._weights_of(leaves))
+
+    def weight_grads(self, a: S.WeightGrads) -> None:
+        if self.deferred is not None:
+            self.deferred.apply(a.microbatch_id)
+        self._note_memory()  # the weight gradients a first W allocates
+        self.memory.released(a.microbatch_id)
 
     # ---- communication ------------------------------------------------------------------
     def send_activations(self, a: S.SendActivations) -> None:

@@ -11,7 +11,8 @@ tensors training keeps alive:
 - `activations_bytes`: the peak over time of what the microbatches between their Forward and
   Backward keep: their inputs plus every tensor autograd saves for backward (counted with
   `torch.autograd.graph.saved_tensors_hooks`, once per data pointer, weights excluded),
-  released when the microbatch's Backward ends;
+  released when the microbatch's Backward ends (with a split backward, what its
+  WeightGrads needs, the Linear layers' inputs and output gradients, until that ends);
 - `peak_bytes` (CPU) = parameters + optimizer state + the peak over time of gradients +
   stashed versions + activations. Temporaries inside one forward/backward (intermediate
   gradients, message buffers) are not counted.
@@ -79,6 +80,13 @@ class MemoryTracker:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
+        self.peak_activations_bytes = max(self.peak_activations_bytes, self.activations_bytes)
+
+    def hold(self, microbatch_id: int, tensors: Iterable[Tensor], weights: Iterable[Tensor]) -> None:
+        """Count `tensors` as held for `microbatch_id` until `released` (storages of `weights` excluded)."""
+        exclude = {storage_key(w)[0] for w in weights}
+        for t in tensors:
+            self._add(microbatch_id, t, exclude)
         self.peak_activations_bytes = max(self.peak_activations_bytes, self.activations_bytes)
 
     def released(self, microbatch_id: int) -> None:

@@ -30,7 +30,9 @@ there is a consistent cut and a resumed run (`build_for(..., start_minibatch=t)`
 suffix of the same lists.
 
 Gradients: a Backward adds the gradient of its microbatch's (unscaled) loss to the
-live parameters' `.grad`, whatever version it ran on; AllReduceGrads sums `.grad`
+live parameters' `.grad`, whatever version it ran on (with `split_backward`, gpipe and
+1f1b only: all but the deferred weight gradients, which a later WeightGrads adds);
+AllReduceGrads sums `.grad`
 over the stage's replicas; OptimizerStep divides by the number of microbatches the
 update covers (a mean, so `lr` means what it means without a pipeline), steps, zeroes.
 """
@@ -50,7 +52,7 @@ __all__ = [
     "Action", "ACTION_TYPES", "AllReduceGrads", "Backward", "Forward", "FreeWeights",
     "LoadMicrobatch", "OptimizerStep", "RecvActivations", "RecvGrads", "ScheduleSpec",
     "SCHEDULES", "SendActivations", "SendGrads", "StashDepth", "StashWeights", "sends_first",
-    "UnknownActionError", "build_all", "build_for", "build_schedule", "dispatch",
+    "UnknownActionError", "WeightGrads", "build_all", "build_for", "build_schedule", "dispatch",
     "drain_points", "one_f_one_b", "replica_for", "stash_depth",
 ]
 
@@ -104,14 +106,18 @@ class ScheduleSpec:
     drain_after: tuple[int, ...] = ()
     """Minibatch counts after which the pipeline drains (checkpoint points), increasing,
     inside (0, num_steps); see `drain_points`. No effect on gpipe/1f1b (they always drain)."""
+    split_backward: bool = False
+    """gpipe and 1f1b only: each Backward leaves the weight gradients of its Linear layers
+    to a WeightGrads action placed where the stage would wait (see `_add_weight_grads`)."""
 
     @classmethod
     def make(cls, name: str, num_stages: int, num_microbatches: int, num_steps: int,
              replicas: Sequence[int] | None = None, vertical_sync: bool = False,
-             drain_after: Sequence[int] = ()) -> ScheduleSpec:
+             drain_after: Sequence[int] = (), split_backward: bool = False) -> ScheduleSpec:
         """A spec with `replicas=None` meaning one replica per stage."""
         reps = tuple(replicas) if replicas is not None else (1,) * num_stages
-        return cls(name, num_stages, num_microbatches, num_steps, reps, vertical_sync, tuple(drain_after))
+        return cls(name, num_stages, num_microbatches, num_steps, reps, vertical_sync, tuple(drain_after),
+                   split_backward)
 
     def __post_init__(self) -> None:
         problems = []
@@ -124,6 +130,9 @@ class ScheduleSpec:
             problems.append(f"replicas has {len(self.replicas)} entries for {self.num_stages} stages")
         if self.vertical_sync and self.name != PIPEDREAM:
             problems.append(f"vertical_sync only applies to pipedream, not {self.name!r}")
+        if self.split_backward and self.name not in FLUSH_SCHEDULES:
+            problems.append(f"split_backward only applies to {' and '.join(FLUSH_SCHEDULES)}, not {self.name!r} "
+                            f"(it fills the flush's bubble; {self.name} has none)")
         if list(self.drain_after) != sorted(set(self.drain_after)) or any(
                 not 0 < t < self.num_steps for t in self.drain_after):
             problems.append(f"drain_after {list(self.drain_after)} must increase strictly inside "
@@ -249,14 +258,23 @@ class ScheduleSpec:
         round_index = (microbatch_id - first) // r  # first is a multiple of r (M % r == 0)
         return first // r + max(0, round_index - self.num_in_flight(stage_id) + 1)
 
+    @property
+    def weight_grad_lag(self) -> int:
+        """split_backward: WeightGrads trail their Backward by up to this many microbatches
+        (plus one taken early before each RecvGrads). S, the number of stages, came out
+        best or equal best of per-stage lags 0..S+1 in the simulator for S = 2..4, M = 4..16
+        and W = 1/3 or 1/4 of a microbatch's work; it bounds the extra memory to S
+        microbatches' Linear inputs and output gradients."""
+        return self.num_stages
+
     def stash_depth(self, stage_id: int) -> StashDepth:
         """Weight versions and activation sets one replica of `stage_id` holds at most."""
         per_replica = self.num_microbatches // self.replicas[stage_id]
         in_flight = self.num_in_flight(stage_id)
         if self.name == GPIPE:
             return StashDepth(1, per_replica)
-        if self.name == ONE_F_ONE_B:
-            return StashDepth(1, min(in_flight, per_replica))
+        if self.name == ONE_F_ONE_B:  # split: a microbatch is held until its WeightGrads
+            return StashDepth(1, min(in_flight + (self.weight_grad_lag if self.split_backward else 0), per_replica))
         if self.name == TWO_BW:
             return StashDepth(2, in_flight)
         if not self.vertical_sync:  # one version per microbatch in flight
@@ -333,6 +351,13 @@ class SendGrads:
 
 
 @dataclass(frozen=True)
+class WeightGrads:
+    """live.grad += the weight gradients Backward(mb) deferred (split_backward); free them."""
+
+    microbatch_id: int
+
+
+@dataclass(frozen=True)
 class StashWeights:
     """stash[version] = copy(live weights); the live weights are at `version` right now."""
 
@@ -363,11 +388,11 @@ class OptimizerStep:
 
 Action = Union[
     LoadMicrobatch, RecvActivations, Forward, SendActivations, RecvGrads, Backward,
-    SendGrads, StashWeights, FreeWeights, AllReduceGrads, OptimizerStep,
+    SendGrads, WeightGrads, StashWeights, FreeWeights, AllReduceGrads, OptimizerStep,
 ]
 ACTION_TYPES: tuple[type, ...] = (
     LoadMicrobatch, RecvActivations, Forward, SendActivations, RecvGrads, Backward,
-    SendGrads, StashWeights, FreeWeights, AllReduceGrads, OptimizerStep,
+    SendGrads, WeightGrads, StashWeights, FreeWeights, AllReduceGrads, OptimizerStep,
 )
 
 
@@ -527,8 +552,37 @@ def _add_weight_stashing(actions: list[Action]) -> list[Action]:
     return out
 
 
+def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Action]:
+    """split_backward: a WeightGrads for every Backward, in microbatch order, where it fills time.
+
+    Each Backward's W waits in a queue; the oldest leaves the queue (1) right before a
+    RecvGrads, where the stage would otherwise wait for the next stage's gradient (the
+    pipeline's drain), and (2) when more than `weight_grad_lag` are queued; the rest run
+    before the optimizer step (and its all-reduce), which needs them all. The last stage
+    receives no gradients: its W's trail by the lag and fill the time the other stages
+    spend draining. A stage that never backwards a Linear layer runs empty W's (free).
+    Not before a RecvGrads that a send follows (stream-ordered lists, see `sends_first`):
+    there the W would hold back the next stage's activations.
+    """
+    out: list[Action] = []
+    queued: list[int] = []
+    for index, action in enumerate(actions):
+        if isinstance(action, (OptimizerStep, AllReduceGrads)):
+            out += [WeightGrads(mb) for mb in queued]
+            queued = []
+        elif isinstance(action, RecvGrads) and queued and not (
+                index + 1 < len(actions) and isinstance(actions[index + 1], (SendActivations, SendGrads))):
+            out.append(WeightGrads(queued.pop(0)))
+        out.append(action)
+        if isinstance(action, Backward):
+            queued.append(action.microbatch_id)
+            while len(queued) > spec.weight_grad_lag:
+                out.append(WeightGrads(queued.pop(0)))
+    return out
+
+
 def sends_first(actions: Sequence[Action]) -> list[Action]:
-    """The same list with every send moved ahead of the receives just before it.
+    """The same list with every send moved ahead of the receives (and WeightGrads) just before it.
 
     `_receive_first` puts RecvGrads(b) before SendActivations(b + 1) so that a transport
     that completes messages in posting order on one stream (NCCL) sees both ends in the
@@ -537,12 +591,13 @@ def sends_first(actions: Sequence[Action]) -> list[Action]:
     time: the next stage cannot start forward b + 1 until this stage has received the
     gradient of b. Measured on the 2-stage runtime benchmark: 6-10 ms idle per minibatch
     on each stage. A send depends only on compute before it, so the numerics are the same.
+    A WeightGrads produces nothing a send carries, so a send moves ahead of it too.
     """
     out: list[Action] = []
     for action in actions:
         if isinstance(action, (SendActivations, SendGrads)):
             at = len(out)
-            while at > 0 and isinstance(out[at - 1], (RecvActivations, RecvGrads)):
+            while at > 0 and isinstance(out[at - 1], (RecvActivations, RecvGrads, WeightGrads)):
                 at -= 1
             out.insert(at, action)
         else:
@@ -553,10 +608,12 @@ def sends_first(actions: Sequence[Action]) -> list[Action]:
 # ---- public entry points ------------------------------------------------------------------
 
 
-def build_for(spec: ScheduleSpec, stage_id: int, replica_id: int = 0, start_minibatch: int = 0) -> list[Action]:
+def build_for(spec: ScheduleSpec, stage_id: int, replica_id: int = 0, start_minibatch: int = 0,
+              eager_sends: bool = False) -> list[Action]:
     """The ordered action list of one process (stage `stage_id`, replica `replica_id`);
     with `start_minibatch` = t > 0 (a drain point: a checkpoint to resume from), only the
-    actions after the first t minibatches, whose weights and optimizer state it continues."""
+    actions after the first t minibatches, whose weights and optimizer state it continues.
+    `eager_sends`: for a transport whose sends never wait for the peer (see `sends_first`)."""
     if not 0 <= stage_id < spec.num_stages:
         raise ValueError(f"stage_id {stage_id} out of range (num_stages={spec.num_stages})")
     if not 0 <= replica_id < spec.replicas[stage_id]:
@@ -564,7 +621,12 @@ def build_for(spec: ScheduleSpec, stage_id: int, replica_id: int = 0, start_mini
             f"replica_id {replica_id} out of range (stage {stage_id} has "
             f"{spec.replicas[stage_id]} replicas)")
     compute = _compute_order(spec, stage_id, replica_id)
-    actions = _add_weight_stashing(_add_communication(spec, stage_id, compute))
+    actions = _add_communication(spec, stage_id, compute)
+    if eager_sends:
+        actions = sends_first(actions)
+    if spec.split_backward:
+        actions = _add_weight_grads(spec, actions)
+    actions = _add_weight_stashing(actions)
     return actions if start_minibatch == 0 else _resume_suffix(spec, stage_id, actions, start_minibatch)
 
 
@@ -584,9 +646,9 @@ def _resume_suffix(spec: ScheduleSpec, stage_id: int, actions: list[Action], sta
     return actions[cut:]
 
 
-def build_all(spec: ScheduleSpec) -> list[list[Action]]:
+def build_all(spec: ScheduleSpec, eager_sends: bool = False) -> list[list[Action]]:
     """The action lists of all processes, indexed by rank (`spec.rank_of`)."""
-    return [build_for(spec, *spec.stage_replica_of(rank)) for rank in range(spec.num_ranks)]
+    return [build_for(spec, *spec.stage_replica_of(rank), eager_sends=eager_sends) for rank in range(spec.num_ranks)]
 
 
 def build_schedule(
@@ -600,15 +662,19 @@ def build_schedule(
     vertical_sync: bool = False,
     drain_after: Sequence[int] = (),
     start_minibatch: int = 0,
+    split_backward: bool = False,
+    eager_sends: bool = False,
 ) -> list[Action]:
     """The action list of one process for a run of `num_steps` minibatches.
 
     `replicas[s]` is the replication factor of stage s (None: all 1); `drain_after` the
     drain (checkpoint) points (see `drain_points`); `start_minibatch` a drain point to
-    resume from. Raises UserError on parameters no schedule can run (see `ScheduleSpec`).
+    resume from; `split_backward` (gpipe, 1f1b) adds WeightGrads. Raises UserError on
+    parameters no schedule can run (see `ScheduleSpec`).
     """
-    spec = ScheduleSpec.make(name, num_stages, num_microbatches, num_steps, replicas, vertical_sync, drain_after)
-    return build_for(spec, stage_id, replica_id, start_minibatch)
+    spec = ScheduleSpec.make(name, num_stages, num_microbatches, num_steps, replicas, vertical_sync, drain_after,
+                             split_backward)
+    return build_for(spec, stage_id, replica_id, start_minibatch, eager_sends)
 
 
 def stash_depth(

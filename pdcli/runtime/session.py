@@ -24,7 +24,7 @@ from pdcli.runtime.optim import build_optimizer
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
 from pdcli.runtime.resume import Checkpointer
-from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replica_for, sends_first
+from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replica_for
 from pdcli.runtime.sockets import TRANSPORT_ENV, SocketTransport, socket_transport_possible
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.watchdog import Heartbeat
@@ -92,8 +92,7 @@ def run_session(
     resume_step = checkpoint.read_resume_step(train_dir)  # None: a fresh run
     drains = drain_points(cfg.train.steps, cfg.train.checkpoint_every, extra=[resume_step or 0])
     spec = ScheduleSpec.make(cfg.schedule.name, num_stages, m, cfg.train.steps, placement.replicas,
-                             cfg.schedule.vertical_sync, drains)
-    actions = build_for(spec, stage_id, replica_id, start_minibatch=resume_step or 0)
+                             cfg.schedule.vertical_sync, drains, cfg.schedule.split_backward_on)
     is_last = stage_id == num_stages - 1
     writer_rank = placement.rank(num_stages - 1, 0)
     timeline = Timeline(env.rank, stage_id, replica_id)
@@ -107,8 +106,9 @@ def run_session(
             writer=MetricsLog(train_dir / "metrics.jsonl", append=resume_step is not None) if env.rank == writer_rank else None,
         )
     transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport)
-    if not transport.stream_ordered:
-        actions = sends_first(actions)  # the next stage gets its input before this one waits
+    # eager sends: the next stage gets its input before this one waits (see sends_first)
+    actions = build_for(spec, stage_id, replica_id, start_minibatch=resume_step or 0,
+                        eager_sends=not transport.stream_ordered)
     loss_name = manifest.get("loss", cfg.model.loss)
     ctx = StageContext(
         rank=env.rank, stage_id=stage_id, replica_id=replica_id, module=module, io=io, placement=placement,

@@ -150,12 +150,13 @@ def check_inputs(cfg: Config, plan_json: dict[str, Any], manifest: dict[str, Any
     # build (~1 s per 100k actions); a few minibatches with the run's drain pattern show the same errors.
     steps = min(cfg.train.steps, 2 * max(cfg.train.checkpoint_every, 1) + SCHEDULE_CHECK_MINIBATCHES)
     ScheduleSpec.make(cfg.schedule.name, placement.num_stages, cfg.schedule.num_microbatches, cfg.train.steps,
-                      placement.replicas, cfg.schedule.vertical_sync, drain_points(cfg.train.steps, cfg.train.checkpoint_every))
+                      placement.replicas, cfg.schedule.vertical_sync, drain_points(cfg.train.steps, cfg.train.checkpoint_every),
+                      cfg.schedule.split_backward_on)
     for stage_id, replicas in enumerate(placement.replicas):
         build_schedule(
             cfg.schedule.name, placement.num_stages, stage_id, cfg.schedule.num_microbatches, steps,
             replicas=list(placement.replicas), replica_id=replicas - 1, vertical_sync=cfg.schedule.vertical_sync,
-            drain_after=drain_points(steps, cfg.train.checkpoint_every),
+            drain_after=drain_points(steps, cfg.train.checkpoint_every), split_backward=cfg.schedule.split_backward_on,
         )
     return placement
 

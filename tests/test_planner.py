@@ -541,6 +541,25 @@ def test_split_backward_memory_holds_1f1b_microbatches_until_their_weight_grads(
             assert int(sets) == spec.stash_depth(stage_id).activation_sets, (name, num_stages, m, stage_id)
 
 
+def test_split_backward_waiting_microbatches_hold_no_weight_copy_nor_only_their_input() -> None:
+    # past its Backward a microbatch keeps the Linear inputs and output gradients: not the
+    # half-width weight copy autocast made for it, and all of them even under recompute
+    p, a, inp, m, num_stages, stages_from = 100.0, 80.0, 8.0, 8, 3, 1
+    common = dict(replicas=1, devices_from=stages_from, stages_from=stages_from, num_microbatches=m)
+    half = stage_memory("1f1b", p, a, **common, precision="bf16", split_backward=True, num_stages=num_stages)
+    assert float(half.activations_bytes) == 1 * (a / m + p) / 2 + 3 * (a / m) / 2
+    rec = stage_memory("1f1b", p, a, **common, recompute=True, input_bytes=inp, split_backward=True,
+                       num_stages=num_stages)
+    assert float(rec.activations_bytes) == 1 * inp / m + a / m + 3 * a / m
+    # gpipe's last stage: all inputs held after the forwards, but late in the backwards
+    # three microbatches wait for their W while the fourth one's forward is recomputed
+    m = 4
+    common = dict(replicas=1, devices_from=stages_from, stages_from=stages_from, num_microbatches=m)
+    rec = stage_memory("gpipe", p, a, **common, recompute=True, input_bytes=inp, split_backward=True,
+                       num_stages=num_stages)
+    assert float(rec.activations_bytes) == 1 * inp / m + 3 * a / m + a / m > m * inp / m + a / m
+
+
 def test_split_backward_memory_reaches_the_plan() -> None:
     chain = linear_chain(1.0)
     base = dict(schedule="1f1b", num_microbatches=8, straight=True, num_stages=2)

@@ -1,9 +1,11 @@
 """Baselines of the runtime benchmark, each in a fresh process so thread settings don't leak:
 single-process training (1 thread / all threads) and torch.distributed.pipelining on 2 ranks.
 
-Parent side: `run_single(shape, num_threads, timeout_s, num_microbatches=1)` and
-`run_torch_pipelining(shape, schedule_name, timeout_s)` return samples/s or raise BenchFailed.
-Child side: `python _baselines.py single|pipelining <shape json> <arg> [arg]` prints one result line.
+Parent side: `run_single(shape, num_threads, timeout_s, num_microbatches=1)`,
+`run_stage_bound(shape, timeout_s)` and `run_torch_pipelining(shape, schedule_name, timeout_s)`
+return samples/s (and the bound its stage times) or raise BenchFailed.
+Child side: `python _baselines.py single|stages|pipelining <shape json> <arg> [arg]` prints one
+result line.
 
 Every child applies the same glibc allocator setting as pd's workers
 (`pdcli.runtime.executor.tune_allocator`), so no row wins by the allocator alone.
@@ -49,7 +51,7 @@ GLOO_TIMEOUT_FRACTION = 0.8
 """The ranks' gloo timeout is this part of the variant's timeout, so a hung peer is reported by
 gloo (with its message) before the parent kills the group."""
 DEFAULT_GLOO_TIMEOUT_S = 120.0
-SINGLE, PIPELINING = "single", "pipelining"
+SINGLE, STAGES, PIPELINING = "single", "stages", "pipelining"
 
 
 # ---- parent side --------------------------------------------------------------------------
@@ -62,6 +64,18 @@ def run_single(shape: BenchShape, num_threads: int, timeout_s: float, num_microb
     argv = python_argv(Path(__file__), SINGLE, shape.to_json(), str(num_threads), str(num_microbatches))
     result = run_child(argv, timeout_s, env=thread_env(num_threads))
     return float(result["samples_per_s"])
+
+
+def run_stage_bound(shape: BenchShape, timeout_s: float) -> tuple[float, list[float]]:
+    """(samples/s of the slowest stage run alone on 1 thread, each stage's ms per minibatch).
+
+    Each stage of the split trains alone on its M microbatches: forward, backward (stage 1
+    also computes its input's gradient, as in the pipeline; stage 0 does not) and one
+    optimizer step per minibatch. No pipeline on this split can beat the slowest of them:
+    it is the bound the pipelines' rows are measured against, without the messages, the
+    schedule and the other process sharing the host."""
+    result = run_child(python_argv(Path(__file__), STAGES, shape.to_json(), "1"), timeout_s, env=thread_env(1))
+    return float(result["samples_per_s"]), [float(ms) for ms in result["stage_ms"]]
 
 
 def run_torch_pipelining(shape: BenchShape, schedule_name: str, timeout_s: float) -> float:
@@ -96,6 +110,38 @@ def single_main(shape: BenchShape, num_threads: int, num_microbatches: int = 1) 
         step()
     step_s = timed_steps(step, shape.num_steps)
     emit_result({"samples_per_s": median_samples_per_s(shape, step_s), "threads": torch.get_num_threads()})
+
+
+def stages_main(shape: BenchShape) -> None:
+    torch.set_num_threads(1)
+    m = shape.num_microbatches
+    x, y = fixed_batch(shape)
+    inputs = list(x.chunk(m))
+    targets = list(y.chunk(m))
+    stage_ms = []
+    for stage_id, module in enumerate(split_mlp(build_mlp(shape), shape)):
+        optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+        is_last = stage_id == NUM_STAGES - 1
+        # a later stage's input is an activation: its gradient is part of the backward
+        stage_inputs = [xc.detach().requires_grad_(stage_id > 0) for xc in inputs]
+
+        def step() -> None:
+            optimizer.zero_grad()
+            for xc, yc in zip(stage_inputs, targets):
+                out = module(xc)
+                if is_last:
+                    F.cross_entropy(out, yc).backward()
+                else:
+                    out.backward(torch.ones_like(out))  # the gradient a next stage would send
+            optimizer.step()
+
+        for _ in range(shape.num_warmup_steps):
+            step()
+        step_s = timed_steps(step, shape.num_steps)
+        stage_ms.append(1e3 * statistics.median(step_s))
+        with torch.no_grad():
+            inputs = [module(xc) for xc in inputs]  # the next stage's inputs
+    emit_result({"samples_per_s": shape.batch_size / (max(stage_ms) / 1e3), "stage_ms": stage_ms})
 
 
 def timed_steps(step: Callable[[], None], num_steps: int) -> list[float]:
@@ -185,11 +231,13 @@ def main(argv: list[str]) -> None:
     tune_allocator()
     if kind == SINGLE:
         single_main(shape, int(arg), int(argv[3]) if len(argv) > 3 else 1)
+    elif kind == STAGES:
+        stages_main(shape)
     elif kind == PIPELINING:
         timeout_s = float(argv[3]) if len(argv) > 3 else DEFAULT_GLOO_TIMEOUT_S
         pipelining_main(shape, arg, timeout_s)
     else:
-        raise SystemExit(f"unknown baseline {kind!r}; expected {SINGLE} or {PIPELINING}")
+        raise SystemExit(f"unknown baseline {kind!r}; expected {SINGLE}, {STAGES} or {PIPELINING}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Runtime throughput on this machine, one run: `pd train` (pipedream, 1f1b, gpipe) vs
 torch.distributed.pipelining (Schedule1F1B, ScheduleGPipe) vs single-process training
 (1 thread, all threads, and 1 thread accumulating over the same M microbatches), same MLP,
-same 2-stage split, in two sections:
+same 2-stage split, against a measured bound (each stage trained alone on one thread: no
+pipeline on this split can beat its slower stage), in two sections:
 
 - `small`: the given batch and microbatches (default 256 in 8 microbatches of 32 rows).
   The 1-thread microbatched row shows what the pipeline's smaller matmuls cost on their
@@ -12,7 +13,9 @@ same 2-stage split, in two sections:
   schedules themselves (flush bubble, split backward, no flush) are compared.
 
 Ratios are to each section's 1-thread full-batch row. Two balanced stages on 2 cores can
-at best double single-thread throughput (the `of 2x limit` column). A flush schedule with
+at best double single-thread throughput (the `of 2x limit` column); the `bound` row is the
+tighter limit of this split on this host (stage 1 also computes its input's gradient and the
+loss, and a microbatch's matmuls are smaller than the full batch's). A flush schedule with
 M microbatches on P stages is further bounded by its bubble, P * M / (M + P - 1) x
 single-thread, unless the backward is split (`pd`'s default for 1f1b and gpipe: the
 Linear weight gradients run in the bubble), which the `split_backward=false` rows turn off.
@@ -48,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the _helpers beside 
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from _baselines import run_single, run_torch_pipelining  # noqa: E402
+from _baselines import run_single, run_stage_bound, run_torch_pipelining  # noqa: E402
 from _bench_common import NUM_STAGES, BenchFailed, BenchShape, split_point  # noqa: E402
 from _pd_train import run_pd_train  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
@@ -58,6 +61,7 @@ REFERENCE = "single process, 1 thread"
 DEFAULT_ROUNDS = 2
 UNAVAILABLE = "unavailable: "
 MICROBATCHED_NOTE = "gradient accumulation: the pipeline's matmul sizes on one core"
+BOUND_NOTE = "stages alone {} ms per minibatch: no pipeline on this split beats the slower"
 ONE_MICROBATCH = 1
 """The extra pd row of the `small` section: pipedream has no flush, so one microbatch per
 minibatch still keeps both stages busy (minibatch t + 1 enters while t is in its backward),
@@ -110,13 +114,18 @@ def variants(shape: BenchShape, timeout_s: float, section: str) -> list[tuple[st
         differs = "" if result.split == split else " (planner's split, not the baselines')"
         return result.samples_per_s, f"split {result.split}{differs}, median of {result.num_logged_steps} steps"
 
+    def bound_row(_: Path) -> tuple[float, str]:
+        samples_per_s, stage_ms = run_stage_bound(shape, timeout_s)
+        return samples_per_s, BOUND_NOTE.format(" / ".join(f"{ms:.0f}" for ms in stage_ms))
+
     rows: list[tuple[str, Measure]] = [(REFERENCE, lambda _: (run_single(shape, 1, timeout_s), ""))]
     if section == "small":
-        rows += [
-            (f"single process, {num_threads_all} threads", lambda _: (run_single(shape, num_threads_all, timeout_s), "")),
-            (f"single process, 1 thread, {m} microbatches",
-             lambda _: (run_single(shape, 1, timeout_s, m), MICROBATCHED_NOTE)),
-        ]
+        rows.append((f"single process, {num_threads_all} threads",
+                     lambda _: (run_single(shape, num_threads_all, timeout_s), "")))
+    rows += [
+        (f"single process, 1 thread, {m} microbatches", lambda _: (run_single(shape, 1, timeout_s, m), MICROBATCHED_NOTE)),
+        (f"bound: slowest stage alone, 1 thread, {m} microbatches", bound_row),
+    ]
     rows += [
         (f"torch pipelining Schedule1F1B, {m} microbatches",
          lambda _: (run_torch_pipelining(shape, "1f1b", timeout_s), baseline_split)),

@@ -14,7 +14,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from _baselines import run_single, run_torch_pipelining  # noqa: E402
+from _baselines import run_single, run_stage_bound, run_torch_pipelining  # noqa: E402
 from _bench_common import BenchFailed, BenchShape, build_mlp, run_bounded, run_child, split_mlp  # noqa: E402
 from _pd_train import median_samples_per_s, overrides, write_recipe  # noqa: E402
 
@@ -28,6 +28,13 @@ CHILD_TIMEOUT_S = 60.0
 def test_single_process_baseline_reports_positive_throughput() -> None:
     assert run_single(TINY, 1, CHILD_TIMEOUT_S) > 0
     assert run_single(TINY, 1, CHILD_TIMEOUT_S, num_microbatches=TINY.num_microbatches) > 0
+
+
+@pytest.mark.timeout(90)
+def test_stage_bound_is_the_slower_stage() -> None:
+    samples_per_s, stage_ms = run_stage_bound(TINY, CHILD_TIMEOUT_S)
+    assert len(stage_ms) == 2 and min(stage_ms) > 0
+    assert samples_per_s == pytest.approx(TINY.batch_size / (max(stage_ms) / 1e3))
 
 
 @pytest.mark.timeout(90)

@@ -18,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -67,15 +68,19 @@ def run_single(shape: BenchShape, num_threads: int, timeout_s: float, num_microb
 
 
 def run_stage_bound(shape: BenchShape, timeout_s: float) -> tuple[float, list[float]]:
-    """(samples/s of the slowest stage run alone on 1 thread, each stage's ms per minibatch).
+    """(samples/s of the slower stage, each stage's ms per minibatch), every stage training
+    alone in a process of its own, 1 thread, all at once.
 
-    Each stage of the split trains alone on its M microbatches: forward, backward (stage 1
-    also computes its input's gradient, as in the pipeline; stage 0 does not) and one
-    optimizer step per minibatch. No pipeline on this split can beat the slowest of them:
-    it is the bound the pipelines' rows are measured against, without the messages, the
-    schedule and the other process sharing the host."""
-    result = run_child(python_argv(Path(__file__), STAGES, shape.to_json(), "1"), timeout_s, env=thread_env(1))
-    return float(result["samples_per_s"]), [float(ms) for ms in result["stage_ms"]]
+    Each stage runs its M microbatches: forward, backward (stage 1 also computes its input's
+    gradient, as in the pipeline; stage 0 does not) and one optimizer step per minibatch.
+    It is a pipeline without messages and without waiting, on the same cores at the same
+    time (so sharing the cache and memory bandwidth as the pipeline's processes do): no
+    pipeline on this split beats its slower stage."""
+    argvs = [python_argv(Path(__file__), STAGES, shape.to_json(), str(stage_id)) for stage_id in range(NUM_STAGES)]
+    with ThreadPoolExecutor(max_workers=NUM_STAGES) as pool:
+        results = list(pool.map(lambda argv: run_child(argv, timeout_s, env=thread_env(1)), argvs))
+    stage_ms = [float(r["ms_per_minibatch"]) for r in results]
+    return shape.batch_size / (max(stage_ms) / 1e3), stage_ms
 
 
 def run_torch_pipelining(shape: BenchShape, schedule_name: str, timeout_s: float) -> float:
@@ -112,36 +117,36 @@ def single_main(shape: BenchShape, num_threads: int, num_microbatches: int = 1) 
     emit_result({"samples_per_s": median_samples_per_s(shape, step_s), "threads": torch.get_num_threads()})
 
 
-def stages_main(shape: BenchShape) -> None:
+def stages_main(shape: BenchShape, stage_id: int) -> None:
     torch.set_num_threads(1)
     m = shape.num_microbatches
     x, y = fixed_batch(shape)
+    modules = split_mlp(build_mlp(shape), shape)
     inputs = list(x.chunk(m))
+    with torch.no_grad():
+        for earlier in modules[:stage_id]:
+            inputs = [earlier(xc) for xc in inputs]  # this stage's inputs
+    module = modules[stage_id]
+    # a later stage's input is an activation: its gradient is part of the backward
+    inputs = [xc.detach().requires_grad_(stage_id > 0) for xc in inputs]
     targets = list(y.chunk(m))
-    stage_ms = []
-    for stage_id, module in enumerate(split_mlp(build_mlp(shape), shape)):
-        optimizer = torch.optim.SGD(module.parameters(), lr=LR)
-        is_last = stage_id == NUM_STAGES - 1
-        # a later stage's input is an activation: its gradient is part of the backward
-        stage_inputs = [xc.detach().requires_grad_(stage_id > 0) for xc in inputs]
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+    is_last = stage_id == NUM_STAGES - 1
 
-        def step() -> None:
-            optimizer.zero_grad()
-            for xc, yc in zip(stage_inputs, targets):
-                out = module(xc)
-                if is_last:
-                    F.cross_entropy(out, yc).backward()
-                else:
-                    out.backward(torch.ones_like(out))  # the gradient a next stage would send
-            optimizer.step()
+    def step() -> None:
+        optimizer.zero_grad()
+        for xc, yc in zip(inputs, targets):
+            out = module(xc)
+            if is_last:
+                F.cross_entropy(out, yc).backward()
+            else:
+                out.backward(torch.ones_like(out))  # the gradient a next stage would send
+        optimizer.step()
 
-        for _ in range(shape.num_warmup_steps):
-            step()
-        step_s = timed_steps(step, shape.num_steps)
-        stage_ms.append(1e3 * statistics.median(step_s))
-        with torch.no_grad():
-            inputs = [module(xc) for xc in inputs]  # the next stage's inputs
-    emit_result({"samples_per_s": shape.batch_size / (max(stage_ms) / 1e3), "stage_ms": stage_ms})
+    for _ in range(shape.num_warmup_steps):
+        step()
+    step_s = timed_steps(step, shape.num_steps)
+    emit_result({"ms_per_minibatch": 1e3 * statistics.median(step_s)})
 
 
 def timed_steps(step: Callable[[], None], num_steps: int) -> list[float]:
@@ -232,7 +237,7 @@ def main(argv: list[str]) -> None:
     if kind == SINGLE:
         single_main(shape, int(arg), int(argv[3]) if len(argv) > 3 else 1)
     elif kind == STAGES:
-        stages_main(shape)
+        stages_main(shape, int(arg))
     elif kind == PIPELINING:
         timeout_s = float(argv[3]) if len(argv) > 3 else DEFAULT_GLOO_TIMEOUT_S
         pipelining_main(shape, arg, timeout_s)

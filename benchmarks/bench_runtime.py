@@ -1,8 +1,9 @@
 """Runtime throughput on this machine, one run: `pd train` (pipedream, 1f1b, gpipe) vs
 torch.distributed.pipelining (Schedule1F1B, ScheduleGPipe) vs single-process training
 (1 thread, all threads, and 1 thread accumulating over the same M microbatches), same MLP,
-same 2-stage split, against a measured bound (each stage trained alone on one thread: no
-pipeline on this split can beat its slower stage), in two sections:
+same 2-stage split, against a measured bound (each stage trained alone in a process of its
+own, one thread each, both at once: a pipeline without messages or waiting; none on this
+split can beat its slower stage), in two sections:
 
 - `small`: the given batch and microbatches (default 256 in 8 microbatches of 32 rows).
   The 1-thread microbatched row shows what the pipeline's smaller matmuls cost on their
@@ -61,7 +62,7 @@ REFERENCE = "single process, 1 thread"
 DEFAULT_ROUNDS = 2
 UNAVAILABLE = "unavailable: "
 MICROBATCHED_NOTE = "gradient accumulation: the pipeline's matmul sizes on one core"
-BOUND_NOTE = "stages alone {} ms per minibatch: no pipeline on this split beats the slower"
+BOUND_NOTE = "stages alone, at once: {} ms per minibatch; no pipeline on this split beats the slower"
 ONE_MICROBATCH = 1
 """The extra pd row of the `small` section: pipedream has no flush, so one microbatch per
 minibatch still keeps both stages busy (minibatch t + 1 enters while t is in its backward),
@@ -124,7 +125,7 @@ def variants(shape: BenchShape, timeout_s: float, section: str) -> list[tuple[st
                      lambda _: (run_single(shape, num_threads_all, timeout_s), "")))
     rows += [
         (f"single process, 1 thread, {m} microbatches", lambda _: (run_single(shape, 1, timeout_s, m), MICROBATCHED_NOTE)),
-        (f"bound: slowest stage alone, 1 thread, {m} microbatches", bound_row),
+        (f"bound: each stage alone, at once, 1 thread each, {m} microbatches", bound_row),
     ]
     rows += [
         (f"torch pipelining Schedule1F1B, {m} microbatches",

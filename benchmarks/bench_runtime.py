@@ -126,8 +126,6 @@ def variants(shape: BenchShape, timeout_s: float, section: str) -> list[tuple[st
     rows += [
         (f"single process, 1 thread, {m} microbatches", lambda _: (run_single(shape, 1, timeout_s, m), MICROBATCHED_NOTE)),
         (f"bound: each stage alone, at once, 1 thread each, {m} microbatches", bound_row),
-    ]
-    rows += [
         (f"torch pipelining Schedule1F1B, {m} microbatches",
          lambda _: (run_torch_pipelining(shape, "1f1b", timeout_s), baseline_split)),
         (f"torch pipelining ScheduleGPipe, {m} microbatches",

@@ -16,7 +16,7 @@ from pdcli.errors import UserError
 from pdcli.planner import Plan, PlanOptions, Topology, plan_chain, render_plan
 from pdcli.planner.costs import SHARE_DIGITS, bubble_factor, replayed_bubble_factor, split_shares
 from pdcli.planner.evaluate import batch_scale, evaluate_pd, evaluate_pipedream
-from pdcli.planner.memory import activation_sets, stage_memory
+from pdcli.planner.memory import split_sets, stage_memory
 from pdcli.planner.pipedream import PdStage
 from pdcli.planner.search import pd_search
 from pdcli.planner.simulator import StageCost, simulate
@@ -537,7 +537,7 @@ def test_split_backward_memory_holds_1f1b_microbatches_until_their_weight_grads(
         spec = ScheduleSpec.make(name, num_stages, m, 1, split_backward=True)
         for stage_id in range(num_stages):
             left = num_stages - stage_id
-            sets = activation_sets(name, left, 1, left, m, split_backward=True, num_stages=num_stages)
+            sets = split_sets(name, num_stages, m, left)
             assert int(sets) == spec.stash_depth(stage_id).activation_sets, (name, num_stages, m, stage_id)
 
 

@@ -15,8 +15,8 @@ microbatches per minibatch:
   of its own), min(stages_from, M) for `1f1b` and `2bw`, M for `gpipe`;
 - with a split backward (`schedule.split_backward`, gpipe and 1f1b) a microbatch is held
   until its WeightGrads, which trail its Backward by up to `num_stages` microbatches
-  (declared: min(stages_from + num_stages, M) sets for `1f1b`, `ScheduleSpec.stash_depth`;
-  still M for `gpipe`). A microbatch past its Backward keeps only the Linear layers'
+  (at most min(stages_from + num_stages, M) sets for `1f1b`, the runtime's declared
+  `ScheduleSpec.stash_depth`; still M for `gpipe`). A microbatch past its Backward keeps only the Linear layers'
   inputs and output gradients (`pdcli.runtime.wgrad`), counted as A / M (an upper bound):
   not the half-width weight copy of mixed precision (the Backward's input gradient used
   it), but under recompute all of them, not only its stage input. Since the two kinds of
@@ -71,17 +71,13 @@ def weight_versions(schedule: str, devices_from: Any, replicas: Any) -> Any:
 
 
 def activation_sets(schedule: str, devices_from: Any, replicas: Any, stages_from: Any,
-                    num_microbatches: int, split_backward: bool = False, num_stages: Any = None) -> Any:
-    """How many microbatch activation sets a stage holds at its peak (`num_stages`, the
-    pipeline's stage count, is needed by 1f1b with `split_backward`)."""
+                    num_microbatches: int) -> Any:
+    """How many microbatch activation sets a stage holds at its peak (without a split
+    backward; with one, `split_sets`)."""
     if schedule == PIPEDREAM:
         return weight_versions(schedule, devices_from, replicas)
     if schedule == GPIPE:
         return np.full(np.shape(stages_from), num_microbatches)
-    if split_backward and schedule == ONE_F_ONE_B:
-        if num_stages is None:
-            raise ValueError("1f1b with split_backward: activation_sets needs num_stages")
-        return np.minimum(np.asarray(stages_from) + np.asarray(num_stages), num_microbatches)
     return np.minimum(stages_from, num_microbatches)
 
 
@@ -118,25 +114,14 @@ def _between(p: tuple[int, ...], q: tuple[int, ...], s: tuple[int, ...]) -> bool
     return p not in (q, s) and collinear and 0 < dot < norm
 
 
-def _held_covers_saved(counts: tuple[tuple[int, int, int], ...]) -> tuple[tuple[int, int, int], ...]:
-    """The triples no other one covers when a microbatch before its Backward costs at least
-    as much as one waiting for its W: (b, w, r) covers (b', w', r') if b + w >= b' + w',
-    b >= b' and r >= r' (moving a microbatch from waiting to held never lowers the cost)."""
-    def covers(q: tuple[int, int, int], p: tuple[int, int, int]) -> bool:
-        return q != p and q[0] + q[1] >= p[0] + p[1] and q[0] >= p[0] and q[2] >= p[2]
-    return tuple(p for p in counts if not any(covers(q, p) for q in counts))
-
-
-def _split_counts(schedule: str, num_stages: int, num_microbatches: int, stages_from: Any,
-                  held_covers_saved: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def _split_counts(schedule: str, num_stages: int, num_microbatches: int,
+                  stages_from: Any) -> tuple[np.ndarray, np.ndarray]:
     """(counts[v, k] = the k-th `split_held_counts` triple of the v-th distinct stages_from
     value, padded with zeros; index of each stages_from element into v). A `stages_from`
     past `num_stages` (search cells no plan uses) counts as the first stage."""
     stages_from = np.asarray(stages_from)
     values, index = np.unique(stages_from, return_inverse=True)
     tables = [split_held_counts(schedule, num_stages, num_microbatches, max(0, num_stages - int(v))) for v in values]
-    if held_covers_saved:
-        tables = [_held_covers_saved(table) for table in tables]
     counts = np.zeros((len(values), max(len(t) for t in tables), 3))
     for row, table in enumerate(tables):
         counts[row, : len(table)] = table
@@ -155,18 +140,17 @@ def split_peak(schedule: str, num_stages: int, num_microbatches: int, stages_fro
     Backward, `saved` per microbatch waiting for its WeightGrads, `running` more while a
     Backward runs (a recomputed forward), counted on the schedule itself (`split_held_counts`)."""
     held, saved, running = (np.asarray(c, dtype=float) for c in (held, saved, running))
-    # mixed precision without recompute: held >= saved, mostly one candidate per stage is left
-    counts, index = _split_counts(schedule, num_stages, num_microbatches, stages_from,
-                                  held_covers_saved=bool(np.all(held >= saved)))
+    counts, index = _split_counts(schedule, num_stages, num_microbatches, stages_from)
     shape = np.broadcast_shapes(index.shape, held.shape, saved.shape, running.shape)
     # the search's arrays are large and a fresh one costs its page faults: one fresh
     # array (the result), the two temporaries reused from call to call
     value, term = _scratch(shape)
     peak = np.zeros(shape)
+    recomputes = bool(np.any(running))
     for k in range(counts.shape[1]):
         np.multiply(counts[index, k, 0], held, out=value)
         np.add(value, np.multiply(counts[index, k, 1], saved, out=term), out=value)
-        if np.any(running):
+        if recomputes:
             np.add(value, np.multiply(counts[index, k, 2], running, out=term), out=value)
         np.maximum(peak, value, out=peak)
     return peak if np.shape(peak) else float(peak)

@@ -65,6 +65,11 @@ class ProfileConfig:
     """Device to profile on: `auto`, `cpu`, `cuda`."""
     batch_size: Optional[int] = None
     """Batch size to profile with; null = the microbatch size of the schedule."""
+    runtime_probe: bool = True
+    """Also measure what the runtime pays per action (real stages run by its executor, the
+    transport's latency and bandwidth), so `pd plan` predicts the run (`meta.runtime`)."""
+    probe_minibatches: int = 12
+    """Minibatches each probe stage runs (the second half is measured)."""
 
 
 @dataclass
@@ -79,6 +84,8 @@ class PlanConfig:
     """Force this many stages (cost_model=pd); null = let the search decide."""
     boundaries: Optional[List[int]] = None
     """Fix the split: chain positions where stages 1.. start (e.g. [9]); null = search."""
+    replicas: Optional[List[int]] = None
+    """With `boundaries`: the replicas of each stage (e.g. [2, 1]); null = one each."""
 
 
 @dataclass
@@ -133,6 +140,10 @@ class TrainConfig:
     """torch threads per CPU worker; null = cores / workers."""
     init_from: Optional[str] = None
     """Start from an exported state dict (`pd export RUN -o FILE`), loaded by parameter name into any plan's stages."""
+    spin_wait_ms: Optional[float] = None
+    """How long a worker polls for a message before it blocks (ms); null = 20 when this
+    host's workers have a CPU core each (polling keeps an idle vCPU from falling asleep),
+    else 0 (blocking at once leaves the core to the workers that share it)."""
     transport: str = "auto"
     """Activation/gradient transport: `auto` (sockets between CPU ranks on one host, else
     torch.distributed), `socket`, or `gloo` (torch.distributed with the run's backend)."""
@@ -204,11 +215,13 @@ def check_values(cfg: Config) -> list[str]:
     positive("train.keep_checkpoints", cfg.train.keep_checkpoints)
     positive("train.timeout_s", cfg.train.timeout_s)
     positive("train.threads_per_worker", cfg.train.threads_per_worker)
+    positive("train.spin_wait_ms", cfg.train.spin_wait_ms, allow_zero=True)
     if cfg.train.init_from is not None and not str(cfg.train.init_from).strip():
         problems.append("train.init_from: empty path; give a file written by `pd export` or null")
     positive("profile.repeats", cfg.profile.repeats)
     positive("profile.warmup", cfg.profile.warmup, allow_zero=True)
     positive("profile.batch_size", cfg.profile.batch_size)
+    positive("profile.probe_minibatches", cfg.profile.probe_minibatches)
     positive("plan.num_stages", cfg.plan.num_stages)
     positive("cluster.memory_bytes_per_device", cfg.cluster.memory_bytes_per_device)
     if not cfg.cluster.levels:

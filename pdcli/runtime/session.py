@@ -34,6 +34,19 @@ if TYPE_CHECKING:
     from pdcli.runtime.worker import WorkerEnv
 
 SUMMARY_FILE = "summary.json"
+AUTO_SPIN_WAIT_MS = 20.0
+"""`train.spin_wait_ms: null` where this host's workers have a core each (see `comm.spin_until`)."""
+
+
+def spin_wait_s(cfg: "Config", device: torch.device, local_workers: int) -> float:
+    """How long a receive polls before it blocks: `train.spin_wait_ms`, or AUTO_SPIN_WAIT_MS on
+    the CPU when this host's workers are no more than its cores, else 0."""
+    if cfg.train.spin_wait_ms is not None:
+        return cfg.train.spin_wait_ms / 1e3
+    if device.type != "cpu":
+        return 0.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return AUTO_SPIN_WAIT_MS / 1e3 if local_workers <= cores else 0.0
 
 
 def pick_device(cfg: "Config", local_rank: int) -> tuple[torch.device, str]:
@@ -115,7 +128,7 @@ def run_session(
         data=build_data(cfg.data, cfg.data.batch_size), num_microbatches=m,
         loss_fn=build_loss(loss_name) if is_last else None,
         optimizer=build_optimizer(cfg.optim, module), device=device,
-        mailbox=Mailbox(transport, device), timeline=timeline, precision=cfg.train.precision,
+        mailbox=Mailbox(transport, device, spin_wait_s(cfg, device, env.local_world_size)), timeline=timeline, precision=cfg.train.precision,
         recompute=cfg.train.recompute, replica_group=groups.get(stage_id), heartbeat=heartbeat,
         record_loss=tracker.record if tracker else None, is_classifier=loss_name == "cross_entropy",
     )

@@ -75,6 +75,10 @@ class _Peer:
         self.closing = False
         self.send_error: str | None = None
         self.outbox: queue.SimpleQueue[tuple[list[memoryview | bytes], "_Sent"] | None] = queue.SimpleQueue()
+        self.writing = threading.Lock()
+        """Held while bytes go into the socket: one message at a time, in order."""
+        self.queued = 0
+        """Messages handed to the writer thread and not yet written (under `writing`)."""
         self.thread = threading.Thread(target=self._read, name=f"pd-recv-{rank}", daemon=True)
         self.thread.start()
         self.writer = threading.Thread(target=self._write, name=f"pd-send-{rank}", daemon=True)
@@ -84,19 +88,57 @@ class _Peer:
         """Send queued messages in order; after a failure, fail every later one at once."""
         while (item := self.outbox.get()) is not None:
             parts, sent = item
-            if self.send_error is None:
-                try:
-                    for part in parts:
-                        self.sock.sendall(part)  # releases the GIL while the kernel waits for the peer
-                except OSError as e:
-                    self.send_error = f"rank {self.rank}: send failed ({e}; that worker probably died)"
+            with self.writing:
+                self.queued -= 1
+                if self.send_error is None:
+                    try:
+                        for part in parts:
+                            self.sock.sendall(part)  # releases the GIL while the kernel waits for the peer
+                    except OSError as e:
+                        self.send_error = f"rank {self.rank}: send failed ({e}; that worker probably died)"
             sent.done(self.send_error)
 
+    def _send_now(self, parts: list[memoryview | bytes]) -> list[memoryview | bytes]:
+        """Write what the socket buffer takes without waiting; the rest of `parts` (under `writing`)."""
+        left = [memoryview(p).cast("B") for p in parts]
+        while left:
+            try:
+                n = self.sock.send(left[0], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            left[0] = left[0][n:]
+            if not len(left[0]):
+                left.pop(0)
+        return list(left)
+
     def send(self, parts: list[memoryview | bytes], keep_alive: Tensor) -> "_Sent":
+        """Queue a message. When nothing is queued before it, the calling thread writes what the
+        socket buffer takes at once: a message handed to the writer thread leaves only once that
+        thread gets the GIL from a computing thread (measured: a p90 of 1.5 ms in flight
+        instead of 0.15 ms on the 2-stage quickstart)."""
         if self.send_error is not None:
             raise PeerClosedError(self.send_error)
         sent = _Sent(keep_alive)
-        self.outbox.put((parts, sent))
+        if self.writing.acquire(blocking=False):
+            try:
+                if self.queued == 0:
+                    try:
+                        parts = self._send_now(parts)
+                    except OSError as e:
+                        self.send_error = f"rank {self.rank}: send failed ({e}; that worker probably died)"
+                        sent.done(self.send_error)
+                        return sent
+                    if not parts:
+                        sent.done(None)
+                        return sent
+                self.queued += 1
+                self.outbox.put((parts, sent))
+            finally:
+                self.writing.release()
+            return sent
+        with self.writing:  # the writer thread is writing: queue behind it
+            self.queued += 1
+            self.outbox.put((parts, sent))
         return sent
 
     def _read(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +33,7 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
         cost_model=cfg.plan.cost_model,
         num_stages=cfg.plan.num_stages,
         boundaries=tuple(cfg.plan.boundaries) if cfg.plan.boundaries is not None else None,
+        replicas=tuple(cfg.plan.replicas) if cfg.plan.replicas is not None else None,
         precision=cfg.train.precision,
         recompute=cfg.train.recompute,
         split_backward=cfg.schedule.split_backward_on,
@@ -39,7 +41,32 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
     )
 
 
-def plan_inputs_hash(cfg: Config, profile_sha256: str) -> str:
+CALIBRATION = "calibration.json"
+"""`pd plan --calibrate RUN` writes it (`pdcli.report.calibrate`): the runtime costs refitted
+to a run, used instead of the profile's `meta.runtime` while it names the run's profile."""
+
+
+def read_calibration(run: RunDir, profile_sha256: str) -> dict[str, Any] | None:
+    """The run's calibration.json when it was made for this profile, else None."""
+    path = run / CALIBRATION
+    if not path.exists():
+        return None
+    obj = read_json(path, "calibration")
+    if not isinstance(obj, dict) or obj.get("profile_sha256") != profile_sha256 or "runtime" not in obj:
+        return None
+    return obj
+
+
+def calibrated_chain(chain: Chain, calibration: dict[str, Any] | None) -> Chain:
+    """`chain` with the calibration's runtime costs in place of the probe's."""
+    if calibration is None:
+        return chain
+    from pdcli.planner.runtime_costs import RUNTIME_META
+
+    return dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: calibration["runtime"]})
+
+
+def plan_inputs_hash(cfg: Config, profile_sha256: str, calibration: dict[str, Any] | None = None) -> str:
     section = {
         "plan": asdict(cfg.plan),
         "cluster": asdict(cfg.cluster),
@@ -48,6 +75,8 @@ def plan_inputs_hash(cfg: Config, profile_sha256: str) -> str:
         "precision": cfg.train.precision,
         "recompute": cfg.train.recompute,
     }
+    if calibration is not None:
+        section["calibration"] = calibration["runtime"]
     return artifact_inputs_hash(section, profile_sha256)
 
 
@@ -64,10 +93,11 @@ def ensure_plan(cfg: Config, run: RunDir, chain: Chain, force: bool = False) -> 
     """(plan, reused): `run/plan.json` made from the run's profile, or reused as is."""
     record = run.record("profile.json")
     profile_sha = record.sha256 if record else run.content_hash("profile.json")
-    inputs_hash = plan_inputs_hash(cfg, profile_sha)
+    calibration = read_calibration(run, profile_sha)
+    inputs_hash = plan_inputs_hash(cfg, profile_sha, calibration)
     if not force and run.fresh(PLAN, inputs_hash):
         return run.read_json(PLAN), True
-    plan = make_plan(chain, cfg, profile_sha)
+    plan = make_plan(calibrated_chain(chain, calibration), cfg, profile_sha)
     run.write_json(PLAN, plan, inputs_hash)
     return plan, False
 

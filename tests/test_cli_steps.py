@@ -72,8 +72,11 @@ def test_hand_edited_artifact_is_refused(root: str, tmp_path: Path) -> None:
 
 def test_plan_diff_exit_codes(root: str, tmp_path: Path) -> None:
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    assert invoke("plan", QUICKSTART, root, "-o", str(a)).exit_code == 0
-    assert invoke("plan", QUICKSTART, root, "--gpus", "4", "--run", "wide", "-o", str(b)).exit_code == 0
+    # the profile's cost model (no runtime probe): on this 2-core host the measured one rightly
+    # predicts nothing from 4 workers, and this test is about the diff
+    legacy = "profile.runtime_probe=false"
+    assert invoke("plan", QUICKSTART, root, legacy, "-o", str(a)).exit_code == 0
+    assert invoke("plan", QUICKSTART, root, legacy, "--gpus", "4", "--run", "wide", "-o", str(b)).exit_code == 0
     same = invoke("plan", "diff", str(a), str(a))
     assert same.exit_code == 0, same.output
     changed = invoke("plan", "diff", str(a), str(b), "--format", "markdown")
@@ -104,7 +107,8 @@ def test_plan_memory_follows_train_precision_and_recompute(root: str, tmp_path: 
     plans = {}
     for name, extra in {"fp32": (), "bf16": ("train.precision=bf16",), "recompute": ("train.recompute=true",)}.items():
         out = tmp_path / f"{name}.json"
-        result = invoke("plan", QUICKSTART, root, "profile.repeats=2", *extra, "-o", str(out))
+        # one split for all three (each precision is profiled apart and could tip the search)
+        result = invoke("plan", QUICKSTART, root, "profile.repeats=2", "plan.boundaries=[9]", *extra, "-o", str(out))
         assert result.exit_code == 0, result.output
         plans[name] = json.loads(out.read_text())
     acts = {k: [s["predicted"]["activations_bytes"] for s in p["stages"]] for k, p in plans.items()}
@@ -125,6 +129,7 @@ def test_infeasible_plans_are_user_errors(root: str) -> None:
     assert "Traceback" not in tiny.output
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_quickstart_trains_and_learns(root: str, tmp_path: Path) -> None:
     result = invoke("train", QUICKSTART, root, "train.steps=60", "train.log_every=10")
@@ -137,6 +142,7 @@ def test_quickstart_trains_and_learns(root: str, tmp_path: Path) -> None:
         assert (tmp_path / "quickstart" / artifact).exists(), artifact
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", ["vgg16", "resnet18", "gnmt", "gpt"])
 def test_paper_recipes_run_end_to_end_on_cpu(name: str, root: str, tmp_path: Path) -> None:

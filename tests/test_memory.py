@@ -137,6 +137,7 @@ def test_stash_without_out_of_place_updates_moves_live_weights_to_a_copy() -> No
     assert versions.stashed_bytes == versions.param_bytes == (3 * 2 + 2) * F32_BYTES
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_run_reports_measured_memory_per_stage(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

@@ -31,6 +31,8 @@ from pdcli.runtime.step import TrainingFailed, run_training
 from pdcli.runtime.toy import write_toy_run
 from pdcli.runtime.watchdog import CHECKPOINT_FAULT_ENV, status_path
 
+pytestmark = pytest.mark.slow  # real processes over torch.distributed
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_runtime import processes_mentioning  # noqa: E402
 from test_transparency import reference, toy_config  # noqa: E402

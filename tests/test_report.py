@@ -345,6 +345,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "quickstart"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_report_of_a_real_quickstart_run(real_run: Path) -> None:
     result = runner.invoke(app, ["report", str(real_run), "--format", "json"])
@@ -359,7 +360,13 @@ def test_report_of_a_real_quickstart_run(real_run: Path) -> None:
         assert m["idle_ms"] * REAL_STEPS == pytest.approx(totals["idle_ms"])
         assert m["actions_ms"]["Forward"] > 0 and m["actions_ms"]["Backward"] > 0
         assert m["compute_ms"] + m["comm_ms"] + m["idle_ms"] <= m["wall_ms"] * 1.001  # the trace span holds them all
-        assert stage["predicted"]["stage_time_ms"] == plan["stages"][stage["stage_id"]]["predicted"]["stage_time_ms"]
+        planned = plan["stages"][stage["stage_id"]]["predicted"]
+        if "actions_ms" in planned:  # replayed in the runtime's categories: busy = compute + comm
+            p = stage["predicted"]
+            assert p["stage_time_ms"] == pytest.approx(p["compute_ms"] + p["comm_ms"])
+            assert p["compute_ms"] >= planned["compute_ms"] + planned["optimizer_ms"] * (1 - 1e-6)
+        else:
+            assert stage["predicted"]["stage_time_ms"] == planned["stage_time_ms"]
     assert out["pipeline"]["measured"]["steady_time_per_minibatch_ms"] > 0
     for name in (TIMELINE_FILE, LOSS_FILE):
         assert (real_run / "train" / name).read_bytes()[:8] == PNG_MAGIC

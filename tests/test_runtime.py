@@ -25,6 +25,8 @@ from pdcli.runtime.step import TrainingFailed, format_summary, run_training
 from pdcli.runtime.toy import ToyNet, toy_plan, write_toy_run, write_toy_stages
 from pdcli.runtime.weights import WeightVersionError, WeightVersions
 
+pytestmark = pytest.mark.slow  # real processes over torch.distributed
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_transparency import pipelined, reference, assert_same, toy_config  # noqa: E402
 

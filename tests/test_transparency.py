@@ -27,6 +27,8 @@ from pdcli.runtime.sockets import TRANSPORT_ENV
 from pdcli.runtime.step import run_training
 from pdcli.runtime.toy import ToyNet, write_toy_run
 
+pytestmark = pytest.mark.slow  # real processes over torch.distributed
+
 STEPS = 3
 NUM_MICROBATCHES = 2
 BATCH_SIZE = 8

@@ -12,7 +12,7 @@ from pdcli.commands.common import ForceOpt, FormatOpt, RunNameOpt, check_format,
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
 from pdcli.profiler.chain import Chain
-from pdcli.rundir import atomic_write_json, read_json, sha256_file
+from pdcli.rundir import RunDir, atomic_write_json, read_json, sha256_file
 
 ArgsArg = Annotated[
     Optional[List[str]],
@@ -69,6 +69,7 @@ def plan(
     fmt: FormatOpt = "text",
     run_name: RunNameOpt = None,
     fail_on_regression: Annotated[Optional[float], typer.Option("--fail-on-regression", help="diff: exit 1 only if predicted throughput drops by more than PCT percent.")] = None,
+    calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Refit the runtime's costs from this trained run directory (its trace.json), keep them in the run's calibration.json, and re-plan.")] = None,
 ) -> None:
     """Plan stages and replication: `pd plan RECIPE --gpus 8`, `pd plan --profile graph.txt --gpus 16`, `pd plan diff A B`."""
     check_format(fmt)
@@ -99,11 +100,32 @@ def plan(
         chain, reused = ensure_profile(cfg, run, progress=is_tty())
         if reused:
             echo_err(f"profile: reused {run / 'profile.json'}")
+        if calibrate is not None:
+            write_calibration(run, chain, calibrate)
         plan_json, reused = ensure_plan(cfg, run, chain, force=force)
         echo_err(f"{'reused' if reused else 'wrote'} {run / 'plan.json'}" + (" (inputs unchanged; --force re-plans)" if reused else ""))
         if out is not None:
             atomic_write_json(out, plan_json)
     typer.echo(render_plan(plan_json, chain, fmt))
+
+
+def write_calibration(run: RunDir, chain: Chain, trained: Path) -> None:
+    """Refit the profile's runtime costs to the trained run `trained`; write run/calibration.json."""
+    from pdcli.pipeline import CALIBRATION
+    from pdcli.planner.runtime_costs import RuntimeCosts
+    from pdcli.report.calibrate import calibrate_from_run
+
+    if not trained.is_dir():
+        raise UserError(f"--calibrate: {trained} is not a run directory", hint="pass the directory `pd train` trained in (e.g. runs/quickstart)")
+    base = RuntimeCosts.from_meta(chain.meta)
+    if base is None:
+        raise UserError(f"{run / 'profile.json'} has no runtime costs to calibrate (profile.runtime_probe was off)",
+                        hint="re-profile with profile.runtime_probe=true (`pd profile RECIPE --force`)")
+    record = run.record("profile.json")
+    profile_sha = record.sha256 if record else run.content_hash("profile.json")
+    calibrated, measured = calibrate_from_run(trained, chain, base)
+    atomic_write_json(run / CALIBRATION, {"profile_sha256": profile_sha, "runtime": calibrated.to_json(), "measured": measured})
+    echo_err(f"calibration: wrote {run / CALIBRATION} from {trained}")
 
 
 def diff(paths: list[str], fmt: str, fail_on_regression: Optional[float]) -> None:

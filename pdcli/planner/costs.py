@@ -62,6 +62,16 @@ SHARE_DIGITS). With no W (no Linear layers, PipeDream graphs) k(S) = (M + S - 1)
 
 The bubble factor stretches the all-reduce too, which slightly over-estimates flush
 schedules with replicated stages. Every function works on numpy arrays and on floats.
+
+With the runtime's measured costs (`profile.json` `meta.runtime`, see
+`pdcli.planner.runtime_costs`) the stage terms are what the runtime's actions cost instead
+(`runtime_stage_terms`): per microbatch Forward = forward(F/M) (+ the loss on the last
+stage), Backward = backward(B/M) (+ the loss's), per update update(O), data loading per
+minibatch on the first and last stage, and the CPU time of packing and unpacking each
+message (`messages_ms`); the links carry each message with the measured latency and
+bandwidth of the transport on one host. The profile's calibration ratio is not applied then
+(the probe measured the runtime itself). The time per minibatch of the plan is then the
+replay of its action lists with these costs (`pdcli.planner.evaluate`).
 """
 
 from __future__ import annotations
@@ -73,6 +83,7 @@ from typing import Any
 import numpy as np
 
 from pdcli.planner.options import FLUSH_SCHEDULES, PIPEDREAM
+from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.planner.simulator import StageCost, simulate
 from pdcli.runtime.schedule import ScheduleSpec
 
@@ -95,6 +106,10 @@ class StageTerms:
     comm_in_ms: Any
     comm_out_ms: Any
     stage_time_ms: Any
+    messages_ms: Any = 0.0
+    """CPU time packing and unpacking messages (runtime costs only)."""
+    load_ms: Any = 0.0
+    """Data loading (runtime costs only)."""
 
 
 def ring_allreduce_ms(parameter_bytes: Any, replicas: Any, bandwidth_bytes_per_s: Any) -> Any:
@@ -183,3 +198,89 @@ def bubble_factor(schedule: str, num_microbatches: int, num_stages: Any, split: 
     replay = np.vectorize(lambda s: replayed_bubble_factor(schedule, num_microbatches, int(s), split.fwd, split.wgrad),
                           otypes=[float])
     return replay(num_stages)
+
+
+@dataclass(frozen=True)
+class ActionCosts:
+    """What one replica of a stage spends per action under the runtime's measured costs:
+    per microbatch (Forward, Backward, WeightGrads, each message), per update, per minibatch
+    (loading). Arrays or floats."""
+
+    forward_ms: Any
+    backward_ms: Any
+    """The whole backward (a split one: Backward + WeightGrads)."""
+    wgrad_ms: Any
+    update_ms: Any
+    send_acts_ms: Any
+    recv_grads_ms: Any
+    recv_acts_ms: Any
+    send_grads_ms: Any
+    load_ms: Any
+    link_in_ms: Any
+    """One message in flight over the link from the previous stage."""
+    link_out_ms: Any
+    gap_ms: Any = 0.0
+    """The interpreter's time per action."""
+    actions_per_microbatch: Any = 0.0
+    """Actions the stage's list holds per microbatch (for the interpreter's time)."""
+    actions_per_update: Any = 0.0
+
+
+def _per_message(affine: Any, message_bytes: Any) -> Any:
+    b = np.asarray(message_bytes, dtype=float)
+    return np.where(b > 0, affine(b), 0.0)
+
+
+def runtime_action_costs(runtime: RuntimeCosts, schedule: str, num_microbatches: int, fwd_ms: Any, bwd_ms: Any,
+                         wgrad_ms: Any, optimizer_step_ms: Any, cut_in_bytes: Any, cut_out_bytes: Any,
+                         first: Any, last: Any, in_bw: Any, out_bw: Any) -> ActionCosts:
+    """Per-action costs of a stage whose positions' profiled totals per minibatch are
+    fwd_ms, bwd_ms, wgrad_ms (and one optimizer step optimizer_step_ms); cut bytes per
+    minibatch; `first`/`last`: the stage holds the model's inputs / the loss."""
+    m = float(num_microbatches)
+    mode = runtime.mode(schedule)
+    first_f, last_f = np.asarray(first, dtype=float), np.asarray(last, dtype=float)
+    in_bytes, out_bytes = np.asarray(cut_in_bytes, dtype=float) / m, np.asarray(cut_out_bytes, dtype=float) / m
+
+    def link(b: Any, bw: Any) -> Any:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(b > 0, runtime.link_ms(b, bw), 0.0)
+
+    has_in, has_out = (in_bytes > 0).astype(float), (out_bytes > 0).astype(float)
+    split = (np.asarray(wgrad_ms) > 0) & (schedule in FLUSH_SCHEDULES)
+    return ActionCosts(
+        gap_ms=runtime.gap_ms,
+        # Forward, Backward, LoadMicrobatch on the first and last stage, Recv+Send each way, WeightGrads
+        actions_per_microbatch=2.0 + np.maximum(first_f, last_f) + 2.0 * (has_in + has_out) + split,
+        # OptimizerStep, and StashWeights + FreeWeights where forwards run on stashed versions
+        actions_per_update=3.0 if schedule not in FLUSH_SCHEDULES else 1.0,
+        forward_ms=mode.forward(np.asarray(fwd_ms) / m) + last_f * runtime.loss_fwd_ms,
+        backward_ms=mode.backward(np.asarray(bwd_ms) / m) + last_f * runtime.loss_bwd_ms,
+        wgrad_ms=np.where(np.asarray(wgrad_ms) > 0, mode.wgrad(np.asarray(wgrad_ms) / m), 0.0),
+        update_ms=mode.update(np.asarray(optimizer_step_ms, dtype=float)),
+        send_acts_ms=_per_message(runtime.send, out_bytes), recv_grads_ms=_per_message(runtime.recv, out_bytes),
+        recv_acts_ms=_per_message(runtime.recv, in_bytes), send_grads_ms=_per_message(runtime.send, in_bytes),
+        load_ms=first_f * runtime.load_inputs_ms + np.maximum(last_f - first_f, 0.0) * runtime.load_target_ms,
+        link_in_ms=link(in_bytes, in_bw), link_out_ms=link(out_bytes, out_bw),
+    )
+
+
+def runtime_stage_terms(actions: ActionCosts, fwd_ms: Any, bwd_ms: Any, parameter_bytes: Any, replicas: Any,
+                        sync_bw: Any, schedule: str, num_microbatches: int) -> StageTerms:
+    """A stage's time per minibatch (one replica) from its per-action costs: the busy time of
+    its actions, or a link that carries its messages slower."""
+    r = np.asarray(replicas, dtype=float)
+    per_replica = num_microbatches / r
+    a = actions
+    updates = updates_per_minibatch(schedule, num_microbatches, r)
+    allreduce = np.where(r > 1, ring_allreduce_ms(parameter_bytes, r, sync_bw), 0.0)
+    sync = allreduce * updates
+    fwd, bwd = a.forward_ms * num_microbatches, a.backward_ms * num_microbatches
+    compute = (fwd + bwd) / r + a.load_ms
+    optimizer = a.update_ms * updates
+    messages = per_replica * (a.send_acts_ms + a.recv_grads_ms + a.recv_acts_ms + a.send_grads_ms)
+    messages = messages + a.gap_ms * (per_replica * a.actions_per_microbatch + updates * a.actions_per_update)
+    comm_in = 2.0 * per_replica * a.link_in_ms
+    comm_out = 2.0 * per_replica * a.link_out_ms
+    stage = np.maximum(np.maximum(compute + optimizer + sync + messages, comm_in), comm_out)
+    return StageTerms(fwd, bwd, compute, sync, optimizer, comm_in, comm_out, stage, messages, a.load_ms)

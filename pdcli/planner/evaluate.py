@@ -3,20 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from pdcli.planner.costs import MS_PER_S, bubble_factor, compute_calibration, pd_stage_terms
+from pdcli.planner.costs import (
+    MS_PER_S, ActionCosts, bubble_factor, pd_stage_terms, ring_allreduce_ms, runtime_action_costs,
+    runtime_stage_terms,
+)
 from pdcli.planner.memory import StageMemory, stage_memory
-from pdcli.planner.options import PlanOptions
+from pdcli.planner.options import FLUSH_SCHEDULES, PlanOptions
 from pdcli.planner.pipedream import ALLREDUCE_FACTOR, TRANSFER_FACTOR, PdStage
-from pdcli.planner.search import backward_split, covered_or_zeros, optimizer_step_matrix
+from pdcli.planner.runtime_costs import RuntimeCosts
+from pdcli.planner.search import (
+    backward_split, compute_scale_of, covered_or_zeros, optimizer_step_matrix, oversubscription_of, runtime_of,
+)
+from pdcli.planner.simulator import StageCost, simulate
+from pdcli.runtime.schedule import ScheduleSpec
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
 
 TERM_NAMES = ("fwd_ms", "bwd_ms", "compute_ms", "optimizer_ms", "sync_ms", "comm_in_ms", "comm_out_ms",
               "stage_time_ms")
+RUNTIME_TERM_NAMES = ("messages_ms", "load_ms")
+"""Terms a plan has only when the profile measured the runtime's costs."""
+ACTIONS_KEY = "actions_ms"
+"""A plan stage's per-action costs (runtime costs only): StageCost field -> ms."""
+REPLAY_MIN_MINIBATCHES = 8
+"""A plan's replay runs max(this, 2 x stages + 2) minibatches; its steady time is measured
+over the second half (`pdcli.planner.simulator`)."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +43,9 @@ class StageEval:
     """TERM_NAMES -> ms per minibatch (fwd/bwd: the whole minibatch on one replica); the `pd`
     model adds `wgrad_ms`, the part of bwd_ms a split backward defers."""
     memory: StageMemory
+    actions_ms: dict[str, float] | None = None
+    """Per-action costs of one replica (`pdcli.planner.simulator.StageCost` fields), when
+    the runtime's costs were measured."""
 
     @property
     def replicas(self) -> int:
@@ -38,6 +56,8 @@ class StageEval:
 class PlanEval:
     stages: tuple[StageEval, ...]
     time_per_minibatch_ms: float
+    replay: dict[str, Any] | None = None
+    """How the time was replayed (runtime costs only): cores, minibatches."""
 
 
 def batch_scale(meta: dict, options: PlanOptions) -> float:
@@ -64,34 +84,86 @@ def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, e
                                             mem.optimizer_state_bytes)))
 
 
+def replay_stage_costs(actions_ms: Sequence[dict[str, float]], num_microbatches: int) -> list[StageCost]:
+    """The simulator's StageCosts from plan stages' `actions_ms`: a LoadMicrobatch per
+    microbatch, the runtime making the whole minibatch at the first of them (spread evenly)."""
+    return [StageCost(**{**a, "load_ms": a.get("load_ms", 0.0) / num_microbatches}) for a in actions_ms]
+
+
+def _actions_ms(a: ActionCosts, split: bool, allreduce_ms: float) -> dict[str, float]:
+    """One replica's StageCost fields: Backward is split from WeightGrads when the schedule splits."""
+    return {
+        "fwd_ms": float(a.forward_ms), "bwd_ms": float(a.backward_ms),
+        "wgrad_ms": float(a.wgrad_ms) if split else 0.0, "optimizer_ms": float(a.update_ms),
+        "allreduce_ms": allreduce_ms, "comm_ms": float(a.link_out_ms),
+        "send_acts_ms": float(a.send_acts_ms), "recv_grads_ms": float(a.recv_grads_ms),
+        "recv_acts_ms": float(a.recv_acts_ms), "send_grads_ms": float(a.send_grads_ms),
+        "load_ms": float(a.load_ms), "gap_ms": float(a.gap_ms),
+    }
+
+
+def replay_ms(stages: Sequence[StageEval], options: PlanOptions, cores: int | None) -> tuple[float, dict[str, Any]]:
+    """Time per minibatch of the plan's action lists replayed with its stages' `actions_ms`."""
+    num_stages = len(stages)
+    if any(options.num_microbatches % st.replicas for st in stages):  # the runtime refuses it: no lists
+        bottleneck = max(st.terms["stage_time_ms"] for st in stages)
+        return bottleneck * oversubscription_of(cores, sum(st.replicas for st in stages)), {"cores": cores}
+    steps = max(REPLAY_MIN_MINIBATCHES, 2 * num_stages + 2)
+    split = options.split_backward and options.schedule in FLUSH_SCHEDULES
+    spec = ScheduleSpec.make(options.schedule, num_stages, options.num_microbatches, steps,
+                             [s.replicas for s in stages], split_backward=split)
+    costs = replay_stage_costs([st.actions_ms or {} for st in stages], options.num_microbatches)
+    sim = simulate(spec, costs, cores=cores)
+    return sim.time_per_minibatch_ms, {"minibatches": steps, "cores": cores}
+
+
 def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
                 partition: Sequence[tuple[int, int, int]]) -> PlanEval:
     """`pd` model for stages (start, end, replicas) on contiguous ranks from 0 (fwd_ms, bwd_ms
-    and wgrad_ms calibrated, see `pdcli.planner.costs`)."""
+    and wgrad_ms calibrated, see `pdcli.planner.costs`). With the runtime's measured costs the
+    time per minibatch is the replay of the plan's action lists (`replay_ms`)."""
     n, bw = space.num_positions, topology.span_bandwidth_matrix()
     used, num_stages = sum(r for _, _, r in partition), len(partition)
     stages, first = [], 0
     optimizer = optimizer_step_matrix(space)
-    compute_scale = scale * compute_calibration(space.calibration_ratio)
+    compute_scale = compute_scale_of(space, scale)
     covered_wgrad = covered_or_zeros(space, space.covered_wgrad_ms)
+    runtime = runtime_of(space, topology)
+    split = options.split_backward and options.schedule in FLUSH_SCHEDULES
     for index, (start, end, r) in enumerate(partition):
         last = first + r - 1
-        terms = pd_stage_terms(
-            space.range_total(space.covered_fwd_ms, start, end) * compute_scale,
-            space.range_total(space.covered_bwd_ms, start, end) * compute_scale,
-            space.range_total(space.covered_parameter_bytes, start, end),
-            space.cut_bytes[start - 1] * scale if start > 0 else 0.0,
-            space.cut_bytes[end - 1] * scale if end < n else 0.0,
-            r, bw[first, last], bw[first - 1, first] if first > 0 else np.inf,
-            bw[last, last + 1] if last + 1 < bw.shape[0] else np.inf,
-            options.schedule, options.num_microbatches, float(optimizer[start, end]),
-        )
+        fwd = space.range_total(space.covered_fwd_ms, start, end) * compute_scale
+        bwd = space.range_total(space.covered_bwd_ms, start, end) * compute_scale
+        wgrad = space.range_total(covered_wgrad, start, end) * compute_scale
+        params = space.range_total(space.covered_parameter_bytes, start, end)
+        cut_in = space.cut_bytes[start - 1] * scale if start > 0 else 0.0
+        cut_out = space.cut_bytes[end - 1] * scale if end < n else 0.0
+        sync_bw = bw[first, last]
+        in_bw = bw[first - 1, first] if first > 0 else np.inf
+        out_bw = bw[last, last + 1] if last + 1 < bw.shape[0] else np.inf
+        actions_ms = None
+        if runtime is not None:
+            actions = runtime_action_costs(runtime, options.schedule, options.num_microbatches, fwd, bwd, wgrad,
+                                           float(optimizer[start, end]), cut_in, cut_out, start == 0, end == n,
+                                           in_bw, out_bw)
+            terms = runtime_stage_terms(actions, fwd, bwd, params, r, sync_bw, options.schedule,
+                                        options.num_microbatches)
+            allreduce = float(np.where(r > 1, ring_allreduce_ms(params, r, sync_bw), 0.0))
+            actions_ms = _actions_ms(actions, split, allreduce)
+        else:
+            terms = pd_stage_terms(fwd, bwd, params, cut_in, cut_out, r, sync_bw, in_bw, out_bw,
+                                   options.schedule, options.num_microbatches, float(optimizer[start, end]))
         values = {name: float(getattr(terms, name)) for name in TERM_NAMES}
-        values["wgrad_ms"] = space.range_total(covered_wgrad, start, end) * compute_scale
+        if runtime is not None:
+            values.update({name: float(getattr(terms, name)) for name in RUNTIME_TERM_NAMES})
+        values["wgrad_ms"] = wgrad
         memory = _memory(space, options, scale, start, end, r, used - first, num_stages - index, num_stages,
                          options.split_backward)
-        stages.append(StageEval(start, end, tuple(range(first, first + r)), values, memory))
+        stages.append(StageEval(start, end, tuple(range(first, first + r)), values, memory, actions_ms))
         first += r
+    if runtime is not None:
+        time_ms, replay = replay_ms(stages, options, runtime.cores)
+        return PlanEval(tuple(stages), time_ms, replay)
     bottleneck = max(s.terms["stage_time_ms"] for s in stages)
     factor = float(bubble_factor(options.schedule, options.num_microbatches, num_stages,
                                  backward_split(space, options)))

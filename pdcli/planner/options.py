@@ -38,7 +38,9 @@ class PlanOptions:
     num_stages: int | None = None
     """Force exactly this many stages; None = the search decides."""
     boundaries: tuple[int, ...] | None = None
-    """Fixed split: chain positions where stages 1.. start (one device each); None = search."""
+    """Fixed split: chain positions where stages 1.. start; None = search."""
+    replicas: tuple[int, ...] | None = None
+    """With `boundaries`: replicas per stage; None = one each."""
     precision: str = "fp32"
     """`train.precision`: `bf16`/`fp16` halve the saved activations and add autocast's
     half-width weight copy per held microbatch (see planner.memory)."""

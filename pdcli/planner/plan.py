@@ -28,15 +28,19 @@ SIGNIFICANT_DIGITS = 9
 PREDICTED_KEYS = (
     "fwd_ms", "bwd_ms", "compute_ms", "optimizer_ms", "sync_ms", "comm_in_ms", "comm_out_ms",
     "stage_time_ms", "weights_bytes", "optimizer_state_bytes", "stashed_weights_bytes",
-    "activations_bytes", "total_bytes", "wgrad_ms",
+    "activations_bytes", "total_bytes", "wgrad_ms", "messages_ms", "load_ms", "actions_ms",
 )
-ADDED_PREDICTED_KEYS = ("optimizer_ms", "optimizer_state_bytes", "wgrad_ms")
-"""Keys plans written before the optimizer (or split backward) was modelled lack, and
-`wgrad_ms` the `pipedream` cost model does not predict (read back as absent)."""
+ADDED_PREDICTED_KEYS = ("optimizer_ms", "optimizer_state_bytes", "wgrad_ms", "messages_ms", "load_ms", "actions_ms")
+"""Keys plans written before the optimizer (or split backward) was modelled lack,
+`wgrad_ms` the `pipedream` cost model does not predict (read back as absent), and the
+runtime-cost terms (`messages_ms`, `load_ms`, `actions_ms`: one replica's cost per action,
+`pdcli.planner.simulator.StageCost` fields) only a profile with `meta.runtime` gives."""
 PIPELINE_KEYS = (
     "time_per_minibatch_ms", "throughput_samples_per_s", "data_parallel_time_per_minibatch_ms",
-    "speedup_over_data_parallel", "num_devices", "num_devices_used", "bottleneck_stage",
+    "speedup_over_data_parallel", "num_devices", "num_devices_used", "bottleneck_stage", "replay",
 )
+OPTIONAL_PIPELINE_KEYS = ("replay",)
+"""`replay`: how the time per minibatch was replayed (runtime costs only)."""
 
 
 def round_float(value: float) -> float:
@@ -66,8 +70,8 @@ class Stage:
     node_names: tuple[str, ...]
     replicas: int
     ranks: tuple[int, ...]
-    predicted: dict[str, float]
-    """PREDICTED_KEYS -> value (ms or bytes)."""
+    predicted: dict[str, Any]
+    """PREDICTED_KEYS -> value (ms or bytes; `actions_ms` a dict of ms)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -109,7 +113,8 @@ class Plan:
             "version": PLAN_VERSION,
             "inputs": _clean(self.inputs),
             "stages": [s.to_json() for s in self.stages],
-            "pipeline": {k: _clean(self.pipeline[k]) for k in PIPELINE_KEYS},
+            "pipeline": {k: _clean(self.pipeline[k]) for k in PIPELINE_KEYS
+                         if k in self.pipeline or k not in OPTIONAL_PIPELINE_KEYS},
         }
 
     @classmethod

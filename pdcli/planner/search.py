@@ -31,9 +31,13 @@ from typing import Callable
 
 import numpy as np
 
-from pdcli.planner.costs import SplitShares, bubble_factor, compute_calibration, pd_stage_terms, split_shares
+from pdcli.planner.costs import (
+    SplitShares, bubble_factor, compute_calibration, pd_stage_terms, runtime_action_costs, runtime_stage_terms,
+    split_shares,
+)
 from pdcli.planner.memory import stage_memory
 from pdcli.planner.options import FLUSH_SCHEDULES, ONE_F_ONE_B, TWO_BW, PlanOptions
+from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
 
@@ -82,6 +86,26 @@ def memory_needs_stage_count(options: PlanOptions, minimize: str) -> bool:
     return options.split_backward and options.schedule == ONE_F_ONE_B and options.num_stages is None and memory_counts
 
 
+def runtime_of(space: SplitSpace, topology: Topology) -> RuntimeCosts | None:
+    """The runtime costs the `pd` model prices with: the measured transport on a one-level
+    cluster (one host), the levels' nominal bandwidths on several."""
+    if space.runtime is None or len(topology.levels) == 1:
+        return space.runtime
+    return space.runtime.without("transport", "cores")
+
+
+def oversubscription_of(cores: int | None, devices: int) -> float:
+    """How much slower every stage runs when `devices` workers share `cores` (None: a device
+    each): devices / cores when that is above 1."""
+    return devices / cores if cores is not None and devices > cores else 1.0
+
+
+def compute_scale_of(space: SplitSpace, scale: float) -> float:
+    """Factor on the profiled forward/backward: the batch scale, calibrated by the profile's
+    whole-step ratio only when the runtime's own costs were not measured."""
+    return scale if space.runtime is not None else scale * compute_calibration(space.calibration_ratio)
+
+
 def optimizer_step_matrix(space: SplitSpace) -> np.ndarray:
     """O[i, e]: one optimizer step of stage [i, e) (its positions' steps + the fixed cost once)."""
     covered = covered_or_zeros(space, space.covered_optimizer_ms)
@@ -95,9 +119,13 @@ class PdCosts:
                  scale: float, anchor: int, num_layers: int) -> None:
         n = space.num_positions
         self.options, self.anchor, self.num_layers = options, anchor, num_layers
-        compute_scale = scale * compute_calibration(space.calibration_ratio)
+        compute_scale = compute_scale_of(space, scale)
         self.fwd = space.range_matrix(space.covered_fwd_ms) * compute_scale
         self.bwd = space.range_matrix(space.covered_bwd_ms) * compute_scale
+        self.wgrad = space.range_matrix(covered_or_zeros(space, space.covered_wgrad_ms)) * compute_scale
+        self.runtime = runtime_of(space, topology)
+        self.first = (np.arange(n) == 0)[:, None]
+        self.last = (np.arange(n + 1) == n)[None, :]
         self.params = space.range_matrix(space.covered_parameter_bytes)
         self.acts = space.range_matrix(space.covered_activation_bytes) * scale
         self.optimizer = optimizer_step_matrix(space)
@@ -133,9 +161,16 @@ class PdCosts:
         links = (self._link(a, a + r - 1), self._link(a - 1, a), self._link(a + r - 1, a + r))
         key = (r,) + links  # on a uniform cluster most (d, r) share their bandwidths
         if key not in self._time_cache:
-            terms = pd_stage_terms(self.fwd, self.bwd, self.params, self.cut_in, self.cut_out, r,
-                                   *links, self.options.schedule, self.options.num_microbatches,
-                                   self.optimizer)
+            o = self.options
+            if self.runtime is not None:
+                actions = runtime_action_costs(self.runtime, o.schedule, o.num_microbatches, self.fwd, self.bwd,
+                                               self.wgrad, self.optimizer, self.cut_in, self.cut_out, self.first,
+                                               self.last, links[1], links[2])
+                terms = runtime_stage_terms(actions, self.fwd, self.bwd, self.params, r, links[0], o.schedule,
+                                            o.num_microbatches)
+            else:
+                terms = pd_stage_terms(self.fwd, self.bwd, self.params, self.cut_in, self.cut_out, r,
+                                       *links, o.schedule, o.num_microbatches, self.optimizer)
             self._time_cache[key] = np.where(self.valid, terms.stage_time_ms, np.inf)[None]
         out = self._time_cache[key]
         limit = self.options.memory_bytes_per_device
@@ -239,6 +274,7 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
     max_stages = min(n, total) if options.num_stages is None else options.num_stages
     num_layers = max_stages if layered else 1
     align = 1 if topology.is_uniform else topology.alignment
+    runtime = runtime_of(space, topology)
     best: SearchKey | None = None
     runs = {}
     for anchor in _anchors(topology, options):
@@ -254,6 +290,8 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
                 if not layered and t > 0:
                     break
                 v = float(value[t, 0, d])
+                if minimize == "time":
+                    v *= oversubscription_of(runtime.cores if runtime is not None else None, d)
                 if minimize == "time" and layered:
                     if best is not None and v > best[0]:
                         continue  # the bubble factor is >= 1: this count cannot win

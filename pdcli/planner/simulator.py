@@ -5,10 +5,16 @@ run by the checker's lockstep engine, and each completed event is given a start 
 an end. With eager sends (the default) a send does not hold its process: the data
 arrives `comm_ms` after the send starts, and the receive waits for it. With rendezvous
 sends both sides are busy for `comm_ms` from when both are ready. An all-reduce starts
-when every replica reaches it. Weight stashing and data loading are taken as free.
-Eager sends replay the lists built for a transport whose sends never wait (`sends_first`,
-what the CPU runtime runs). With `split_backward` a Backward costs `bwd_ms - wgrad_ms`
-and its WeightGrads `wgrad_ms`.
+when every replica reaches it. Eager sends replay the lists built for a transport whose
+sends never wait (`sends_first`, what the CPU runtime runs). With `split_backward` a
+Backward costs `bwd_ms - wgrad_ms` and its WeightGrads `wgrad_ms`.
+
+Beside the time in flight (`comm_ms`), a message costs its two processes CPU time: the
+sender packs it (`send_*_ms`, the Send action) and the receiver unpacks it once it has
+arrived (`recv_*_ms`, the end of the Recv action). LoadMicrobatch costs `load_ms`; weight
+stashing is part of `optimizer_ms`. With `cores`, ranks that share fewer cores than they
+are cannot together be busy for more than `cores` ms per ms: the steady time per
+minibatch is at least their busy time per minibatch / cores.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Sequence
 
 from pdcli.runtime.checker import SendMode, Slot, lockstep
 from pdcli.runtime.schedule import (
-    Action, AllReduceGrads, Backward, Forward, OptimizerStep, RecvActivations, RecvGrads,
+    Action, AllReduceGrads, Backward, Forward, LoadMicrobatch, OptimizerStep, RecvActivations, RecvGrads,
     ScheduleSpec, SendActivations, SendGrads, WeightGrads, build_all,
 )
 
@@ -39,6 +45,18 @@ class StageCost:
     """One all-reduce of the stage's gradients over its replicas."""
     wgrad_ms: float = 0.0
     """The part of `bwd_ms` a split backward defers to WeightGrads (Linear weight gradients)."""
+    send_acts_ms: float = 0.0
+    """CPU time of SendActivations (packing the message to the next stage)."""
+    recv_grads_ms: float = 0.0
+    """CPU time of RecvGrads once the message is there (unpacking)."""
+    recv_acts_ms: float = 0.0
+    """CPU time of RecvActivations once the message is there."""
+    send_grads_ms: float = 0.0
+    """CPU time of SendGrads."""
+    load_ms: float = 0.0
+    """One LoadMicrobatch."""
+    gap_ms: float = 0.0
+    """The interpreter's time before each action (outside every action)."""
 
 
 @dataclass(frozen=True)
@@ -66,9 +84,25 @@ class Simulation:
     """Share of the ranks' time not spent in forward or backward (or WeightGrads)."""
 
 
+def _cpu_ms(stage_id: int, action: Action, costs: Sequence[StageCost]) -> float:
+    """What a message action costs its own process (packing or unpacking)."""
+    cost = costs[stage_id]
+    if isinstance(action, SendActivations):
+        return cost.send_acts_ms
+    if isinstance(action, RecvGrads):
+        return cost.recv_grads_ms
+    if isinstance(action, RecvActivations):
+        return cost.recv_acts_ms
+    if isinstance(action, SendGrads):
+        return cost.send_grads_ms
+    return 0.0
+
+
 def _duration_ms(spec: ScheduleSpec, stage_id: int, action: Action,
                  costs: Sequence[StageCost]) -> float:
     cost = costs[stage_id]
+    if isinstance(action, LoadMicrobatch):
+        return cost.load_ms
     if isinstance(action, Forward):
         return cost.fwd_ms
     if isinstance(action, Backward):
@@ -88,8 +122,10 @@ def _duration_ms(spec: ScheduleSpec, stage_id: int, action: Action,
 
 def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
              send_mode: SendMode = SendMode.EAGER,
-             lists_by_rank: Sequence[Sequence[Action]] | None = None) -> Simulation:
-    """Time the action lists of `spec` (built here unless given) with `costs[stage_id]`."""
+             lists_by_rank: Sequence[Sequence[Action]] | None = None,
+             cores: int | None = None) -> Simulation:
+    """Time the action lists of `spec` (built here unless given) with `costs[stage_id]`;
+    `cores`: the CPU cores the ranks share (None: each rank has its own device)."""
     if len(costs) != spec.num_stages:
         raise ValueError(f"{len(costs)} stage costs for {spec.num_stages} stages")
     lists = lists_by_rank if lists_by_rank is not None else build_all(spec, eager_sends=send_mode is SendMode.EAGER)
@@ -101,23 +137,32 @@ def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
         ranks = [rank for rank, _ in event.members]
         actions = [lists[rank][index] for rank, index in event.members]
         duration = max(_duration_ms(spec, stages[r], a, costs) for r, a in zip(ranks, actions))
-        start = max(clock_ms[r] for r in ranks)
-        end = start + duration
+        cpu_ms = max(_cpu_ms(stages[r], a, costs) for r, a in zip(ranks, actions))
+        start = max(clock_ms[r] + costs[stages[r]].gap_ms for r in ranks)
+        end = start + cpu_ms + duration
         if send_mode is SendMode.EAGER and isinstance(actions[0], (SendActivations, SendGrads)):
-            arrival_ms[event.members[0]] = end  # the sender goes on at once
-            end_of_rank = start
-        elif event.waited_for:  # an eager receive: done when the data has arrived
-            end = max(start, arrival_ms.pop(event.waited_for[0]))
+            arrival_ms[event.members[0]] = end  # the sender goes on once it has packed
+            end = end_of_rank = start + cpu_ms
+        elif event.waited_for:  # an eager receive: unpacked once the data has arrived
+            end = max(start, arrival_ms.pop(event.waited_for[0])) + cpu_ms
             end_of_rank = end
         else:
             end_of_rank = end
         for r, a in zip(ranks, actions):
             timed[r].append(TimedAction(a, start, end))
             clock_ms[r] = end_of_rank
-    return _summarize(spec, timed)
+    return _summarize(spec, timed, costs, cores)
 
 
-def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]]) -> Simulation:
+def cpu_ms_of(stage_id: int, action: Action, costs: Sequence[StageCost], t: TimedAction) -> float:
+    """The CPU time `action` took of its process in the replay (a receive: its unpacking only)."""
+    if isinstance(action, (RecvActivations, RecvGrads)):
+        return _cpu_ms(stage_id, action, costs)
+    return t.end_ms - t.start_ms
+
+
+def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]], costs: Sequence[StageCost],
+               cores: int | None) -> Simulation:
     makespan_ms = max((t.end_ms for rank in timed for t in rank), default=0.0)
     done_ms = [0.0] * spec.num_steps  # when the last backward (or W) of each minibatch ends
     busy_ms = 0.0
@@ -133,5 +178,9 @@ def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]]) -> Simulation
     else:
         first = (spec.num_steps - 1) // 2
         per_minibatch_ms = (done_ms[-1] - done_ms[first]) / (spec.num_steps - 1 - first)
+    if cores is not None and spec.num_ranks > cores:
+        cpu_ms = sum(cpu_ms_of(spec.stage_replica_of(r)[0], t.action, costs, t)
+                     + costs[spec.stage_replica_of(r)[0]].gap_ms for r, rank in enumerate(timed) for t in rank)
+        per_minibatch_ms = max(per_minibatch_ms, cpu_ms / spec.num_steps / cores)
     bubble = 1.0 - busy_ms / (spec.num_ranks * makespan_ms) if makespan_ms > 0 else 0.0
     return Simulation(tuple(tuple(rank) for rank in timed), makespan_ms, per_minibatch_ms, bubble)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.profiler.chain import Chain, ChainNode
 
 
@@ -64,6 +65,9 @@ class SplitSpace:
     covered_wgrad_ms: np.ndarray | None = None
     """Of covered_bwd_ms, the weight gradients a split backward defers (each position's
     `wgrad_ms`, at most its `bwd_ms`); None = not measured (0: PipeDream graphs)."""
+    runtime: RuntimeCosts | None = None
+    """The runtime's measured costs (`meta.runtime`); None = not measured (PipeDream graphs,
+    older profiles, `profile.runtime_probe=false`)."""
 
     @classmethod
     def from_chain(cls, chain: Chain) -> "SplitSpace":
@@ -120,6 +124,7 @@ class SplitSpace:
             optimizer_step_overhead_ms=overhead_ms,
             calibration_ratio=float(ratio) if ratio is not None else None,
             covered_wgrad_ms=cum([min(max(x.wgrad_ms, 0.0), x.bwd_ms) for x in nodes]),
+            runtime=RuntimeCosts.from_meta(meta),
         )
 
     # -- ranges ---------------------------------------------------------------------------

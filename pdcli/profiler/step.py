@@ -58,9 +58,10 @@ def cpu_threads_per_worker(cfg: Config) -> int:
     return max(1, cores // max(cfg.num_devices, 1))
 
 
-MEASURES = 2
+MEASURES = 3
 """What the profiler measures, counted up when it measures more (2: each position's
-`wgrad_ms`), so a run directory profiled by an older pd is measured again, not reused."""
+`wgrad_ms`; 3: the runtime probe), so a run directory profiled by an older pd is measured
+again, not reused."""
 
 
 def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | None) -> str:
@@ -76,6 +77,9 @@ def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | No
         "device": device.type,
         "num_threads": num_threads,
     }
+    if cfg.profile.runtime_probe:  # the probe runs the schedule's microbatches as training will
+        section["probe"] = {"num_microbatches": cfg.schedule.num_microbatches, "precision": cfg.train.precision,
+                            "recompute": cfg.train.recompute, "seed": cfg.train.seed}
     return artifact_inputs_hash(section)
 
 
@@ -127,6 +131,15 @@ def ensure_profile(
             optimizer_factory=lambda module: build_optimizer(cfg.optim, module),
             optimizer_name=cfg.optim.name,
         )
+        if cfg.profile.runtime_probe:
+            from pdcli.planner.runtime_costs import RUNTIME_META
+            from pdcli.profiler.runtime_probe import probe_runtime
+
+            # the probe's stages are compiled for the runtime's microbatch, whatever was profiled
+            micro = build_data(cfg.data, cfg.data.batch_size).batch(PROFILE_BATCH_INDEX).split(cfg.schedule.num_microbatches)[0]
+            runtime = probe_runtime(cfg, model, chain, tuple(t.to(device) for t in micro.inputs),
+                                    micro.target.to(device), device, cfg.profile.probe_minibatches)
+            chain.meta[RUNTIME_META] = runtime.to_json()
     run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
     return chain, False
 

@@ -85,8 +85,42 @@ def summarize(chain: Chain, top: int = 10) -> str:
         ],
         tablefmt="plain",
     )
+    runtime = runtime_rows(meta.get("runtime"))
+    if runtime:
+        totals += "\n\nwhat the runtime pays per action (runtime probe: real stages run by its executor; " \
+                  "ms = scale x profiled ms + fixed ms)\n" + tabulate(runtime, tablefmt="plain", disable_numparse=True)
     where = ", ".join(
         f"{key} {meta[key]}" for key in ("model", "device", "batch_size", "dtype") if key in meta
     )
     title = f"top {len(rows)} of {len(chain)} positions by forward + backward time"
     return "\n".join([f"{title}" + (f" ({where})" if where else ""), layers, "", totals])
+
+
+def runtime_rows(obj: object) -> list[list[str]]:
+    """The runtime probe's costs (`meta.runtime`) as rows; [] when not measured."""
+    if not isinstance(obj, dict) or "modes" not in obj:
+        return []
+
+    def affine(a: dict) -> str:
+        return f"{a.get('scale', 0.0):.2f} x + {a.get('fixed_ms', 0.0):.3f} ms"
+
+    rows = []
+    for mode, label in (("stashed", "pipedream/2bw"), ("direct", "gpipe/1f1b")):
+        m = obj["modes"].get(mode)
+        if m:
+            rows.append([f"{label}", f"Forward {affine(m['forward'])}", f"Backward {affine(m['backward'])}",
+                         f"WeightGrads {affine(m['wgrad'])}", f"update {affine(m['update'])}"])
+    rows.append(["loss", f"forward {obj.get('loss_fwd_ms', 0.0):.3f} ms", f"backward {obj.get('loss_bwd_ms', 0.0):.3f} ms",
+                 "data", f"{obj.get('load_inputs_ms', 0.0):.3f} ms a minibatch (first stage), "
+                         f"{obj.get('load_target_ms', 0.0):.3f} ms (last)"])
+    per_kib = 1024.0
+    send, recv = obj.get("send", {}), obj.get("recv", {})
+    rows.append(["messages", f"pack {send.get('fixed_ms', 0.0):.3f} ms + {send.get('scale', 0.0) * per_kib * 1e3:.2f} us/KiB",
+                 f"unpack {recv.get('fixed_ms', 0.0):.3f} ms + {recv.get('scale', 0.0) * per_kib * 1e3:.2f} us/KiB",
+                 "interpreter", f"{obj.get('gap_ms', 0.0) * 1e3:.1f} us between actions"])
+    latency, bw = obj.get("latency_ms"), obj.get("bandwidth_bytes_per_s")
+    rows.append(["transport", str(obj.get("transport") or "not measured"),
+                 f"latency {latency:.3f} ms" if latency is not None else "latency -",
+                 "bandwidth", f"{bw / 1e9:.2f} GB/s" if bw else "- (cluster.levels)"])
+    rows.append(["cores", str(obj.get("cores") or "-"), "", "", ""])
+    return rows

@@ -100,7 +100,10 @@ def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, c
                         hint=f"the plan changed after training: re-run `{commands.train()}`")
     vertical_sync = bool(_read_config(run_dir).get("schedule", {}).get("vertical_sync", False))
     predicted = predict(plan, measured.schedule, num_microbatches, measured.num_steps, vertical_sync)
-    comparison = compare(predicted, measured, threshold_pct, commands)
+    from pdcli.report.predicted import runtime_costed
+
+    comparison = compare(predicted, measured, threshold_pct, commands,
+                         str(run_dir) if runtime_costed(plan) else None)
     written: dict[str, Path] = {}
     if charts:
         from pdcli.report.charts import LOSS_FILE, TIMELINE_FILE, draw_loss, draw_timeline

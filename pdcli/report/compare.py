@@ -49,6 +49,8 @@ class Drift:
     reprofile: bool
     """Compute drifted: the profile is stale or does not describe this machine."""
     command: str
+    calibrate: bool = False
+    """The plan priced the runtime's actions: refit them from this run (`pd plan --calibrate`)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class ReplanCommands:
 
     def replan(self) -> str:
         return f"pd plan {self._args()} --force && pd train {self._args()}"
+
+    def calibrate(self, run_dir: str) -> str:
+        return f"pd plan {self._args()} --calibrate {shlex.quote(run_dir)} && pd train {self._args()}"
 
     def reprofile(self) -> str:
         args = self._args()
@@ -91,8 +96,10 @@ class Comparison:
         return measured / p if p > 0 else None
 
 
-def compare(predicted: Predicted, measured: Measured, threshold_pct: float, commands: ReplanCommands) -> Comparison:
-    """Pair the stages of the plan with the measured ones and decide whether the plan drifted."""
+def compare(predicted: Predicted, measured: Measured, threshold_pct: float, commands: ReplanCommands,
+            calibrate_from: str | None = None) -> Comparison:
+    """Pair the stages of the plan with the measured ones and decide whether the plan drifted;
+    `calibrate_from`: the run directory a drift is calibrated from (plans with runtime costs)."""
     if len(predicted.stages) != len(measured.stages):
         raise ValueError(f"the plan has {len(predicted.stages)} stages, the run measured {len(measured.stages)}")
     rows = []
@@ -100,12 +107,15 @@ def compare(predicted: Predicted, measured: Measured, threshold_pct: float, comm
         stage_pct = relative_pct(m.stage_time_ms, p.stage_time_ms)
         compute_pct = relative_pct(m.compute_ms, p.compute_ms)
         rows.append(StageComparison(p.stage_id, p, m, stage_pct, compute_pct, _beyond(stage_pct, threshold_pct)))
-    return Comparison(tuple(rows), predicted, measured, threshold_pct, _drift(rows, threshold_pct, commands))
+    return Comparison(tuple(rows), predicted, measured, threshold_pct, _drift(rows, threshold_pct, commands, calibrate_from))
 
 
-def _drift(rows: Sequence[StageComparison], threshold_pct: float, commands: ReplanCommands) -> Drift | None:
+def _drift(rows: Sequence[StageComparison], threshold_pct: float, commands: ReplanCommands,
+           calibrate_from: str | None = None) -> Drift | None:
     drifted = tuple(r.stage_id for r in rows if r.drifted)
     if not drifted:
         return None
+    if calibrate_from is not None:
+        return Drift(drifted, False, commands.calibrate(calibrate_from), calibrate=True)
     reprofile = any(_beyond(r.compute_drift_pct, threshold_pct) for r in rows if r.drifted)
     return Drift(drifted, reprofile, commands.reprofile() if reprofile else commands.replan())

@@ -20,9 +20,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcli.planner.costs import updates_per_minibatch
+from pdcli.planner.evaluate import ACTIONS_KEY, replay_stage_costs
 from pdcli.planner.options import FLUSH_SCHEDULES
-from pdcli.planner.simulator import StageCost, simulate
-from pdcli.runtime.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads
+from pdcli.planner.simulator import Simulation, StageCost, simulate
+from pdcli.runtime.schedule import (
+    AllReduceGrads, Backward, Forward, OptimizerStep, RecvActivations, RecvGrads, ScheduleSpec, SendActivations,
+    SendGrads, WeightGrads,
+)
+
+COMM_ACTIONS = (SendActivations, SendGrads, AllReduceGrads)
+IDLE_ACTIONS = (RecvActivations, RecvGrads)
+"""The runtime's categories (`pdcli.runtime.executor.CATEGORY`): every other action is compute."""
 
 MAX_SIMULATED_STEPS = 200
 """Longer runs are simulated over this many minibatches (per-minibatch values barely change)."""
@@ -72,8 +80,16 @@ class Predicted:
     """The plan (and so the simulation) splits the backward."""
 
 
+def runtime_costed(plan: dict[str, Any]) -> bool:
+    """The plan priced every action with the runtime's measured costs (`actions_ms`)."""
+    return bool(plan["stages"]) and all(ACTIONS_KEY in s["predicted"] for s in plan["stages"])
+
+
 def stage_costs(plan: dict[str, Any], schedule: str, num_microbatches: int) -> list[StageCost]:
-    """Per-microbatch costs of one replica of each stage, from the plan's per-minibatch terms."""
+    """Per-microbatch costs of one replica of each stage: the plan's per-action costs, or
+    derived from its per-minibatch terms."""
+    if runtime_costed(plan):
+        return replay_stage_costs([s["predicted"][ACTIONS_KEY] for s in plan["stages"]], num_microbatches)
     costs = []
     for stage in plan["stages"]:
         p, r = stage["predicted"], int(stage["replicas"])
@@ -105,9 +121,14 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
     split = plan_splits_backward(plan, schedule)
     spec = ScheduleSpec.make(schedule, len(replicas), num_microbatches, steps, replicas, vertical_sync,
                              split_backward=split)
-    sim = simulate(spec, stage_costs(plan, schedule, num_microbatches))
+    runtime = runtime_costed(plan)
+    cores = (plan["pipeline"].get("replay") or {}).get("cores") if runtime else None
+    sim = simulate(spec, stage_costs(plan, schedule, num_microbatches), cores=cores)
     stages = []
     for stage_id, stage in enumerate(plan["stages"]):
+        if runtime:
+            stages.append(_replayed_stage(stage, stage_id, spec, sim, replicas[stage_id], steps))
+            continue
         p = stage["predicted"]
         optimizer_ms = float(p.get("optimizer_ms", 0.0))
         busy_ms = [
@@ -129,4 +150,23 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
         throughput_samples_per_s=float(pipeline["throughput_samples_per_s"]),
         simulated_time_per_minibatch_ms=sim.time_per_minibatch_ms, bubble_fraction=sim.bubble_fraction,
         num_simulated_steps=steps, split_backward=split,
+    )
+
+
+def _replayed_stage(stage: dict[str, Any], stage_id: int, spec: ScheduleSpec, sim: Simulation, replicas: int,
+                    steps: int) -> PredictedStage:
+    """A stage of a runtime-costed plan, per minibatch, in the runtime's own categories:
+    compute (every action but messages), comm (sends, all-reduce), idle (receives: waiting and
+    unpacking), from the replay of its action lists."""
+    p = stage["predicted"]
+    totals = {"compute": 0.0, "comm": 0.0, "idle": 0.0}
+    for replica in range(replicas):
+        for t in sim.timeline[spec.rank_of(stage_id, replica)]:
+            kind = "comm" if isinstance(t.action, COMM_ACTIONS) else "idle" if isinstance(t.action, IDLE_ACTIONS) else "compute"
+            totals[kind] += (t.end_ms - t.start_ms) / (replicas * steps)
+    return PredictedStage(
+        stage_id=stage_id, replicas=replicas, fwd_ms=float(p["fwd_ms"]), bwd_ms=float(p["bwd_ms"]),
+        compute_ms=totals["compute"], optimizer_ms=float(p.get("optimizer_ms", 0.0)),
+        wgrad_ms=float(p.get("wgrad_ms", 0.0)), comm_ms=totals["comm"], idle_ms=totals["idle"],
+        stage_time_ms=totals["compute"] + totals["comm"], wall_ms=sim.makespan_ms / steps,
     )

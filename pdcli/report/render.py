@@ -124,7 +124,9 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
         lines.append(f"no drift: every stage time is within {c.threshold_pct:g}% of the plan")
     else:
         d = c.drift
-        why = ("compute differs from the profile: re-profile and re-plan" if d.reprofile else
+        why = ("the run's action costs differ from the profile's runtime probe: refit them from this run and re-plan"
+               if d.calibrate else
+               "compute differs from the profile: re-profile and re-plan" if d.reprofile else
                "communication differs from the plan: check cluster.levels bandwidth_bytes_per_s, then re-plan")
         lines.append(f"WARNING: stage(s) {', '.join(map(str, d.stage_ids))} drifted more than {c.threshold_pct:g}% from the plan ({why}):")
         lines.append(f"  {d.command}" if fmt == TEXT else f"\n```\n{d.command}\n```")
@@ -168,6 +170,7 @@ def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, 
             "time_per_minibatch_ratio": c.time_per_minibatch_ratio,
         },
         "drift_threshold_pct": c.threshold_pct,
-        "drift": None if c.drift is None else {"stage_ids": list(c.drift.stage_ids), "reprofile": c.drift.reprofile, "command": c.drift.command},
+        "drift": None if c.drift is None else {"stage_ids": list(c.drift.stage_ids), "reprofile": c.drift.reprofile,
+                                                "calibrate": c.drift.calibrate, "command": c.drift.command},
         "charts": {k: str(v) for k, v in charts.items()},
     }

@@ -1,0 +1,172 @@
+"""What the runtime pays per action, as measured by `pd profile`'s runtime probe (pure, no torch).
+
+The per-layer profile times each position alone. The runtime runs a stage's positions as
+one Forward, one Backward (and, split, one WeightGrads) per microbatch, through its own
+machinery (weight versions, memory accounting, the interpreter), steps the optimizer with
+its bookkeeping, loads data, computes the loss, packs and unpacks messages, and moves them
+over a transport. `pdcli.profiler.runtime_probe` runs real stages of the model with the
+runtime's own executor and fits, per action, `ms = scale * profiled_ms + fixed_ms`
+(`Affine`); this module holds the fit (`profile.json` `meta.runtime`) and prices a stage's
+actions with it. `pdcli.planner.costs` sums the prices into a stage's time and
+`pdcli.planner.simulator` replays the action lists with them.
+
+Every term can be switched off (`RuntimeCosts.without`), which the tests use to see each one
+matter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+STASHED, DIRECT = "stashed", "direct"
+"""Weight modes: `pipedream`/`2bw` run forwards on stashed versions (functional_call),
+`gpipe`/`1f1b` on the live module."""
+TERMS = ("layers", "fixed", "loss", "load", "messages", "transport", "cores", "interpreter")
+"""What `without` can switch off: the layer scales (1 instead), the fixed costs per action,
+the loss, data loading, packing/unpacking messages, the measured transport (latency and
+bandwidth: the cluster's nominal bandwidth instead), the core count bound, the
+interpreter's time between actions."""
+RUNTIME_META = "runtime"
+"""`profile.json` meta key."""
+
+
+@dataclass(frozen=True)
+class Affine:
+    """`scale * x + fixed_ms`."""
+
+    scale: float = 1.0
+    fixed_ms: float = 0.0
+
+    def __call__(self, x: Any) -> Any:
+        return self.scale * x + self.fixed_ms
+
+    def to_json(self) -> dict[str, float]:
+        return {"scale": self.scale, "fixed_ms": self.fixed_ms}
+
+    @staticmethod
+    def from_json(obj: Any) -> "Affine":
+        return Affine(float(obj.get("scale", 1.0)), float(obj.get("fixed_ms", 0.0)))
+
+
+@dataclass(frozen=True)
+class ModeCosts:
+    """One weight mode's actions, each affine in the profiled time of the stage's positions."""
+
+    forward: Affine
+    """Forward of one microbatch, x = the positions' profiled forward (loss excluded)."""
+    backward: Affine
+    """Backward of one microbatch, x = the profiled backward (unsplit; the loss excluded)."""
+    wgrad: Affine
+    """WeightGrads of one microbatch (split backward), x = the profiled `wgrad_ms`; the split
+    Backward is `backward(B) - wgrad(W)`."""
+    update: Affine
+    """One optimizer step with its weight-version bookkeeping (StashWeights, FreeWeights),
+    x = the positions' profiled optimizer time."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k).to_json() for k in ("forward", "backward", "wgrad", "update")}
+
+    @staticmethod
+    def from_json(obj: Any) -> "ModeCosts":
+        return ModeCosts(*(Affine.from_json(obj.get(k, {})) for k in ("forward", "backward", "wgrad", "update")))
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """The runtime's measured costs on this host (`meta.runtime` of a profile)."""
+
+    modes: dict[str, ModeCosts]
+    loss_fwd_ms: float = 0.0
+    """The loss on the last stage's output, forward, per microbatch."""
+    loss_bwd_ms: float = 0.0
+    load_inputs_ms: float = 0.0
+    """Making one minibatch of data with its inputs (the first stage), per minibatch."""
+    load_target_ms: float = 0.0
+    """The target only (the last stage), per minibatch."""
+    send: Affine = Affine(0.0, 0.0)
+    """Packing and posting one message, x = its bytes."""
+    recv: Affine = Affine(0.0, 0.0)
+    """Unpacking one message that has arrived, x = its bytes."""
+    latency_ms: float | None = None
+    """One message's time in flight on the measured transport, beside its bytes / bandwidth;
+    None: not measured (nominal cluster bandwidth only)."""
+    bandwidth_bytes_per_s: float | None = None
+    transport: str = ""
+    """The transport measured (`socket`)."""
+    cores: int | None = None
+    """CPU cores the workers share (None: no bound, e.g. GPUs)."""
+    gap_ms: float = 0.0
+    """The interpreter's own time per action, outside every action (heartbeat, posting
+    receives ahead, the timeline)."""
+    sources: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What the fit was made from (probe stages, samples, residuals); informational."""
+
+    def mode(self, schedule: str) -> ModeCosts:
+        return self.modes[STASHED if schedule in ("pipedream", "2bw") else DIRECT]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "modes": {k: v.to_json() for k, v in sorted(self.modes.items())},
+            "loss_fwd_ms": self.loss_fwd_ms, "loss_bwd_ms": self.loss_bwd_ms,
+            "load_inputs_ms": self.load_inputs_ms, "load_target_ms": self.load_target_ms,
+            "send": self.send.to_json(), "recv": self.recv.to_json(),
+            "latency_ms": self.latency_ms, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "transport": self.transport, "cores": self.cores, "gap_ms": self.gap_ms, "sources": self.sources,
+        }
+
+    @staticmethod
+    def from_json(obj: Any) -> "RuntimeCosts":
+        def opt(key: str) -> float | None:
+            value = obj.get(key)
+            return None if value is None else float(value)
+
+        cores = obj.get("cores")
+        return RuntimeCosts(
+            modes={k: ModeCosts.from_json(v) for k, v in obj["modes"].items()},
+            loss_fwd_ms=float(obj.get("loss_fwd_ms", 0.0)), loss_bwd_ms=float(obj.get("loss_bwd_ms", 0.0)),
+            load_inputs_ms=float(obj.get("load_inputs_ms", 0.0)), load_target_ms=float(obj.get("load_target_ms", 0.0)),
+            send=Affine.from_json(obj.get("send", {"scale": 0.0})), recv=Affine.from_json(obj.get("recv", {"scale": 0.0})),
+            latency_ms=opt("latency_ms"), bandwidth_bytes_per_s=opt("bandwidth_bytes_per_s"),
+            transport=str(obj.get("transport", "")), cores=None if cores is None else int(cores),
+            gap_ms=float(obj.get("gap_ms", 0.0)), sources=dict(obj.get("sources", {})),
+        )
+
+    @staticmethod
+    def from_meta(meta: Any) -> "RuntimeCosts | None":
+        obj = meta.get(RUNTIME_META) if isinstance(meta, dict) else None
+        return RuntimeCosts.from_json(obj) if obj else None
+
+    def without(self, *terms: str) -> "RuntimeCosts":
+        """The same costs with `terms` (of TERMS) switched off."""
+        unknown = set(terms) - set(TERMS)
+        if unknown:
+            raise ValueError(f"unknown runtime terms {sorted(unknown)}; known: {', '.join(TERMS)}")
+        out = self
+        if "layers" in terms or "fixed" in terms:
+            def strip(a: Affine) -> Affine:
+                return Affine(1.0 if "layers" in terms else a.scale, 0.0 if "fixed" in terms else a.fixed_ms)
+            out = dataclasses.replace(out, modes={
+                k: ModeCosts(*(strip(getattr(m, f)) for f in ("forward", "backward", "wgrad", "update")))
+                for k, m in out.modes.items()})
+        if "loss" in terms:
+            out = dataclasses.replace(out, loss_fwd_ms=0.0, loss_bwd_ms=0.0)
+        if "load" in terms:
+            out = dataclasses.replace(out, load_inputs_ms=0.0, load_target_ms=0.0)
+        if "messages" in terms:
+            out = dataclasses.replace(out, send=Affine(0.0, 0.0), recv=Affine(0.0, 0.0))
+        if "transport" in terms:
+            out = dataclasses.replace(out, latency_ms=None, bandwidth_bytes_per_s=None)
+        if "cores" in terms:
+            out = dataclasses.replace(out, cores=None)
+        if "interpreter" in terms:
+            out = dataclasses.replace(out, gap_ms=0.0)
+        return out
+
+    def link_ms(self, message_bytes: Any, nominal_bandwidth_bytes_per_s: Any) -> Any:
+        """Time in flight of one message: the measured latency + bytes / measured bandwidth, or
+        bytes / the cluster's nominal bandwidth where nothing was measured."""
+        if self.latency_ms is None or self.bandwidth_bytes_per_s is None:
+            return message_bytes / nominal_bandwidth_bytes_per_s * 1e3
+        return self.latency_ms + message_bytes / self.bandwidth_bytes_per_s * 1e3

@@ -1,0 +1,333 @@
+"""Measure what the runtime pays beyond the layers: real stages run by the runtime's own executor.
+
+`pd profile` times each position alone; the runtime runs whole stages through its
+interpreter. The probe compiles the model into PROBE_SHARES-sized stages (so their profiled
+times differ enough to separate a per-action fixed cost from a scale), runs each stage's
+real action list with `pdcli.runtime.executor.Executor` in this process for
+`profile.probe_minibatches` minibatches, once per weight mode (`pipedream`: forwards on
+stashed versions; `1f1b` with a split backward: on the live module), with a transport that
+delivers zeros at once, and fits per action `ms = scale * profiled_ms + fixed_ms`
+(`pdcli.planner.runtime_costs`). The loss is timed on the model's own output, loading on
+the data source, packing/unpacking on the probe's messages; the socket transport's latency
+and bandwidth by a ping-pong between this process and a forked one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from pdcli.planner.runtime_costs import DIRECT, STASHED, Affine, ModeCosts, RuntimeCosts
+from pdcli.planner.search import optimizer_step_matrix
+from pdcli.planner.space import SplitSpace
+from pdcli.profiler.chain import Chain
+from pdcli.profiler.clock import Clock
+from pdcli.runtime.sockets import GIL_SWITCH_INTERVAL_S
+
+PROBE_SHARES = (0.1, 0.2, 0.3, 0.4)
+"""Shares of the profiled forward + backward the probe stages hold, in chain order."""
+MODE_SCHEDULES = {STASHED: ("pipedream", False), DIRECT: ("1f1b", True)}
+"""Weight mode -> (schedule, split backward) the probe runs."""
+GAP_KEY = "(between actions)"
+PINGPONG_BYTES = (4 << 10, 1 << 20)
+PINGPONG_REPEATS = 40
+PINGPONG_TIMEOUT_S = 20.0
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class ZerosTransport:
+    """A transport whose receives complete at once with zeros and whose sends go nowhere."""
+
+    stream_ordered = False
+
+    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int) -> _Done:
+        return _Done()
+
+    def irecv(self, buf: torch.Tensor, src_rank: int, tag: int) -> _Done:
+        buf.zero_()
+        return _Done()
+
+
+def probe_boundaries(chain: Chain, shares: Sequence[float] = PROBE_SHARES) -> list[tuple[int, int]]:
+    """Half-open position ranges of about `shares` of the chain's forward + backward each
+    (fewer when the chain has fewer positions; each range holds at least one)."""
+    n = len(chain.nodes)
+    k = min(len(shares), n)
+    work = np.cumsum([node.fwd_ms + node.bwd_ms for node in chain.nodes])
+    total = float(work[-1]) if n else 0.0
+    cuts: list[int] = []
+    acc = 0.0
+    for share in shares[: k - 1]:
+        acc += share / sum(shares[:k])
+        cut = int(np.searchsorted(work, acc * total, side="left")) + 1
+        low = (cuts[-1] if cuts else 0) + 1
+        high = n - (k - 1 - len(cuts))
+        cuts.append(min(max(cut, low), high))
+    edges = [0, *cuts, n]
+    return list(zip(edges, edges[1:]))
+
+
+def fit_affine(xs: Sequence[float], ys: Sequence[float], single: str = "scale") -> Affine:
+    """Least squares `y = scale * x + fixed` with scale >= 0 and fixed >= 0. With one distinct
+    x: `single="scale"` gives y / x, `"fixed"` gives the mean of y."""
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    if x.size == 0:
+        return Affine(1.0, 0.0) if single == "scale" else Affine(0.0, 0.0)
+    if np.ptp(x) <= 1e-12 * max(1.0, float(np.abs(x).max())):
+        if single == "fixed" or not x.mean() > 0:
+            return Affine(0.0, max(float(y.mean()), 0.0))
+        return Affine(max(float(y.mean() / x.mean()), 0.0), 0.0)
+    scale, fixed = np.polyfit(x, y, 1)
+    if fixed < 0:  # through the origin
+        return Affine(max(float((x @ y) / (x @ x)), 0.0), 0.0)
+    if scale < 0:
+        return Affine(0.0, max(float(y.mean()), 0.0))
+    return Affine(float(scale), float(fixed))
+
+
+def _steady(values: list[float]) -> list[float]:
+    return values[len(values) // 2:] or values
+
+
+def run_stage_actions(cfg: Any, stages_dir: Path, stage_id: int, num_stages: int, schedule: str,
+                      split_backward: bool, num_minibatches: int, device: torch.device) -> dict[str, list[float]]:
+    """Run stage `stage_id`'s real action list in this process; action name -> durations (ms),
+    and GAP_KEY -> [the loop's time outside the actions per action]."""
+    from pdcli.compiler import load_stage, read_manifest
+    from pdcli.data import build_data
+    from pdcli.models import build_loss
+    from pdcli.runtime.comm import Mailbox
+    from pdcli.runtime.executor import Executor, StageContext
+    from pdcli.runtime.metrics import Timeline
+    from pdcli.runtime.optim import build_optimizer
+    from pdcli.runtime.placement import Placement
+    from pdcli.runtime.schedule import ScheduleSpec, build_for
+    from pdcli.runtime.stageio import StageIO
+    from pdcli.runtime.watchdog import Heartbeat
+
+    manifest = read_manifest(stages_dir)
+    module, _ = load_stage(stages_dir, stage_id)
+    module.to(device).train()
+    io = StageIO.from_manifest(manifest, stage_id)
+    m = cfg.schedule.num_microbatches
+    spec = ScheduleSpec.make(schedule, num_stages, m, num_minibatches, split_backward=split_backward)
+    is_last = stage_id == num_stages - 1
+    loss_name = manifest.get("loss", cfg.model.loss)
+    timeline = Timeline(stage_id, stage_id, 0)
+    ctx = StageContext(
+        rank=stage_id, stage_id=stage_id, replica_id=0, module=module, io=io,
+        placement=Placement(tuple((k,) for k in range(num_stages))),
+        data=build_data(cfg.data, cfg.data.batch_size), num_microbatches=m,
+        loss_fn=build_loss(loss_name) if is_last else None, optimizer=build_optimizer(cfg.optim, module),
+        device=device, mailbox=Mailbox(ZerosTransport(), device), timeline=timeline,
+        precision=cfg.train.precision, recompute=cfg.train.recompute, is_classifier=loss_name == "cross_entropy",
+        heartbeat=Heartbeat(stages_dir / f"probe_status_{stage_id}"),
+    )
+    actions = build_for(spec, stage_id, 0, eager_sends=True)
+    start_s = time.perf_counter()
+    Executor(ctx, actions).run()
+    loop_ms = (time.perf_counter() - start_s) * 1e3
+    out: dict[str, list[float]] = {}
+    for event in timeline.stats.events:
+        out.setdefault(str(event["name"]), []).append(float(event["dur"]) / 1e3)
+    inside_ms = sum(float(e["dur"]) / 1e3 for e in timeline.stats.events)
+    out[GAP_KEY] = [max(loop_ms - inside_ms, 0.0) / max(len(actions), 1)]
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    """The steady half's mean: a run's time per minibatch is the sum of its actions."""
+    steady = _steady(values)
+    return float(sum(steady)) / len(steady) if steady else 0.0
+
+
+def _per_minibatch(values: list[float], num_microbatches: int) -> float:
+    """Total per minibatch over the steady half (LoadMicrobatch: one real load per minibatch)."""
+    steady = _steady(values)
+    return float(sum(steady)) * num_microbatches / len(steady) if steady else 0.0
+
+
+def time_loss(model: nn.Module, inputs: Sequence[torch.Tensor], target: torch.Tensor,
+              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], clock: Clock,
+              warmup: int, repeats: int) -> tuple[float, float]:
+    """(forward, backward) ms of the loss on the model's own output for one microbatch."""
+    with torch.no_grad():
+        logits = model(*inputs).float()
+    samples_f: list[float] = []
+    samples_b: list[float] = []
+    for i in range(warmup + repeats):
+        x = logits.detach().requires_grad_(True)
+        clock.start()
+        loss = loss_fn(x, target)
+        f = clock.stop()
+        clock.start()
+        loss.backward()
+        b = clock.stop()
+        if i >= warmup:
+            samples_f.append(f)
+            samples_b.append(b)
+    return float(statistics.median(samples_f)), float(statistics.median(samples_b))
+
+
+def _echo(sock: socket.socket, sizes: Sequence[int], repeats: int) -> None:
+    from pdcli.runtime.sockets import SocketTransport, _Peer
+
+    transport = SocketTransport({0: _Peer(0, sock)}, PINGPONG_TIMEOUT_S)
+    for size in sizes:
+        buf = torch.empty(size, dtype=torch.uint8)
+        for i in range(repeats):
+            transport.irecv(buf, 0, i).wait()
+            transport.isend(buf, 0, i).wait()
+    os._exit(0)
+
+
+def measure_socket_transport() -> tuple[float, float, Affine] | None:
+    """(latency ms, bandwidth bytes/s, the sender's `isend` call in its message bytes) of the
+    socket transport between two processes of this host, from ping-pong means at two sizes;
+    None where it cannot run (no fork)."""
+    if os.name != "posix" or "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    from pdcli.runtime.sockets import SocketTransport, _Peer
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = multiprocessing.get_context("fork").Process(target=_echo, args=(theirs, PINGPONG_BYTES, PINGPONG_REPEATS),
+                                                        daemon=True)
+    child.start()
+    theirs.close()
+    transport = SocketTransport({1: _Peer(1, ours)}, PINGPONG_TIMEOUT_S)
+    one_way_ms, call_ms = [], []
+    try:
+        for size in PINGPONG_BYTES:
+            buf = torch.zeros(size, dtype=torch.uint8)
+            back = torch.empty(size, dtype=torch.uint8)
+            samples, calls = [], []
+            for i in range(PINGPONG_REPEATS):
+                start = time.perf_counter()
+                transport.isend(buf, 1, i)
+                calls.append((time.perf_counter() - start) * 1e3)
+                transport.irecv(back, 1, i).wait()
+                samples.append((time.perf_counter() - start) * 1e3 / 2)
+            one_way_ms.append(_mean(samples))
+            call_ms.append(_mean(calls))
+    finally:
+        transport.close()
+        child.join(timeout=PINGPONG_TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
+    (small, large), (t_small, t_large) = PINGPONG_BYTES, one_way_ms
+    per_byte_ms = max(t_large - t_small, 1e-9) / (large - small)
+    return (max(t_small - small * per_byte_ms, 0.0), 1e3 / per_byte_ms,
+            fit_affine(list(PINGPONG_BYTES), call_ms))
+
+
+def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[torch.Tensor],
+                  target: torch.Tensor, device: torch.device, num_minibatches: int) -> RuntimeCosts:
+    """The runtime's costs on this host for `model` (profiled as `chain` on one microbatch
+    `inputs`, `target`), fitted from its probe stages."""
+    from pdcli.compiler.build import compile_stages
+    from pdcli.models import build_loss
+
+    space = SplitSpace.from_chain(chain)
+    optimizer = optimizer_step_matrix(space)
+    profiled = chain.meta.get("batch_size") if isinstance(chain.meta, dict) else None
+    per_mb = cfg.microbatch_size / float(profiled) if profiled else 1.0  # profiled batch -> one microbatch
+    ranges = probe_boundaries(chain)
+    k = len(ranges)
+    m = cfg.schedule.num_microbatches
+    clock = Clock(device)
+    loss_fwd_ms, loss_bwd_ms = time_loss(model, inputs, target, build_loss(cfg.model.loss), clock,
+                                         cfg.profile.warmup, max(cfg.profile.repeats, 5))
+    wgrad_covered = space.covered_wgrad_ms if space.covered_wgrad_ms is not None else np.zeros(space.num_positions)
+    modes: dict[str, ModeCosts] = {}
+    sends: list[tuple[float, float]] = []
+    recvs: list[tuple[float, float]] = []
+    load_inputs = load_target = 0.0
+    stages_seen: list[dict[str, Any]] = []
+    gaps: list[float] = []
+    switch_interval_s = sys.getswitchinterval()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as a worker with the socket transport runs
+    with tempfile.TemporaryDirectory(prefix="pd-probe-") as tmp:
+        manifest, _ = compile_stages(model, inputs, ranges, tmp, loss=cfg.model.loss, seed=cfg.train.seed)
+        io_bytes = _message_bytes(manifest)
+        for mode, (schedule, split) in MODE_SCHEDULES.items():
+            fits: dict[str, tuple[list[float], list[float]]] = {key: ([], []) for key in ("forward", "backward", "wgrad", "update")}
+            for stage_id, (start, end) in enumerate(ranges):
+                times = run_stage_actions(cfg, Path(tmp), stage_id, k, schedule, split, num_minibatches, device)
+                last = stage_id == k - 1
+                fwd = space.range_total(space.covered_fwd_ms, start, end) * per_mb
+                bwd = space.range_total(space.covered_bwd_ms, start, end) * per_mb
+                wgrad = space.range_total(wgrad_covered, start, end) * per_mb
+                opt = float(optimizer[start, end])
+                w_ms = _mean(times.get("WeightGrads", []))
+                fits["forward"][0].append(fwd)
+                fits["forward"][1].append(_mean(times["Forward"]) - (loss_fwd_ms if last else 0.0))
+                fits["backward"][0].append(bwd)
+                fits["backward"][1].append(_mean(times["Backward"]) + w_ms - (loss_bwd_ms if last else 0.0))
+                if wgrad > 0 and "WeightGrads" in times:
+                    fits["wgrad"][0].append(wgrad)
+                    fits["wgrad"][1].append(w_ms)
+                fits["update"][0].append(opt)
+                fits["update"][1].append(sum(_mean(times.get(a, [])) for a in ("OptimizerStep", "StashWeights", "FreeWeights")))
+                for action, nbytes in io_bytes[stage_id].items():
+                    if action in times:
+                        (sends if action.startswith("Send") else recvs).append((nbytes, _mean(times[action])))
+                gaps.extend(times.pop(GAP_KEY))
+                if stage_id == 0:
+                    load_inputs = _per_minibatch(times.get("LoadMicrobatch", []), m)
+                if last and k > 1:
+                    load_target = _per_minibatch(times.get("LoadMicrobatch", []), m)
+                stages_seen.append({"mode": mode, "stage": [start, end],
+                                    "measured_ms": {a: _mean(v) for a, v in sorted(times.items())}})
+            modes[mode] = ModeCosts(fit_affine(*fits["forward"]), fit_affine(*fits["backward"]),
+                                    fit_affine(*fits["wgrad"]), fit_affine(*fits["update"], single="fixed"))
+    sys.setswitchinterval(switch_interval_s)
+    transport = measure_socket_transport() if device.type == "cpu" else None
+    send = fit_affine([b for b, _ in sends], [t for _, t in sends], single="fixed")
+    if transport is not None:  # the probe's sends went nowhere: add the real transport's call
+        send = Affine(send.scale + transport[2].scale, send.fixed_ms + transport[2].fixed_ms)
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) if device.type == "cpu" else None
+    return RuntimeCosts(
+        modes=modes, loss_fwd_ms=loss_fwd_ms, loss_bwd_ms=loss_bwd_ms, load_inputs_ms=load_inputs,
+        load_target_ms=load_target,
+        send=send,
+        recv=fit_affine([b for b, _ in recvs], [t for _, t in recvs], single="fixed"),
+        latency_ms=transport[0] if transport else None, bandwidth_bytes_per_s=transport[1] if transport else None,
+        transport="socket" if transport else "", cores=cores, gap_ms=float(statistics.median(gaps)) if gaps else 0.0,
+        sources={"probe_stages": [list(r) for r in ranges], "minibatches": num_minibatches, "stages": stages_seen},
+    )
+
+
+def _message_bytes(manifest: dict[str, Any]) -> dict[int, dict[str, float]]:
+    """Per probe stage, the bytes of each kind of message it sends and receives (one microbatch)."""
+    from pdcli.runtime.stageio import StageIO
+
+    out: dict[int, dict[str, float]] = {}
+    for entry in manifest["stages"]:
+        io = StageIO.from_manifest(manifest, int(entry["stage_id"]))
+        sizes: dict[str, float] = {}
+        for action, layouts in (("SendActivations", io.acts_out), ("RecvActivations", io.acts_in),
+                                ("SendGrads", io.grads_out), ("RecvGrads", io.grads_in)):
+            total = sum(layout.num_bytes for layout in layouts.values())
+            if total:
+                sizes[action] = float(total)
+        out[int(entry["stage_id"])] = sizes
+    return out
+

@@ -1,0 +1,200 @@
+"""Close the loop: refit the runtime's costs from what a finished run measured (`pd plan --calibrate RUN`).
+
+The probe (`pdcli.profiler.runtime_probe`) measures stages run alone in one process; a real
+run shares the host with its peers, waits for messages and wakes up again, and a busy host
+slows all of it. This module reads a run's `trace.json` and refits, on its own stages, what
+the plan prices (`pdcli.planner.runtime_costs`): per action kind the affine cost in the
+stage's profiled time (an exact fit through two stages of different size; one stage, or a
+fit that would need a negative term, rescales the probe's fit to the run's total instead),
+the optimizer step with its weight-version bookkeeping, packing and unpacking messages (a
+receive's unpacking: the low quantile of its durations, when the message was already
+there), data loading, and the interpreter's time between actions. Last, the latency of a
+message is refitted so that the replay of the run's plan with all of these takes the run's
+steady time per minibatch (bisection; the replay's time grows with the latency): what the
+run waited beyond its compute, messages in flight and the pipeline's own order. The loss,
+the bandwidth and the core count stay as probed. The result is written to the planned run's
+`calibration.json`; `pd plan` and `pd train` use it while the profile it was made for
+stays the run's profile.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from pdcli.errors import UserError
+from pdcli.planner.runtime_costs import RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts
+from pdcli.planner.search import covered_or_zeros, optimizer_step_matrix
+from pdcli.planner.space import SplitSpace
+from pdcli.profiler.chain import Chain
+from pdcli.report.build import read_trained_plan
+from pdcli.report.compare import ReplanCommands
+from pdcli.report.measured import TRACE_FILE, TRAIN_DIR, RankTrace, read_trace, steady_time_per_minibatch_ms
+
+MAX_LATENCY_MS = 50.0
+LATENCY_BISECTIONS = 30
+UNPACK_QUANTILE = 0.1
+"""A receive's unpacking cost: this quantile of its durations (most receives also wait)."""
+
+
+def _steady(values: list[float]) -> list[float]:
+    return values[len(values) // 2:] or values
+
+
+def _mean(values: list[float]) -> float:
+    """The steady half's mean (as the probe measures)."""
+    steady = _steady(values)
+    return float(sum(steady)) / len(steady) if steady else 0.0
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return float(np.quantile(_steady(values), q)) if values else 0.0
+
+
+def _durations(traces: Sequence[RankTrace]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for trace in traces:
+        for span in trace.spans:
+            out.setdefault(span.name, []).append(span.dur_ms)
+    return out
+
+
+def _gaps(traces: Sequence[RankTrace]) -> list[float]:
+    out: list[float] = []
+    for trace in traces:
+        spans = trace.spans
+        out.extend(_steady([max(b.start_ms - a.end_ms, 0.0) for a, b in zip(spans, spans[1:])]))
+    return out
+
+
+def refit(xs: Sequence[float], ys: Sequence[float], base: Affine) -> Affine:
+    """The affine map through the run's points: exact through two stages of different size
+    when both terms stay >= 0, else `base` rescaled to the points' total."""
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    if x.size == 0:
+        return base
+    if x.size >= 2 and np.ptp(x) > 1e-9 * max(1.0, float(np.abs(x).max())):
+        scale, fixed = np.polyfit(x, y, 1)
+        if scale >= 0 and fixed >= 0:
+            return Affine(float(scale), float(fixed))
+    predicted = float(np.sum(base(x)))
+    return Affine(base.scale * float(y.sum()) / predicted, base.fixed_ms * float(y.sum()) / predicted) \
+        if predicted > 0 else base
+
+
+def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple[RuntimeCosts, dict[str, Any]]:
+    """`base` refitted to the run in `run_dir` (trained from a plan of `chain`), and what was measured."""
+    plan = read_trained_plan(run_dir, ReplanCommands(str(run_dir)))
+    inputs = plan.get("inputs", {})
+    schedule, m = str(inputs["schedule"]), int(inputs["num_microbatches"])
+    traces = read_trace(run_dir / TRAIN_DIR / TRACE_FILE)
+    if not traces:
+        raise UserError(f"{run_dir / TRAIN_DIR / TRACE_FILE}: no trace to calibrate from",
+                        hint=f"train the run first: `pd train {run_dir / 'config.yaml'}`")
+    space = SplitSpace.from_chain(chain)
+    if plan["stages"][-1]["end"] != space.num_positions:
+        raise UserError(f"{run_dir}: its plan covers {plan['stages'][-1]['end']} positions, the profile has "
+                        f"{space.num_positions}", hint="calibrate from a run trained with this profile")
+    profiled = float(chain.meta.get("batch_size") or 0) or None
+    per_mb = (float(inputs["batch_size"]) / m / profiled) if profiled else 1.0
+    optimizer = optimizer_step_matrix(space)
+    wgrad_covered = covered_or_zeros(space, space.covered_wgrad_ms)
+    mode_name = STASHED if schedule in ("pipedream", "2bw") else "direct"
+    mode = base.modes[mode_name]
+    points: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ("forward", "backward", "wgrad", "update")}
+    sends: list[tuple[float, float]] = []
+    recvs: list[tuple[float, float]] = []
+    n, last_id = space.num_positions, len(plan["stages"]) - 1
+    load_inputs, load_target = base.load_inputs_ms, base.load_target_ms
+    measured: list[dict[str, Any]] = []
+    cut = np.asarray(chain.cut_bytes, dtype=float)
+    for stage in plan["stages"]:
+        k, start, end = int(stage["stage_id"]), int(stage["start"]), int(stage["end"])
+        own = [traces[r] for r in stage["ranks"] if r in traces]
+        times = _durations(own)
+        last = k == last_id
+        w_ms = _mean(times.get("WeightGrads", []))
+        points["forward"][0].append(space.range_total(space.covered_fwd_ms, start, end) * per_mb)
+        points["forward"][1].append(_mean(times.get("Forward", [])) - (base.loss_fwd_ms if last else 0.0))
+        points["backward"][0].append(space.range_total(space.covered_bwd_ms, start, end) * per_mb)
+        points["backward"][1].append(_mean(times.get("Backward", [])) + w_ms - (base.loss_bwd_ms if last else 0.0))
+        wgrad = space.range_total(wgrad_covered, start, end) * per_mb
+        if wgrad > 0 and "WeightGrads" in times:
+            points["wgrad"][0].append(wgrad)
+            points["wgrad"][1].append(w_ms)
+        points["update"][0].append(float(optimizer[start, end]))
+        points["update"][1].append(sum(_mean(times.get(a, [])) for a in ("OptimizerStep", "StashWeights", "FreeWeights")))
+        in_bytes = cut[start - 1] * per_mb if start > 0 else 0.0
+        out_bytes = cut[end - 1] * per_mb if end < n else 0.0
+        for action, nbytes in (("SendActivations", out_bytes), ("SendGrads", in_bytes)):
+            if nbytes and action in times:
+                sends.append((nbytes, _mean(times[action])))
+        for action, nbytes in (("RecvActivations", in_bytes), ("RecvGrads", out_bytes)):
+            if nbytes and action in times:
+                recvs.append((nbytes, _quantile(times[action], UNPACK_QUANTILE)))
+        loads = _steady(times.get("LoadMicrobatch", []))
+        # a replica runs m / replicas LoadMicrobatch per minibatch; the first makes the minibatch
+        load_ms = float(sum(loads)) / len(loads) * m / int(stage["replicas"]) if loads else 0.0
+        if start == 0 and loads:
+            load_inputs = load_ms
+        elif last and loads:
+            load_target = load_ms
+        measured.append({"stage_id": k, "actions_ms": {a: _mean(v) for a, v in sorted(times.items())}})
+    modes = dict(base.modes)
+    modes[mode_name] = ModeCosts(
+        refit(*points["forward"], mode.forward), refit(*points["backward"], mode.backward),
+        refit(*points["wgrad"], mode.wgrad), refit(*points["update"], mode.update))
+    gaps = _gaps(list(traces.values()))
+    gaps_mean = float(sum(gaps)) / len(gaps) if gaps else base.gap_ms
+    calibrated = replace(
+        base, modes=modes, load_inputs_ms=load_inputs, load_target_ms=load_target,
+        send=refit([b for b, _ in sends], [t for _, t in sends], base.send) if sends else base.send,
+        recv=refit([b for b, _ in recvs], [t for _, t in recvs], base.recv) if recvs else base.recv,
+        gap_ms=gaps_mean, sources={**base.sources, "calibrated_from": str(run_dir)},
+    )
+    first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
+    target_ms = steady_time_per_minibatch_ms(first, m)
+    if target_ms is not None:
+        calibrated = fit_latency(calibrated, chain, plan, target_ms)
+    return calibrated, {"run": str(run_dir), "schedule": schedule, "steady_time_per_minibatch_ms": target_ms,
+                        "stages": measured}
+
+
+def replayed_ms(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> float:
+    """Time per minibatch of `plan`'s stages replayed with `runtime`'s costs."""
+    from pdcli.planner.evaluate import batch_scale, evaluate_pd
+    from pdcli.planner.options import PlanOptions
+    from pdcli.planner.topology import Topology
+
+    inputs = plan["inputs"]
+    options = PlanOptions(schedule=inputs["schedule"], num_microbatches=int(inputs["num_microbatches"]),
+                          batch_size=int(inputs["batch_size"]), precision=inputs.get("precision", "fp32"),
+                          recompute=bool(inputs.get("recompute", False)),
+                          split_backward=bool(inputs.get("split_backward", False)))
+    costed = replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
+    space = SplitSpace.from_chain(costed)
+    partition = [(int(s["start"]), int(s["end"]), int(s["replicas"])) for s in plan["stages"]]
+    topology = Topology.from_levels(inputs["topology"]["levels"])
+    return evaluate_pd(space, topology, options, batch_scale(chain.meta, options), partition).time_per_minibatch_ms
+
+
+def fit_latency(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any], target_ms: float) -> RuntimeCosts:
+    """`runtime` with the message latency that makes the replay of `plan` take `target_ms` per
+    minibatch (0 when the replay is slower already; at most MAX_LATENCY_MS)."""
+    def at(latency_ms: float) -> RuntimeCosts:
+        return replace(runtime, latency_ms=latency_ms,
+                       bandwidth_bytes_per_s=runtime.bandwidth_bytes_per_s or float("inf"))
+
+    low, high = 0.0, MAX_LATENCY_MS
+    if replayed_ms(at(low), chain, plan) >= target_ms:
+        return at(low)
+    if replayed_ms(at(high), chain, plan) <= target_ms:
+        return at(high)
+    for _ in range(LATENCY_BISECTIONS):
+        mid = (low + high) / 2
+        low, high = (mid, high) if replayed_ms(at(mid), chain, plan) < target_ms else (low, mid)
+    return at((low + high) / 2)

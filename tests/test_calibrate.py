@@ -1,0 +1,52 @@
+"""`pd plan --calibrate RUN`: a real run refits the runtime's costs; re-planning the same
+configuration then predicts that run, and `pd train` keeps the calibrated plan."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdcli.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+PD = Path(sys.executable).parent / "pd"
+RECIPE = str(REPO / "recipes" / "quickstart.yaml")
+STEPS = 40
+RUN = ["plan.boundaries=[9]", f"train.steps={STEPS}", "train.log_every=10", "profile.repeats=3"]
+runner = CliRunner()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_calibrated_plan_predicts_the_run_it_was_fitted_to(tmp_path: Path) -> None:
+    args = [*RUN, f"run.root={tmp_path}"]
+    proc = subprocess.run([str(PD), "train", RECIPE, *args], capture_output=True, text=True, timeout=200, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_dir = tmp_path / "quickstart"
+    before = json.loads((run_dir / "plan.json").read_text())
+    report = runner.invoke(app, ["report", str(run_dir), "--format", "json", "--no-charts"])
+    assert report.exit_code == 0, report.output
+    measured_ms = json.loads(report.stdout)["pipeline"]["measured"]["steady_time_per_minibatch_ms"]
+
+    result = runner.invoke(app, ["plan", RECIPE, *args, "--calibrate", str(run_dir), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    calibration = json.loads((run_dir / "calibration.json").read_text())
+    assert calibration["runtime"]["sources"]["calibrated_from"] == str(run_dir)
+    after = json.loads((run_dir / "plan.json").read_text())
+    assert after["pipeline"]["time_per_minibatch_ms"] == pytest.approx(measured_ms, rel=0.05)
+    assert after["pipeline"]["time_per_minibatch_ms"] != before["pipeline"]["time_per_minibatch_ms"]
+
+    # the calibrated plan is the run's plan now: planning again reuses it
+    again = runner.invoke(app, ["plan", RECIPE, *args])
+    assert again.exit_code == 0 and "reused" in again.output
+
+
+def test_calibrate_needs_a_run_directory(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["plan", RECIPE, f"run.root={tmp_path}", "profile.repeats=2", "profile.probe_minibatches=4",
+                                 "--calibrate", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and "not a run directory" in result.output

@@ -1,0 +1,126 @@
+"""The runtime-cost model: each measured term moves the prediction, the replay's message and core
+terms, the probe's fit, and the plan refined by replay (pure, no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pdcli.planner import PlanOptions, Topology, plan_chain
+from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, TERMS, Affine, ModeCosts, RuntimeCosts
+from pdcli.planner.simulator import StageCost, simulate
+from pdcli.profiler.chain import Chain, ChainNode
+from pdcli.profiler.runtime_probe import fit_affine, probe_boundaries
+from pdcli.runtime.schedule import ScheduleSpec
+
+MODE = ModeCosts(forward=Affine(1.3, 0.05), backward=Affine(1.2, 0.04), wgrad=Affine(1.1, 0.01),
+                 update=Affine(1.5, 0.03))
+RUNTIME = RuntimeCosts(
+    modes={STASHED: MODE, DIRECT: MODE}, loss_fwd_ms=0.02, loss_bwd_ms=0.03, load_inputs_ms=0.2,
+    load_target_ms=0.1, send=Affine(1e-6, 0.02), recv=Affine(1e-6, 0.01), latency_ms=1.0,
+    bandwidth_bytes_per_s=5e7, transport="socket", cores=1, gap_ms=0.01,
+)
+
+
+def chain(runtime: RuntimeCosts | None = RUNTIME, n: int = 8) -> Chain:
+    nodes = tuple(ChainNode(name=f"n{i}", label=f"layer{i}", fwd_ms=0.1 + 0.02 * i, bwd_ms=0.2 + 0.03 * i,
+                            parameter_bytes=40_000, activation_bytes=8192, backward_memory_bytes=8192,
+                            optimizer_ms=0.02, wgrad_ms=0.05) for i in range(n))
+    meta = {"batch_size": 16, "optimizer": {"step_overhead_ms": 0.01}}
+    if runtime is not None:
+        meta[RUNTIME_META] = runtime.to_json()
+    return Chain(nodes=nodes, cut_bytes=(8192,) * (n - 1), meta=meta)
+
+
+def predicted_ms(c: Chain, schedule: str = "pipedream", boundaries: tuple[int, ...] | None = (4,)) -> float:
+    options = PlanOptions(schedule=schedule, num_microbatches=4, batch_size=64, num_stages=2, boundaries=boundaries,
+                          split_backward=schedule in ("1f1b", "gpipe"))
+    return plan_chain(c, Topology.flat(2, 1e9), options).time_per_minibatch_ms
+
+
+def test_runtime_costs_round_trip_through_json() -> None:
+    assert RuntimeCosts.from_json(RUNTIME.to_json()) == RUNTIME
+    assert RuntimeCosts.from_meta({}) is None
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b"])
+@pytest.mark.parametrize("term", TERMS)
+def test_each_runtime_term_moves_the_prediction(schedule: str, term: str) -> None:
+    """Every term the probe measures counts: switched off, the plan predicts less time (the
+    others with a core per worker: one core for two would hide the waits behind its bound)."""
+    base = RUNTIME if term == "cores" else RUNTIME.without("cores")
+    full = predicted_ms(chain(base), schedule)
+    assert predicted_ms(chain(base.without(term)), schedule) < full * (1 - 1e-6)
+
+
+def test_without_rejects_an_unknown_term() -> None:
+    with pytest.raises(ValueError, match="unknown runtime terms"):
+        RUNTIME.without("bogus")
+
+
+def test_plan_without_runtime_costs_is_the_profile_model() -> None:
+    """A profile without `meta.runtime` plans as before: no per-action costs in the plan."""
+    c = chain(None)
+    options = PlanOptions(schedule="pipedream", num_microbatches=4, batch_size=64, num_stages=2)
+    plan = plan_chain(c, Topology.flat(2, 1e9), options).to_json()
+    assert all("actions_ms" not in s["predicted"] for s in plan["stages"]) and "replay" not in plan["pipeline"]
+    costed = plan_chain(chain(), Topology.flat(2, 1e9), options).to_json()
+    assert all("actions_ms" in s["predicted"] for s in costed["stages"]) and costed["pipeline"]["replay"]["cores"] == 1
+
+
+def test_replay_charges_packing_to_the_sender_and_unpacking_to_the_receiver() -> None:
+    spec = ScheduleSpec.make("gpipe", 2, 1, 1)
+    base = [StageCost(1.0, 1.0, comm_ms=0.5), StageCost(1.0, 1.0, comm_ms=0.5)]
+    plain = simulate(spec, base)
+    costed = simulate(spec, [dataclasses.replace(base[0], send_acts_ms=0.2, recv_grads_ms=0.1),
+                             dataclasses.replace(base[1], recv_acts_ms=0.3, send_grads_ms=0.4)])
+    # one microbatch through both stages and back: every CPU cost is on the critical path
+    assert costed.makespan_ms == pytest.approx(plain.makespan_ms + 0.2 + 0.3 + 0.4 + 0.1)
+    sender = {type(t.action).__name__: t for t in costed.timeline[0]}
+    assert sender["SendActivations"].end_ms - sender["SendActivations"].start_ms == pytest.approx(0.2)
+
+
+def test_replay_interpreter_gap_and_core_bound() -> None:
+    spec = ScheduleSpec.make("pipedream", 2, 4, 8)
+    costs = [StageCost(1.0, 2.0), StageCost(1.0, 2.0)]
+    alone = simulate(spec, costs).time_per_minibatch_ms
+    assert alone == pytest.approx(12.0)
+    gapped = simulate(spec, [dataclasses.replace(c, gap_ms=0.1) for c in costs]).time_per_minibatch_ms
+    assert gapped > alone
+    # two busy ranks on one core: at least their CPU time per minibatch
+    assert simulate(spec, costs, cores=1).time_per_minibatch_ms == pytest.approx(24.0, rel=0.02)
+    assert simulate(spec, costs, cores=2).time_per_minibatch_ms == pytest.approx(alone)
+
+
+def test_fit_affine_recovers_a_line_and_keeps_terms_non_negative() -> None:
+    xs = [0.5, 1.0, 2.0, 4.0]
+    fit = fit_affine(xs, [1.5 * x + 0.2 for x in xs])
+    assert fit.scale == pytest.approx(1.5) and fit.fixed_ms == pytest.approx(0.2)
+    through_origin = fit_affine(xs, [2.0 * x - 0.1 for x in xs])
+    assert through_origin.fixed_ms == 0.0 and through_origin.scale > 0
+    assert fit_affine([1.0, 1.0], [3.0, 3.0]) == Affine(3.0, 0.0)
+    assert fit_affine([1.0, 1.0], [3.0, 3.0], single="fixed") == Affine(0.0, 3.0)
+
+
+def test_probe_stages_hold_growing_shares_of_the_work() -> None:
+    c = chain(None, n=20)
+    ranges = probe_boundaries(c)
+    assert ranges[0][0] == 0 and ranges[-1][1] == 20 and len(ranges) == 4
+    assert all(a < b for a, b in ranges) and all(x[1] == y[0] for x, y in zip(ranges, ranges[1:]))
+    work = np.cumsum([n.fwd_ms + n.bwd_ms for n in c.nodes])
+    shares = [(work[b - 1] - (work[a - 1] if a else 0.0)) / work[-1] for a, b in ranges]
+    assert shares == sorted(shares)  # different sizes: a fixed cost and a scale can be told apart
+    assert probe_boundaries(chain(None, n=2)) == [(0, 1), (1, 2)]
+
+
+def test_replay_refines_the_searched_split() -> None:
+    """The plan's time is its replay, and no plan one boundary away replays faster."""
+    c = chain()
+    options = PlanOptions(schedule="pipedream", num_microbatches=4, batch_size=64, num_stages=2)
+    plan = plan_chain(c, Topology.flat(2, 1e9), options)
+    cut = plan.stages[1].start
+    for other in range(1, len(c.nodes)):
+        if other != cut:
+            assert predicted_ms(c, boundaries=(other,)) >= plan.time_per_minibatch_ms * (1 - 1e-9) or abs(other - cut) > 2

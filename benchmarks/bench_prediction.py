@@ -1,30 +1,31 @@
-"""Prediction accuracy: the plan's predicted time per minibatch and per-stage time vs what `pd train` measured.
+"""Prediction accuracy: what `pd plan` predicts against what `pd train` measures, three cost models side by side.
 
-For a few recipes: `pd train RECIPE train.steps=N run.root=<tmp>` in a subprocess (profile,
-plan, compile, train), then the run is read with `pd report`'s library (`pdcli.report`):
-predicted vs measured time per minibatch (steady state, from the trace), their ratio, and
-per stage the plan's stage_time_ms vs the measured compute + comm, with where the measured
-compute goes (forward, backward, optimizer step). Prints a table and writes
-`runs/benchmarks/prediction.json`. Nothing is asserted.
+For every case (each recipe with its own schedule, the quickstart with every schedule, the
+runtime benchmark's shape): `pd train` in a subprocess (profile with the runtime probe,
+plan, compile, train), then the run is read with `pd report`'s library. For the same run
+(the same stages) three predictions of the steady time per minibatch:
 
-`calib` is the profile's `meta.calibration.ratio` (whole fwd+bwd step / sum of the layers;
-the `pd` cost model multiplies forward and backward by max(1, ratio), see costs.py) and
-what measured / predicted would be without it: per stage compute / max(1, ratio) +
-optimizer + sync, times the plan's bubble factor (an estimate: the split is kept).
+- `profile`: the cost model of the per-layer profile alone (`profile.runtime_probe=false`:
+  layer times, the calibration ratio, the optimizer, nominal bandwidth) - the model before
+  the runtime probe;
+- `probe`: the runtime's measured costs (`meta.runtime`, the plan the run trained with);
+- `calibrated`: the probe's costs refitted from the PREVIOUS round's run of the same case
+  (`pd plan --calibrate`), so each is predicted from a run it has not seen (rounds >= 2).
 
-    .venv/bin/python benchmarks/bench_prediction.py [--recipes quickstart resnet18 ...] [--steps N] [--rounds R]
+and per stage the compute measured against the `probe` plan's. Measured / predicted is the
+ratio shown; mean |error| closes each column. Writes `runs/benchmarks/prediction.json`;
+nothing is asserted.
 
-Each recipe is trained `--rounds` times in the same run directory (the profile and plan are
-made once, so the prediction is the same); the row shown is the round with the (lower)
-median measured time per minibatch, and the range over rounds is shown beside it. On a
-shared host the measured times move with the load, so look at the range, not one number.
-About 2.5 minutes on a quiet 2-core host (5 under heavy load).
+    .venv/bin/python benchmarks/bench_prediction.py [--cases quickstart gpt ...] [--rounds R]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -39,24 +40,51 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _bench_common import BenchFailed, run_bounded, stderr_tail  # noqa: E402
 
-from pdcli.planner.costs import compute_calibration  # noqa: E402
+from pdcli.planner.evaluate import evaluate_plan  # noqa: E402
+from pdcli.planner.runtime_costs import RUNTIME_META, RuntimeCosts  # noqa: E402
+from pdcli.profiler.chain import Chain  # noqa: E402
 from pdcli.report import ReplanCommands, make_report  # noqa: E402
+from pdcli.report.calibrate import calibrate_from_run, replayed_ms  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
 
 OUT = REPO / "runs" / "benchmarks" / "prediction.json"
 PD = Path(sys.executable).parent / "pd"
-RECIPE_STEPS = {"quickstart": 150, "resnet18": 16, "gnmt": 30, "gpt": 24, "vgg16": 6}
-"""Minibatches per recipe: enough for a steady state (the second half is timed), small enough
-that the four runs (profiling included) take a few minutes on a shared 2-core host."""
-TRAIN_TIMEOUT_S = 240.0
+RUNTIME_SHAPE = (
+    "model.kwargs.in_features=1024", "model.kwargs.hidden=1024", "data=synthetic_images", "data.kwargs.channels=1024",
+    "data.kwargs.image_size=1", "data.batch_size=256", "schedule.num_microbatches=8", "plan.boundaries=[9]",
+    "train.threads_per_worker=1", "optim.lr=0.01",
+)
+"""`benchmarks/bench_runtime.py`'s small section: MLP 8 x 1024, 8 microbatches of 32 rows, its split."""
+CASES: dict[str, tuple[str, tuple[str, ...], int]] = {
+    "quickstart": ("quickstart", (), 150),
+    "quickstart-1f1b": ("quickstart", ("schedule.name=1f1b",), 150),
+    "quickstart-gpipe": ("quickstart", ("schedule.name=gpipe",), 150),
+    "quickstart-2bw": ("quickstart", ("schedule.name=2bw",), 150),
+    "gpt": ("gpt", (), 24),
+    "resnet18": ("resnet18", (), 16),
+    "gnmt": ("gnmt", (), 30),
+    "vgg16": ("vgg16", (), 8),
+    "runtime-shape": ("quickstart", RUNTIME_SHAPE, 40),
+}
+"""Case -> (recipe, overrides, minibatches): enough for a steady state (its second half is
+timed), few enough for a shared 2-core host."""
+TRAIN_TIMEOUT_S = 300.0
 DEFAULT_ROUNDS = 2
 DRIFT_THRESHOLD_PCT = 25.0
 
 
-def run_recipe(name: str, steps: int, root: Path) -> dict[str, Any]:
-    """Train `recipes/<name>.yaml` for `steps` minibatches under `root`; the prediction row."""
-    recipe = REPO / "recipes" / f"{name}.yaml"
-    overrides = [f"train.steps={steps}", f"train.log_every={max(1, steps // 4)}", f"run.root={root}"]
+def profile_model_ms(chain: Chain, plan: dict[str, Any]) -> float:
+    """The plan's stages priced by the per-layer profile's model (no runtime costs)."""
+    meta = {k: v for k, v in chain.meta.items() if k != RUNTIME_META}
+    return evaluate_plan(dataclasses.replace(chain, meta=meta), plan).time_per_minibatch_ms
+
+
+def run_case(name: str, root: Path, previous: Path | None) -> dict[str, Any]:
+    """Train case `name` under `root`; its row (`previous`: a copy of the last round's run)."""
+    recipe_name, extra, steps = CASES[name]
+    recipe = REPO / "recipes" / f"{recipe_name}.yaml"
+    overrides = [*extra, f"run.name={name}", f"train.steps={steps}", f"train.log_every={max(1, steps // 4)}",
+                 f"run.root={root}"]
     start_s = time.perf_counter()
     code, _, err = run_bounded([str(PD), "train", str(recipe), *overrides], TRAIN_TIMEOUT_S)
     if code != 0:
@@ -64,88 +92,75 @@ def run_recipe(name: str, steps: int, root: Path) -> dict[str, Any]:
     wall_s = time.perf_counter() - start_s
     run_dir = root / name
     c = make_report(run_dir, ReplanCommands(str(recipe), tuple(overrides)), DRIFT_THRESHOLD_PCT, charts=False).comparison
-    m, p = c.measured, c.predicted
-    measured_ms = m.steady_time_per_minibatch_ms or m.time_per_minibatch_ms
+    measured_ms = c.measured.steady_time_per_minibatch_ms or c.measured.time_per_minibatch_ms
     plan = json.loads((run_dir / "plan.json").read_text())
-    profile_meta = json.loads((run_dir / "profile.json").read_text())["meta"]
-    ratio = (profile_meta.get("calibration") or {}).get("ratio") or 1.0
-    terms = [st["predicted"] for st in plan["stages"]]
-    bubble = p.time_per_minibatch_ms / max(t["stage_time_ms"] for t in terms)
-    factor = compute_calibration(ratio)
-    uncalibrated_ms = bubble * max(t["compute_ms"] / factor + t.get("optimizer_ms", 0.0) + t["sync_ms"] for t in terms)
-    return {
-        "recipe": name, "schedule": m.schedule, "num_stages": len(c.stages), "steps": steps, "wall_s": wall_s,
-        "predicted_time_per_minibatch_ms": p.time_per_minibatch_ms,
-        "simulated_time_per_minibatch_ms": p.simulated_time_per_minibatch_ms,
-        "measured_time_per_minibatch_ms": measured_ms,
-        "measured_loop_time_per_minibatch_ms": m.time_per_minibatch_ms,
-        "ratio": measured_ms / p.time_per_minibatch_ms if p.time_per_minibatch_ms > 0 else None,
-        "calibration_ratio": ratio, "uncalibrated_time_per_minibatch_ms": uncalibrated_ms,
-        "uncalibrated_ratio": measured_ms / uncalibrated_ms if uncalibrated_ms > 0 else None,
-        "predicted_bubble": p.bubble_fraction,
-        "stages": [
-            {"stage_id": s.stage_id, "predicted_stage_time_ms": s.predicted.stage_time_ms,
-             "measured_stage_time_ms": s.measured.stage_time_ms, "predicted_fwd_ms": s.predicted.fwd_ms,
-             "predicted_bwd_ms": s.predicted.bwd_ms, "predicted_optimizer_ms": terms[s.stage_id].get("optimizer_ms"),
-             "measured_compute_ms": s.measured.compute_ms,
-             "measured_comm_ms": s.measured.comm_ms, "measured_idle_ms": s.measured.idle_ms,
-             "measured_bubble": s.measured.bubble_fraction, "measured_actions_ms": s.measured.actions_ms}
-            for s in c.stages
-        ],
+    chain = Chain.from_json(json.loads((run_dir / "profile.json").read_text()))
+    probe_ms = c.predicted.time_per_minibatch_ms
+    row: dict[str, Any] = {
+        "case": name, "schedule": c.measured.schedule, "num_stages": len(c.stages), "steps": steps, "wall_s": wall_s,
+        "measured_ms": measured_ms, "profile_ms": profile_model_ms(chain, plan), "probe_ms": probe_ms,
+        "calibrated_ms": None, "drift_warning": c.drift is not None,
+        "stages": [{"stage_id": s.stage_id, "predicted_compute_ms": s.predicted.compute_ms,
+                    "measured_compute_ms": s.measured.compute_ms, "measured_actions_ms": s.measured.actions_ms}
+                   for s in c.stages],
     }
+    base = RuntimeCosts.from_meta(chain.meta)
+    if previous is not None and base is not None:
+        calibrated, _ = calibrate_from_run(previous, chain, base)
+        row["calibrated_ms"] = replayed_ms(calibrated, chain, plan)
+    return row
 
 
-def _stage_cell(row: dict[str, Any], key: str, fmt: str = "{:.2f}") -> str:
-    return " | ".join(fmt.format(s[key]) if s.get(key) is not None else "-" for s in row["stages"])
-
-
-def _action_cell(row: dict[str, Any], action: str) -> str:
-    return " | ".join(f"{s['measured_actions_ms'].get(action, 0.0):.2f}" for s in row["stages"])
+def _ratio(row: dict[str, Any], key: str) -> float | None:
+    value = row.get(key)
+    return row["measured_ms"] / value if value else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipes", nargs="+", default=list(RECIPE_STEPS), help="recipe names under recipes/")
-    parser.add_argument("--steps", type=int, default=None, help="minibatches per recipe (default: per recipe)")
-    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="trainings per recipe")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="trainings per case (>= 2 for `calibrated`)")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pd-bench-prediction-") as tmp:
-        for name in args.recipes:
-            steps = args.steps or RECIPE_STEPS.get(name, 10)
-            rounds: list[dict[str, Any]] = []
-            try:
-                for round_index in range(max(1, args.rounds)):
-                    print(f"{name}: pd train, {steps} minibatches, round {round_index + 1} ...", file=sys.stderr, flush=True)
-                    rounds.append(run_recipe(name, steps, Path(tmp)))
-            except BenchFailed as e:
-                rows.append({"recipe": name, "error": str(e)})
-                continue
-            rounds.sort(key=lambda r: r["measured_time_per_minibatch_ms"])
-            times = [r["measured_time_per_minibatch_ms"] for r in rounds]
-            rows.append({**rounds[(len(rounds) - 1) // 2], "measured_range_ms": [times[0], times[-1]], "rounds": rounds})
-    table = []
+        root, kept = Path(tmp) / "runs", Path(tmp) / "previous"
+        for round_index in range(max(1, args.rounds)):  # rounds outermost: a slow spell hits every case
+            for name in args.cases:
+                print(f"{name}: round {round_index + 1} ...", file=sys.stderr, flush=True)
+                previous = kept / name if (kept / name).exists() else None
+                try:
+                    row = run_case(name, root, previous)
+                except BenchFailed as e:
+                    rows.append({"case": name, "round": round_index, "error": str(e)})
+                    continue
+                rows.append({**row, "round": round_index})
+                if (kept / name).exists():
+                    shutil.rmtree(kept / name)
+                shutil.copytree(root / name, kept / name)
+    table, errors = [], {"profile_ms": [], "probe_ms": [], "calibrated_ms": []}
     for r in rows:
         if "error" in r:
-            table.append([r["recipe"], "-", "-", "-", "-", "-", "-", "-", f"failed: {r['error']}", "", "", "", "", ""])
+            table.append([r["case"], r["round"] + 1, "-", "-", f"failed: {r['error']}"])
             continue
+        ratios = {k: _ratio(r, k) for k in errors}
+        for k, v in ratios.items():
+            if v is not None:
+                errors[k].append(abs(v - 1.0))
         table.append([
-            r["recipe"], r["schedule"], r["num_stages"], f"{r['predicted_time_per_minibatch_ms']:.2f}",
-            f"{r['measured_time_per_minibatch_ms']:.2f}", "{:.2f}-{:.2f}".format(*r["measured_range_ms"]), f"{r['ratio']:.2f}x",
-            f"{r['calibration_ratio']:.2f}: {r['uncalibrated_ratio']:.2f}x",
-            _stage_cell(r, "predicted_stage_time_ms"), _stage_cell(r, "measured_stage_time_ms"),
-            _stage_cell(r, "predicted_fwd_ms") + " / " + _stage_cell(r, "predicted_bwd_ms"),
-            _action_cell(r, "Forward") + " / " + _action_cell(r, "Backward"),
-            _stage_cell(r, "predicted_optimizer_ms"), _action_cell(r, "OptimizerStep"),
+            r["case"], r["round"] + 1, r["schedule"], r["num_stages"], f"{r['measured_ms']:.2f}",
+            f"{r['profile_ms']:.2f} ({ratios['profile_ms']:.2f}x)", f"{r['probe_ms']:.2f} ({ratios['probe_ms']:.2f}x)",
+            f"{r['calibrated_ms']:.2f} ({ratios['calibrated_ms']:.2f}x)" if r["calibrated_ms"] else "-",
+            " | ".join(f"{s['measured_compute_ms'] / s['predicted_compute_ms']:.2f}" for s in r["stages"]),
+            "yes" if r["drift_warning"] else "no",
         ])
-    print(tabulate(table, headers=[
-        "recipe", "schedule", "stages", "pred ms/mb", "meas ms/mb", "meas range", "meas/pred",
-        "calib: uncalibrated meas/pred", "pred stage ms", "meas stage ms", "pred fwd / bwd", "meas fwd / bwd", "pred optim", "meas optim",
-    ], disable_numparse=True))
-    print("\nms per minibatch (data.batch_size samples); stage columns list stages 0 | 1 | ...; "
-          "measured stage time = compute + comm; measured time per minibatch = steady state from the trace")
+    print(tabulate(table, headers=["case", "round", "schedule", "stages", "measured ms/mb", "profile model",
+                                   "runtime probe", "calibrated (previous round)", "stage compute meas/pred",
+                                   "drift warning"], disable_numparse=True))
+    summary = {k: statistics.mean(v) * 100 if v else None for k, v in errors.items()}
+    print("\nmean |measured / predicted - 1|: " + ", ".join(
+        f"{k.removesuffix('_ms')} {v:.1f}%" for k, v in summary.items() if v is not None))
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(OUT, {"rows": rows})
+    atomic_write_json(OUT, {"rows": rows, "mean_abs_error_pct": summary})
     print(f"wrote {OUT}")
 
 

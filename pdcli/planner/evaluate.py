@@ -14,14 +14,14 @@ from pdcli.planner.costs import (
 from pdcli.planner.memory import StageMemory, stage_memory
 from pdcli.planner.options import FLUSH_SCHEDULES, PlanOptions
 from pdcli.planner.pipedream import ALLREDUCE_FACTOR, TRANSFER_FACTOR, PdStage
-from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.planner.search import (
     backward_split, compute_scale_of, covered_or_zeros, optimizer_step_matrix, oversubscription_of, runtime_of,
 )
 from pdcli.planner.simulator import StageCost, simulate
-from pdcli.runtime.schedule import ScheduleSpec
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
+from pdcli.profiler.chain import Chain
+from pdcli.runtime.schedule import ScheduleSpec
 
 TERM_NAMES = ("fwd_ms", "bwd_ms", "compute_ms", "optimizer_ms", "sync_ms", "comm_in_ms", "comm_out_ms",
               "stage_time_ms")
@@ -205,3 +205,21 @@ def evaluate_pipedream(space: SplitSpace, topology: Topology, options: PlanOptio
         devices_after -= len(st.ranks)
         out.append(StageEval(st.start, st.end, st.ranks, terms, memory))
     return PlanEval(tuple(out), max(s.terms["stage_time_ms"] for s in out))
+
+
+def plan_options_of(plan: dict[str, Any]) -> PlanOptions:
+    """The options a plan.json was made with (what its `inputs` record)."""
+    inputs = plan["inputs"]
+    return PlanOptions(
+        schedule=inputs["schedule"], num_microbatches=int(inputs["num_microbatches"]),
+        batch_size=int(inputs["batch_size"]), precision=inputs.get("precision", "fp32"),
+        recompute=bool(inputs.get("recompute", False)), split_backward=bool(inputs.get("split_backward", False)))
+
+
+def evaluate_plan(chain: Chain, plan: dict[str, Any]) -> PlanEval:
+    """A plan.json's stages priced by `chain` (its runtime costs when it has them): the same
+    stages, ranks and options, another profile or cost model."""
+    options = plan_options_of(plan)
+    partition = [(int(s["start"]), int(s["end"]), int(s["replicas"])) for s in plan["stages"]]
+    topology = Topology.from_levels(plan["inputs"]["topology"]["levels"])
+    return evaluate_pd(SplitSpace.from_chain(chain), topology, options, batch_scale(chain.meta, options), partition)

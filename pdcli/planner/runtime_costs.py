@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 STASHED, DIRECT = "stashed", "direct"
 """Weight modes: `pipedream`/`2bw` run forwards on stashed versions (functional_call),
@@ -30,6 +30,18 @@ bandwidth: the cluster's nominal bandwidth instead), the core count bound, the
 interpreter's time between actions."""
 RUNTIME_META = "runtime"
 """`profile.json` meta key."""
+
+
+def steady(values: Sequence[float]) -> list[float]:
+    """The second half of a run's samples (the first half warms up)."""
+    return list(values[len(values) // 2:]) or list(values)
+
+
+def steady_mean(values: Sequence[float]) -> float:
+    """The mean of the steady half: a run's time is the sum of its actions, so the mean, not
+    the median, is what a prediction must match. 0 for no samples."""
+    tail = steady(values)
+    return float(sum(tail)) / len(tail) if tail else 0.0
 
 
 @dataclass(frozen=True)

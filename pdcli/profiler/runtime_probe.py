@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pdcli.planner.runtime_costs import DIRECT, STASHED, Affine, ModeCosts, RuntimeCosts
+from pdcli.planner.runtime_costs import DIRECT, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
 from pdcli.planner.search import optimizer_step_matrix
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain
@@ -103,10 +103,6 @@ def fit_affine(xs: Sequence[float], ys: Sequence[float], single: str = "scale") 
     return Affine(float(scale), float(fixed))
 
 
-def _steady(values: list[float]) -> list[float]:
-    return values[len(values) // 2:] or values
-
-
 def run_stage_actions(cfg: Any, stages_dir: Path, stage_id: int, num_stages: int, schedule: str,
                       split_backward: bool, num_minibatches: int, device: torch.device) -> dict[str, list[float]]:
     """Run stage `stage_id`'s real action list in this process; action name -> durations (ms),
@@ -153,16 +149,9 @@ def run_stage_actions(cfg: Any, stages_dir: Path, stage_id: int, num_stages: int
     return out
 
 
-def _mean(values: list[float]) -> float:
-    """The steady half's mean: a run's time per minibatch is the sum of its actions."""
-    steady = _steady(values)
-    return float(sum(steady)) / len(steady) if steady else 0.0
-
-
 def _per_minibatch(values: list[float], num_microbatches: int) -> float:
     """Total per minibatch over the steady half (LoadMicrobatch: one real load per minibatch)."""
-    steady = _steady(values)
-    return float(sum(steady)) * num_microbatches / len(steady) if steady else 0.0
+    return steady_mean(values) * num_microbatches
 
 
 def time_loss(model: nn.Module, inputs: Sequence[torch.Tensor], target: torch.Tensor,
@@ -225,8 +214,8 @@ def measure_socket_transport() -> tuple[float, float, Affine] | None:
                 calls.append((time.perf_counter() - start) * 1e3)
                 transport.irecv(back, 1, i).wait()
                 samples.append((time.perf_counter() - start) * 1e3 / 2)
-            one_way_ms.append(_mean(samples))
-            call_ms.append(_mean(calls))
+            one_way_ms.append(steady_mean(samples))
+            call_ms.append(steady_mean(calls))
     finally:
         transport.close()
         child.join(timeout=PINGPONG_TIMEOUT_S)
@@ -276,26 +265,26 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
                 bwd = space.range_total(space.covered_bwd_ms, start, end) * per_mb
                 wgrad = space.range_total(wgrad_covered, start, end) * per_mb
                 opt = float(optimizer[start, end])
-                w_ms = _mean(times.get("WeightGrads", []))
+                w_ms = steady_mean(times.get("WeightGrads", []))
                 fits["forward"][0].append(fwd)
-                fits["forward"][1].append(_mean(times["Forward"]) - (loss_fwd_ms if last else 0.0))
+                fits["forward"][1].append(steady_mean(times["Forward"]) - (loss_fwd_ms if last else 0.0))
                 fits["backward"][0].append(bwd)
-                fits["backward"][1].append(_mean(times["Backward"]) + w_ms - (loss_bwd_ms if last else 0.0))
+                fits["backward"][1].append(steady_mean(times["Backward"]) + w_ms - (loss_bwd_ms if last else 0.0))
                 if wgrad > 0 and "WeightGrads" in times:
                     fits["wgrad"][0].append(wgrad)
                     fits["wgrad"][1].append(w_ms)
                 fits["update"][0].append(opt)
-                fits["update"][1].append(sum(_mean(times.get(a, [])) for a in ("OptimizerStep", "StashWeights", "FreeWeights")))
+                fits["update"][1].append(sum(steady_mean(times.get(a, [])) for a in ("OptimizerStep", "StashWeights", "FreeWeights")))
                 for action, nbytes in io_bytes[stage_id].items():
                     if action in times:
-                        (sends if action.startswith("Send") else recvs).append((nbytes, _mean(times[action])))
+                        (sends if action.startswith("Send") else recvs).append((nbytes, steady_mean(times[action])))
                 gaps.extend(times.pop(GAP_KEY))
                 if stage_id == 0:
                     load_inputs = _per_minibatch(times.get("LoadMicrobatch", []), m)
                 if last and k > 1:
                     load_target = _per_minibatch(times.get("LoadMicrobatch", []), m)
                 stages_seen.append({"mode": mode, "stage": [start, end],
-                                    "measured_ms": {a: _mean(v) for a, v in sorted(times.items())}})
+                                    "measured_ms": {a: steady_mean(v) for a, v in sorted(times.items())}})
             modes[mode] = ModeCosts(fit_affine(*fits["forward"]), fit_affine(*fits["backward"]),
                                     fit_affine(*fits["wgrad"]), fit_affine(*fits["update"], single="fixed"))
     sys.setswitchinterval(switch_interval_s)

@@ -19,7 +19,6 @@ stays the run's profile.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdcli.errors import UserError
-from pdcli.planner.runtime_costs import RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts
+from pdcli.planner.runtime_costs import RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts, steady, steady_mean
 from pdcli.planner.search import covered_or_zeros, optimizer_step_matrix
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain
@@ -41,18 +40,8 @@ UNPACK_QUANTILE = 0.1
 """A receive's unpacking cost: this quantile of its durations (most receives also wait)."""
 
 
-def _steady(values: list[float]) -> list[float]:
-    return values[len(values) // 2:] or values
-
-
-def _mean(values: list[float]) -> float:
-    """The steady half's mean (as the probe measures)."""
-    steady = _steady(values)
-    return float(sum(steady)) / len(steady) if steady else 0.0
-
-
 def _quantile(values: list[float], q: float) -> float:
-    return float(np.quantile(_steady(values), q)) if values else 0.0
+    return float(np.quantile(steady(values), q)) if values else 0.0
 
 
 def _durations(traces: Sequence[RankTrace]) -> dict[str, list[float]]:
@@ -67,7 +56,7 @@ def _gaps(traces: Sequence[RankTrace]) -> list[float]:
     out: list[float] = []
     for trace in traces:
         spans = trace.spans
-        out.extend(_steady([max(b.start_ms - a.end_ms, 0.0) for a, b in zip(spans, spans[1:])]))
+        out.extend(steady([max(b.start_ms - a.end_ms, 0.0) for a, b in zip(spans, spans[1:])]))
     return out
 
 
@@ -117,33 +106,33 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
         own = [traces[r] for r in stage["ranks"] if r in traces]
         times = _durations(own)
         last = k == last_id
-        w_ms = _mean(times.get("WeightGrads", []))
+        w_ms = steady_mean(times.get("WeightGrads", []))
         points["forward"][0].append(space.range_total(space.covered_fwd_ms, start, end) * per_mb)
-        points["forward"][1].append(_mean(times.get("Forward", [])) - (base.loss_fwd_ms if last else 0.0))
+        points["forward"][1].append(steady_mean(times.get("Forward", [])) - (base.loss_fwd_ms if last else 0.0))
         points["backward"][0].append(space.range_total(space.covered_bwd_ms, start, end) * per_mb)
-        points["backward"][1].append(_mean(times.get("Backward", [])) + w_ms - (base.loss_bwd_ms if last else 0.0))
+        points["backward"][1].append(steady_mean(times.get("Backward", [])) + w_ms - (base.loss_bwd_ms if last else 0.0))
         wgrad = space.range_total(wgrad_covered, start, end) * per_mb
         if wgrad > 0 and "WeightGrads" in times:
             points["wgrad"][0].append(wgrad)
             points["wgrad"][1].append(w_ms)
         points["update"][0].append(float(optimizer[start, end]))
-        points["update"][1].append(sum(_mean(times.get(a, [])) for a in ("OptimizerStep", "StashWeights", "FreeWeights")))
+        points["update"][1].append(sum(steady_mean(times.get(a, [])) for a in ("OptimizerStep", "StashWeights", "FreeWeights")))
         in_bytes = cut[start - 1] * per_mb if start > 0 else 0.0
         out_bytes = cut[end - 1] * per_mb if end < n else 0.0
         for action, nbytes in (("SendActivations", out_bytes), ("SendGrads", in_bytes)):
             if nbytes and action in times:
-                sends.append((nbytes, _mean(times[action])))
+                sends.append((nbytes, steady_mean(times[action])))
         for action, nbytes in (("RecvActivations", in_bytes), ("RecvGrads", out_bytes)):
             if nbytes and action in times:
                 recvs.append((nbytes, _quantile(times[action], UNPACK_QUANTILE)))
-        loads = _steady(times.get("LoadMicrobatch", []))
+        loads = steady(times.get("LoadMicrobatch", []))
         # a replica runs m / replicas LoadMicrobatch per minibatch; the first makes the minibatch
         load_ms = float(sum(loads)) / len(loads) * m / int(stage["replicas"]) if loads else 0.0
         if start == 0 and loads:
             load_inputs = load_ms
         elif last and loads:
             load_target = load_ms
-        measured.append({"stage_id": k, "actions_ms": {a: _mean(v) for a, v in sorted(times.items())}})
+        measured.append({"stage_id": k, "actions_ms": {a: steady_mean(v) for a, v in sorted(times.items())}})
     modes = dict(base.modes)
     modes[mode_name] = ModeCosts(
         refit(*points["forward"], mode.forward), refit(*points["backward"], mode.backward),
@@ -166,20 +155,9 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
 
 def replayed_ms(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> float:
     """Time per minibatch of `plan`'s stages replayed with `runtime`'s costs."""
-    from pdcli.planner.evaluate import batch_scale, evaluate_pd
-    from pdcli.planner.options import PlanOptions
-    from pdcli.planner.topology import Topology
+    from pdcli.planner.evaluate import evaluate_plan
 
-    inputs = plan["inputs"]
-    options = PlanOptions(schedule=inputs["schedule"], num_microbatches=int(inputs["num_microbatches"]),
-                          batch_size=int(inputs["batch_size"]), precision=inputs.get("precision", "fp32"),
-                          recompute=bool(inputs.get("recompute", False)),
-                          split_backward=bool(inputs.get("split_backward", False)))
-    costed = replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
-    space = SplitSpace.from_chain(costed)
-    partition = [(int(s["start"]), int(s["end"]), int(s["replicas"])) for s in plan["stages"]]
-    topology = Topology.from_levels(inputs["topology"]["levels"])
-    return evaluate_pd(space, topology, options, batch_scale(chain.meta, options), partition).time_per_minibatch_ms
+    return evaluate_plan(replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()}), plan).time_per_minibatch_ms
 
 
 def fit_latency(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any], target_ms: float) -> RuntimeCosts:

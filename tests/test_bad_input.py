@@ -83,3 +83,8 @@ def test_init_from_a_missing_or_foreign_file(compiled: str, tmp_path: Path) -> N
     foreign = tmp_path / "foreign.pt"
     torch.save({"fc.weight": torch.zeros(2, 2)}, foreign)
     fails("train", QUICKSTART, compiled, f"train.init_from={foreign}", expect=(str(foreign), "lacks", "pd export"))
+
+
+def test_non_finite_or_negative_learning_rate(tmp_path: Path) -> None:
+    for value in ("nan", "inf", "-0.5"):
+        fails("train", QUICKSTART, f"run.root={tmp_path}", f"optim.lr={value}", expect=("optim.lr", "finite number > 0"))

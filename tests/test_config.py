@@ -55,6 +55,25 @@ def test_group_override_and_delete(tree: Path) -> None:
     assert cfg.optim.name == "adam"  # the rest of the group is untouched
 
 
+def test_deletes_and_sets_apply_in_command_line_order(tree: Path) -> None:
+    recipe = tree / "recipes/exp.yaml"
+    loaded = load_config(recipe, ["~optim.lr", "optim.lr=0.3"])
+    assert loaded.config.optim.lr == 0.3 and loaded.sources["optim.lr"] == "command line"
+    loaded = load_config(recipe, ["optim.lr=0.3", "~optim.lr"])
+    assert loaded.config.optim.lr == 0.05 and "optim.lr" not in loaded.sources  # deleted last: the schema default
+    # a whole section: deleted, then one key set again; the rest falls back to the defaults
+    cfg = load_config(recipe, ["~optim", "optim.momentum=0.5"]).config
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.momentum) == ("sgd", 0.05, 0.5)
+    cfg = load_config(recipe, ["optim.momentum=0.5", "~optim"]).config
+    assert (cfg.optim.name, cfg.optim.momentum) == ("sgd", 0.0)
+
+
+@pytest.mark.parametrize("value", ["-0.1", "0", "nan", "inf", "-inf"])
+def test_learning_rate_must_be_a_finite_positive_number(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"command line: optim.lr: must be a finite number > 0, got"):
+        load_config(None, [f"optim.lr={value}"])
+
+
 def test_no_recipe_gives_defaults() -> None:
     cfg = load_config(None, ["train.steps=3"]).config
     assert cfg.train.steps == 3 and cfg.schedule.name == "pipedream"

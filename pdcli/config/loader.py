@@ -112,14 +112,14 @@ def _parse_defaults(entries: Any, origin: str, problems: list[str]) -> dict[str,
     return chosen
 
 
-def _parse_overrides(overrides: list[str], problems: list[str]) -> tuple[dict[str, str], list[str], list[str]]:
-    """-> (group selections, dotlist `key=value` items, keys to delete)."""
+def _parse_overrides(overrides: list[str], problems: list[str]) -> tuple[dict[str, str], list[str]]:
+    """-> (group selections, the other items in command-line order: `key=value` sets and
+    `~key` deletes, so `~a a=1` sets a and `a=1 ~a` deletes it)."""
     groups: dict[str, str] = {}
-    dotlist: list[str] = []
-    deletes: list[str] = []
+    edits: list[str] = []
     for item in overrides:
         if item.startswith("~"):
-            deletes.append(item[1:].split("=", 1)[0])
+            edits.append(item)
             continue
         if "=" not in item:
             problems.append(f"command line: {item!r} is not `key=value` (or `~key` to delete)")
@@ -128,8 +128,8 @@ def _parse_overrides(overrides: list[str], problems: list[str]) -> tuple[dict[st
         if key in GROUPS and value and not value.startswith(("{", "[")):
             groups[key] = value
         else:
-            dotlist.append(item)
-    return groups, dotlist, deletes
+            edits.append(item)
+    return groups, edits
 
 
 def _apply_override(cfg: DictConfig, item: str, sources: dict[str, str], problems: list[str]) -> None:
@@ -186,7 +186,7 @@ def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | No
     origin = str(recipe_path) if recipe_path else "recipe"
 
     chosen = _parse_defaults(body.pop("defaults", None), origin, problems)
-    cli_groups, dotlist, deletes = _parse_overrides(overrides, problems)
+    cli_groups, edits = _parse_overrides(overrides, problems)
     chosen.update(cli_groups)
 
     layers: list[tuple[str, dict[str, Any]]] = []
@@ -211,9 +211,11 @@ def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | No
             merged = OmegaConf.merge(merged, OmegaConf.create(layer))
         except OmegaConfBaseException as e:
             problems.append(f"{label}: {e}")
-    for item in dotlist:  # last, one by one: `cluster.levels.0.devices=3` indexes into the list
-        _apply_override(merged, item, sources, problems)
-    for key in deletes:
+    for item in edits:  # last, one by one: `cluster.levels.0.devices=3` indexes into the list
+        if not item.startswith("~"):
+            _apply_override(merged, item, sources, problems)
+            continue
+        key = item[1:].split("=", 1)[0]
         if not _delete(merged, key):
             problems.append(f"command line: ~{key}: no such key to delete")
         sources = {k: v for k, v in sources.items() if k != key and not k.startswith(key + ".")}

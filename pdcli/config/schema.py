@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -193,10 +194,11 @@ def check_values(cfg: Config) -> list[str]:
             problems.append(f"{key}: {value!r} is not one of {', '.join(allowed)}")
 
     def positive(key: str, value: float | int | None, allow_zero: bool = False) -> None:
+        """A finite number > 0 (>= 0 with `allow_zero`): NaN and infinity count nothing."""
         if value is None:
             return
-        if value < 0 or (value == 0 and not allow_zero):
-            problems.append(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            problems.append(f"{key}: must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
 
     choice("schedule.name", cfg.schedule.name, SCHEDULES)
     choice("train.precision", cfg.train.precision, PRECISIONS)
@@ -209,6 +211,8 @@ def check_values(cfg: Config) -> list[str]:
     positive("data.batch_size", cfg.data.batch_size)
     positive("schedule.num_microbatches", cfg.schedule.num_microbatches)
     positive("optim.lr", cfg.optim.lr)
+    positive("optim.momentum", cfg.optim.momentum, allow_zero=True)
+    positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
     positive("train.steps", cfg.train.steps)
     positive("train.log_every", cfg.train.log_every)
     positive("train.checkpoint_every", cfg.train.checkpoint_every, allow_zero=True)

@@ -57,8 +57,17 @@ def config_dirs(recipe: Path | None) -> list[Path]:
 def read_yaml(path: Path, what: str) -> dict[str, Any]:
     if not path.exists():
         raise UserError(f"{what} not found: {path}", hint="check the path (relative to the current directory)")
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.yaml"))
+        raise UserError(
+            f"{what} {path} is a directory, not a YAML file",
+            hint=f"pass one file, e.g. {path / inside[0]} (in it: {', '.join(inside)})" if inside
+            else "pass a YAML file, e.g. recipes/quickstart.yaml",
+        )
     try:
         data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import hashlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,14 +40,59 @@ def hash_obj(obj: Any) -> str:
     return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
 
 
+TEMP_SUFFIX = ".tmp"
+_TEMP_RANDOM = r"[a-z0-9_]{8}"  # what tempfile.mkstemp puts between prefix and suffix
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
 def _temp_beside(path: Path) -> tuple[int, str]:
     """A temp file in the target's directory (same filesystem, so rename is atomic), with
     ordinary permissions: mkstemp makes files 0600, which other users could not read."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=TEMP_SUFFIX, dir=path.parent)
     umask = os.umask(0)
     os.umask(umask)
     os.fchmod(fd, 0o666 & ~umask)
     return fd, tmp
+
+
+def remove_stale_temps(path: str | os.PathLike[str]) -> list[Path]:
+    """Delete what interrupted atomic writes of `path` left beside it, and return it.
+
+    Only names `_temp_beside` makes for this very target (`.<name>.<8 random chars>.tmp`)
+    in its own directory, and only those no live writer holds: `atomic_save` keeps an
+    exclusive `flock` on its temp file until the rename, so a temp whose lock can be taken
+    belongs to a writer that is gone (killed, crashed, out of disk)."""
+    path = Path(path)
+    pattern = re.compile(re.escape(_temp_prefix(path)) + _TEMP_RANDOM + re.escape(TEMP_SUFFIX))
+    removed: list[Path] = []
+    for candidate in path.parent.glob(glob.escape(_temp_prefix(path)) + "*" + TEMP_SUFFIX):
+        if not pattern.fullmatch(candidate.name) or not candidate.is_file() or candidate.is_symlink():
+            continue
+        try:
+            fd = os.open(candidate, os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # its writer just renamed it into place
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a writer is still at it
+        else:
+            candidate.unlink(missing_ok=True)
+            removed.append(candidate)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def cannot_write(path: Path, error: OSError) -> UserError:
+    """The user-facing form of an OSError while writing `path`."""
+    reason = error.strerror or str(error)
+    if isinstance(error, IsADirectoryError) or path.is_dir():
+        return UserError(f"cannot write {path}: it is a directory", hint=f"give a file name inside it: {path}/<name>")
+    return UserError(f"cannot write {path}: {reason}", hint="pick a location you can write to (check the path and its permissions)")
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -73,23 +121,37 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
 
 
 def atomic_save(path: str | os.PathLike[str], save: Callable[[str], None]) -> None:
-    """Atomic write for writers that want a file name (e.g. `torch.save(obj, name)`)."""
+    """Atomic write for writers that want a file name (e.g. `torch.save(obj, name)`).
+
+    Leftovers of an earlier interrupted write of the same file go first
+    (`remove_stale_temps`). An OSError (no such directory, read-only, a directory in
+    the way, disk full) is a UserError naming `path`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _temp_beside(path)
-    os.close(fd)
+    if path.is_dir():
+        raise cannot_write(path, IsADirectoryError(path))
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(path)
+        fd, tmp = _temp_beside(path)
+    except OSError as e:
+        raise cannot_write(path, e) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename: a live write is never taken for a leftover
         save(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)  # the rename itself survives a crash only once the directory is synced
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError):
+            raise cannot_write(path, e) from None
         raise
+    finally:
+        os.close(fd)
 
 
 def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:
@@ -129,7 +191,13 @@ class RunDir:
         return self.path / name
 
     def create(self) -> "RunDir":
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            in_the_way = next((p for p in (self.path, *self.path.parents) if p.exists() and not p.is_dir()), None)
+            reason = f"{in_the_way} is a file, not a directory" if in_the_way else (e.strerror or str(e))
+            raise UserError(f"cannot create the run directory {self.path}: {reason}",
+                            hint="set run.root (and run.name) to a directory you can write") from None
         return self
 
     # -- manifest ---------------------------------------------------------------

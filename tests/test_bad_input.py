@@ -88,3 +88,39 @@ def test_init_from_a_missing_or_foreign_file(compiled: str, tmp_path: Path) -> N
 def test_non_finite_or_negative_learning_rate(tmp_path: Path) -> None:
     for value in ("nan", "inf", "-0.5"):
         fails("train", QUICKSTART, f"run.root={tmp_path}", f"optim.lr={value}", expect=("optim.lr", "finite number > 0"))
+
+
+def test_a_directory_passed_as_recipe() -> None:
+    fails("train", str(REPO / "recipes"), expect=("recipes is a directory, not a YAML file", "quickstart.yaml"))
+
+
+@pytest.fixture
+def checkpointed(tmp_path: Path) -> Path:
+    """A run directory with one complete checkpoint of a one-stage model (no training)."""
+    import torch
+
+    from pdcli.runtime import checkpoint
+
+    module = torch.nn.Linear(2, 2)
+    train_dir = tmp_path / "run" / "train"
+    checkpoint.save_stage(train_dir, 1, 0, module, {}, torch.optim.SGD(module.parameters(), lr=0.1), 0, {})
+    checkpoint.mark_complete(train_dir, 1, 1, keep=1)
+    return tmp_path / "run"
+
+
+def test_outputs_that_cannot_be_written(checkpointed: Path, tmp_path: Path) -> None:
+    import os
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    fails("export", str(checkpointed), "-o", str(tmp_path), expect=(f"cannot write {tmp_path}: it is a directory",))
+    fails("export", str(checkpointed), "-o", str(a_file / "m.pt"), expect=(f"cannot write {a_file / 'm.pt'}",))
+    fails("train", QUICKSTART, f"run.root={a_file}", expect=("cannot create the run directory", f"{a_file} is a file", "run.root"))
+    if os.path.exists("/proc/self"):
+        fails("export", str(checkpointed), "-o", "/proc/x.pt", expect=("cannot write /proc/x.pt",))
+    if os.geteuid() != 0:  # root writes into read-only directories anyway
+        read_only = tmp_path / "ro"
+        read_only.mkdir(mode=0o555)
+        fails("export", str(checkpointed), "-o", str(read_only / "m.pt"), expect=(str(read_only / "m.pt"), "Permission denied"))
+    result = runner.invoke(app, ["export", str(checkpointed), "-o", str(tmp_path / "ok.pt")])
+    assert result.exit_code == 0 and (tmp_path / "ok.pt").is_file(), result.output

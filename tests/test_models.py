@@ -202,6 +202,9 @@ USER_SOURCE = """
     def not_a_module():
         return 42
 
+    def broken(width: int = 4):
+        raise ValueError(f"width {width} is too small")
+
     CONSTANT = 1
 """
 
@@ -236,6 +239,15 @@ def test_user_factory_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         build_model(ModelConfig(target=f"{module}:CONSTANT"))
     with pytest.raises(UserError, match=r"must look like `package.module:factory`"):
         build_model(ModelConfig(target=f"{module}.make_net"))
+
+
+def test_a_factory_that_raises_is_a_user_error_naming_model_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = write_module(tmp_path, USER_SOURCE)
+    with pytest.raises(UserError, match=rf"model.target: {module}:broken\(\*\*{{'width': 2}}\) raised ValueError: width 2 is too small") as info:
+        build_model(ModelConfig(target=f"{module}:broken", kwargs={"width": 2}))
+    assert isinstance(info.value.__cause__, ValueError)  # `pd --debug` shows where it raised
+    assert info.value.hint is not None and "--debug" in info.value.hint
 
 
 # --- built-in errors ------------------------------------------------------------

@@ -105,6 +105,19 @@ def import_target(target: str, key: str) -> Callable[..., Any]:
     return attr
 
 
+def call_factory(factory: Callable[..., Any], kwargs: Mapping[str, Any], key: str, owner: str) -> Any:
+    """`factory(**kwargs)` for a user's factory: whatever it raises becomes a UserError naming
+    `key` (`model.target`) and `owner` (`pkg.mod:fn`); `pd --debug` keeps the traceback."""
+    try:
+        return factory(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - the user's code may raise anything
+        reason = " ".join(str(exc).split()) or "(no message)"
+        raise UserError(
+            f"{key}: {owner}(**{dict(kwargs)!r}) raised {type(exc).__name__}: {reason}",
+            hint=f"fix the factory or its arguments; `pd --debug ...` shows where {owner} raised",
+        ) from exc
+
+
 def _type_ok(value: Any, default: Any) -> bool:
     if isinstance(default, bool):
         return isinstance(value, bool)

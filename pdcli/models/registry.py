@@ -10,7 +10,7 @@ from torch import nn
 from pdcli.config.schema import ModelConfig
 from pdcli.errors import UserError
 from pdcli.models.alexnet import alexnet
-from pdcli.models.factory import check_kwargs, check_kwarg_types, import_target, lookup
+from pdcli.models.factory import call_factory, check_kwargs, check_kwarg_types, import_target, lookup
 from pdcli.models.gnmt import gnmt
 from pdcli.models.gpt import gpt
 from pdcli.models.mlp import mlp
@@ -47,7 +47,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         factory = import_target(cfg.target, "model.target")
         owner = cfg.target
         check_kwargs(factory, cfg.kwargs, "model.kwargs", owner)
-        model = factory(**cfg.kwargs)
+        model = call_factory(factory, cfg.kwargs, "model.target", owner)
     else:
         factory = lookup(MODELS, cfg.name, "model.name", "model")
         owner = cfg.name

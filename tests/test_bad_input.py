@@ -124,3 +124,20 @@ def test_outputs_that_cannot_be_written(checkpointed: Path, tmp_path: Path) -> N
         fails("export", str(checkpointed), "-o", str(read_only / "m.pt"), expect=(str(read_only / "m.pt"), "Permission denied"))
     result = runner.invoke(app, ["export", str(checkpointed), "-o", str(tmp_path / "ok.pt")])
     assert result.exit_code == 0 and (tmp_path / "ok.pt").is_file(), result.output
+
+
+def test_a_model_and_a_data_set_that_do_not_fit(tmp_path: Path) -> None:
+    fails("train", QUICKSTART, f"run.root={tmp_path}", "data=synthetic_images",
+          expect=("model.name=mlp does not fit data.name=synthetic_images", "(16, 3, 32, 32) float32",
+                  "(Linear) takes 64 features", "got (16, 3072)"))
+    fails("profile", QUICKSTART, f"run.root={tmp_path}", "data=synthetic_images", "model=resnet18", "model.kwargs.num_classes=5",
+          expect=("model.name=resnet18 does not fit data.name=synthetic_images", "model.loss=cross_entropy",
+                  "output (16, 5) float32", "target (16,) int64"))
+    assert not (tmp_path / "quickstart" / "profile.json").exists()
+
+
+def test_a_factory_that_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "raising_factory_16.py").write_text("def make(**kwargs):\n    raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fails("train", QUICKSTART, f"run.root={tmp_path}", "model.target=raising_factory_16:make",
+          expect=("model.target: raising_factory_16:make", "raised RuntimeError: no GPU here"))

@@ -108,6 +108,7 @@ def ensure_profile(
     # Imported here: the model zoo and data sets are only needed when measuring.
     from pdcli.data import Batch, build_data
     from pdcli.models import build_loss, build_model
+    from pdcli.models.fit import check_model_fits_data
     from pdcli.profiler.measure import profile_model
     from pdcli.runtime.optim import build_optimizer
 
@@ -117,6 +118,7 @@ def ensure_profile(
     batch = build_data(cfg.data, batch_size).batch(PROFILE_BATCH_INDEX)
     if batch.num_samples > batch_size:
         batch = Batch(inputs=tuple(t[:batch_size] for t in batch.inputs), target=batch.target[:batch_size])
+    check_model_fits_data(model, batch.inputs, batch.target, cfg, build_loss(cfg.model.loss))
     with torch_threads(num_threads):
         chain = profile_model(
             model,

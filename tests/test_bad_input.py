@@ -141,3 +141,16 @@ def test_a_factory_that_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.syspath_prepend(str(tmp_path))
     fails("train", QUICKSTART, f"run.root={tmp_path}", "model.target=raising_factory_16:make",
           expect=("model.target: raising_factory_16:make", "raised RuntimeError: no GPU here"))
+
+
+def test_a_bad_transport_is_refused_before_any_worker_starts(compiled: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdcli.runtime.sockets import TRANSPORT_ENV
+
+    started: list[object] = []
+    monkeypatch.setattr("pdcli.runtime.step.launch_workers", lambda *args: started.append(args))
+    monkeypatch.setenv(TRANSPORT_ENV, "bogus")
+    fails("train", QUICKSTART, compiled, expect=("PD_TRANSPORT='bogus'", "socket, gloo", "unset PD_TRANSPORT"))
+    monkeypatch.delenv(TRANSPORT_ENV)
+    fails("train", QUICKSTART, compiled, "train.transport=carrier_pigeon",
+          expect=("train.transport", "'carrier_pigeon' is not one of auto, socket, gloo"))
+    assert started == []

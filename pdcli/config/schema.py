@@ -12,6 +12,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 COST_MODELS = ("pd", "pipedream")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
+TRANSPORTS = ("socket", "gloo")
+"""Activation/gradient transports (`train.transport`, which adds `auto`, and `PD_TRANSPORT`)."""
 
 
 @dataclass
@@ -205,7 +207,7 @@ def check_values(cfg: Config) -> list[str]:
     choice("plan.cost_model", cfg.plan.cost_model, COST_MODELS)
     choice("optim.name", cfg.optim.name, OPTIMIZERS)
     choice("cluster.device", cfg.cluster.device, DEVICES)
-    choice("train.transport", cfg.train.transport, ("auto", "socket", "gloo"))
+    choice("train.transport", cfg.train.transport, ("auto", *TRANSPORTS))
     choice("profile.device", cfg.profile.device, DEVICES)
     choice("model.loss", cfg.model.loss, ("cross_entropy", "mse"))
     positive("data.batch_size", cfg.data.batch_size)

@@ -25,7 +25,7 @@ from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
 from pdcli.runtime.resume import Checkpointer
 from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replica_for
-from pdcli.runtime.sockets import TRANSPORT_ENV, SocketTransport, socket_transport_possible
+from pdcli.runtime.sockets import SocketTransport, socket_transport_possible, transport_from_env
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.watchdog import Heartbeat
 
@@ -72,12 +72,10 @@ def make_transport(
     torch.distributed (gloo / NCCL). `train.transport` picks one; the `PD_TRANSPORT=gloo|socket`
     environment variable overrides it; every rank makes the same choice."""
     default = "socket" if device.type == "cpu" and socket_transport_possible() else "gloo"
-    choice = os.environ.get(TRANSPORT_ENV) or (default if preference == "auto" else preference)
+    choice = transport_from_env(os.environ) or (default if preference == "auto" else preference)
     if choice == "socket":
         peers = {r for k in (*io.acts_in, *io.acts_out) for r in placement.stage_ranks[k]}
         return SocketTransport.connect(rank, placement.world_size, peers, timeout_s)
-    if choice != "gloo":
-        raise ValueError(f"{TRANSPORT_ENV}={choice!r}: use socket or gloo")
     return TorchDistTransport()
 
 

@@ -23,11 +23,14 @@ import struct
 import sys
 import threading
 import time
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from pdcli.config.schema import TRANSPORTS
+from pdcli.errors import UserError
 
 HEADER = struct.Struct("<QQ")  # tag, payload bytes
 RANK_HELLO = struct.Struct("<Q")
@@ -37,6 +40,18 @@ TRANSPORT_ENV = "PD_TRANSPORT"  # "socket" (default on one host) or "gloo"
 
 class PeerClosedError(ConnectionError):
     """A peer's socket closed mid-run: that worker probably died."""
+
+
+def transport_from_env(env: Mapping[str, str]) -> str | None:
+    """`PD_TRANSPORT` when set (it overrides `train.transport`), else None; UserError when it
+    is not a transport. The launcher asks before any worker starts."""
+    value = env.get(TRANSPORT_ENV, "").strip()
+    if not value:
+        return None
+    if value not in TRANSPORTS:
+        raise UserError(f"environment variable {TRANSPORT_ENV}={value!r} is not one of {', '.join(TRANSPORTS)}",
+                        hint=f"unset {TRANSPORT_ENV} (train.transport then decides) or set it to {' or '.join(TRANSPORTS)}")
+    return value
 
 
 def socket_transport_possible() -> bool:

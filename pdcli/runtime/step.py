@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import threading
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from pdcli.runtime.placement import Placement
 from pdcli.runtime.schedule import ScheduleSpec, build_schedule, drain_points
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.session import SUMMARY_FILE
+from pdcli.runtime.sockets import transport_from_env
 from pdcli.runtime.worker import LAUNCH_FILE
 
 __all__ = ["TrainResult", "TrainingFailed", "TrainingInterrupted", "format_summary", "run_training"]
@@ -201,6 +203,7 @@ def run_training(
     placement = check_inputs(cfg, plan_json, manifest)
     hosts = Hosts(nnodes, node_rank, master_addr, master_port)
     check_devices(placement.world_size, hosts, cfg.cluster.device)
+    transport_from_env(os.environ)  # a bad PD_TRANSPORT fails here, not in every worker
     train_dir = run / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
     resume_step = resume_point(cfg, run, manifest, placement) if resume else None

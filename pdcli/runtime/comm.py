@@ -39,7 +39,14 @@ TAG_STRIDE = 1 << 20
 
 def message_tag(kind: str, microbatch_id: int) -> int:
     """Tag of the `kind` message of `microbatch_id`; unique per (kind, microbatch)."""
-    return TAG_KINDS[kind] + 2 * (microbatch_id % TAG_STRIDE)
+    return TAG_KINDS[kind] + len(TAG_KINDS) * (microbatch_id % TAG_STRIDE)
+
+
+def tag_kind(tag: int) -> str | None:
+    """The kind `message_tag` put into `tag`; None for a number it never makes."""
+    if not 0 <= tag < len(TAG_KINDS) * TAG_STRIDE:
+        return None
+    return next(kind for kind, index in TAG_KINDS.items() if index == tag % len(TAG_KINDS))
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,8 @@ def make_transport(
     choice = transport_from_env(os.environ) or (default if preference == "auto" else preference)
     if choice == "socket":
         peers = {r for k in (*io.acts_in, *io.acts_out) for r in placement.stage_ranks[k]}
-        return SocketTransport.connect(rank, placement.world_size, peers, timeout_s)
+        expected = {r: sizes for k, sizes in io.recv_bytes().items() for r in placement.stage_ranks[k]}
+        return SocketTransport.connect(rank, placement.world_size, peers, timeout_s, expected)
     return TorchDistTransport()
 
 

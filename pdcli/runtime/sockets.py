@@ -31,6 +31,7 @@ from torch import Tensor
 
 from pdcli.config.schema import TRANSPORTS
 from pdcli.errors import UserError
+from pdcli.runtime.comm import tag_kind
 
 HEADER = struct.Struct("<QQ")  # tag, payload bytes
 RANK_HELLO = struct.Struct("<Q")
@@ -40,6 +41,10 @@ TRANSPORT_ENV = "PD_TRANSPORT"  # "socket" (default on one host) or "gloo"
 
 class PeerClosedError(ConnectionError):
     """A peer's socket closed mid-run: that worker probably died."""
+
+
+class BadMessageError(ConnectionError):
+    """A peer sent a header no posted receive can take (size, kind or tag): refused unread."""
 
 
 def transport_from_env(env: Mapping[str, str]) -> str | None:
@@ -78,12 +83,25 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-class _Peer:
-    """One connection: a reader thread files arriving messages under their tag."""
+def _payload(nbytes: int) -> Tensor:
+    """The buffer a checked header's bytes are read into."""
+    return torch.empty(nbytes, dtype=torch.uint8)
 
-    def __init__(self, rank: int, sock: socket.socket) -> None:
+
+class _Peer:
+    """One connection: a reader thread files arriving messages under their tag.
+
+    `expected_bytes` (message kind -> bytes, from the manifest's layouts: `StageIO.recv_bytes`)
+    bounds what the reader accepts: a header announcing another size, a kind this peer never
+    sends, or a tag already waiting is refused before anything is allocated, and the
+    connection is read no further (its byte stream can no longer be framed).
+    """
+
+    def __init__(self, rank: int, sock: socket.socket, expected_bytes: Mapping[str, int]) -> None:
         self.rank = rank
         self.sock = sock
+        self.expected_bytes = dict(expected_bytes)
+        self.refused = False
         self.inbox: dict[int, Tensor] = {}
         self.cond = threading.Condition()
         self.error: str | None = None
@@ -156,12 +174,32 @@ class _Peer:
             self.outbox.put((parts, sent))
         return sent
 
+    def _refusal(self, tag: int, nbytes: int) -> str | None:
+        """Why a header cannot be taken (None: it can): checked before any allocation."""
+        kind = tag_kind(tag)
+        expected = self.expected_bytes.get(kind) if kind is not None else None
+        if expected is None:
+            sends = ", ".join(f"{k} messages of {n} bytes" for k, n in sorted(self.expected_bytes.items())) or "nothing"
+            return (f"rank {self.rank} sent a message with tag {tag} ({kind or 'not a pd tag'}, {nbytes} bytes); "
+                    f"the manifest has it send this rank {sends}")
+        if nbytes != expected:
+            return (f"rank {self.rank} sent a {kind} message (tag {tag}) of {nbytes} bytes; the manifest's "
+                    f"layout fixes {expected} bytes")
+        with self.cond:
+            if tag in self.inbox:
+                return f"rank {self.rank} sent a second {kind} message with tag {tag} before the first was taken"
+        return None
+
     def _read(self) -> None:
         header = bytearray(HEADER.size)
+        refusal = None
         try:
             while _recv_exact(self.sock, memoryview(header)):
                 tag, nbytes = HEADER.unpack(header)
-                payload = torch.empty(nbytes, dtype=torch.uint8)
+                refusal = self._refusal(tag, nbytes)
+                if refusal is not None:
+                    break
+                payload = _payload(nbytes)
                 if nbytes:
                     _recv_exact(self.sock, memoryview(payload.numpy()))
                 with self.cond:
@@ -170,8 +208,15 @@ class _Peer:
             reason = "closed its connection"
         except OSError as e:
             reason = f"connection error: {e}"
+        if refusal is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RD)  # the peer's later sends fail instead of piling up
+            except OSError:
+                pass
         with self.cond:
-            if not self.closing:
+            if refusal is not None:
+                self.error, self.refused = f"refused: {refusal} (a stale or foreign stages/ directory, or not a pd worker)", True
+            elif not self.closing:
                 self.error = f"rank {self.rank} {reason} (that worker probably died)"
             self.cond.notify_all()
 
@@ -180,7 +225,7 @@ class _Peer:
         with self.cond:
             while tag not in self.inbox:
                 if self.error is not None:
-                    raise PeerClosedError(self.error)
+                    raise (BadMessageError if self.refused else PeerClosedError)(self.error)
                 left_s = deadline_s - time.monotonic()
                 if left_s <= 0:
                     raise TimeoutError(f"timed out after {timeout_s:g} s waiting for a message from rank {self.rank}")
@@ -234,8 +279,12 @@ class SocketTransport:
         self.timeout_s = timeout_s
 
     @staticmethod
-    def connect(rank: int, world_size: int, peer_ranks: Iterable[int], timeout_s: float) -> "SocketTransport":
-        """Collective: listen, barrier, connect to higher peers, accept lower ones."""
+    def connect(rank: int, world_size: int, peer_ranks: Iterable[int], timeout_s: float,
+                expected_bytes: Mapping[int, Mapping[str, int]]) -> "SocketTransport":
+        """Collective: listen, barrier, connect to higher peers, accept lower ones.
+
+        `expected_bytes`: peer rank -> message kind -> bytes this rank receives from it (a
+        peer it only sends to is absent: nothing from it is accepted)."""
         wanted = sorted(set(peer_ranks) - {rank})
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(_address(rank))
@@ -246,13 +295,18 @@ class SocketTransport:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(_address(other))
             s.sendall(RANK_HELLO.pack(rank))
-            peers[other] = _Peer(other, s)
-        for _ in (r for r in wanted if r < rank):
+            peers[other] = _Peer(other, s, expected_bytes.get(other, {}))
+        lower = [r for r in wanted if r < rank]
+        for _ in lower:
             s, _addr = listener.accept()
             hello = bytearray(RANK_HELLO.size)
             _recv_exact(s, memoryview(hello))
             (other,) = RANK_HELLO.unpack(hello)
-            peers[int(other)] = _Peer(int(other), s)
+            if other not in lower or other in peers:
+                s.close()
+                raise BadMessageError(f"rank {rank}: a connection introduced itself as rank {other}; "
+                                      f"expected one of {[r for r in lower if r not in peers]}")
+            peers[int(other)] = _Peer(int(other), s, expected_bytes.get(int(other), {}))
         listener.close()
         # A reader thread needs the GIL to file a message; the default 5 ms switch interval
         # would add up to 5 ms to a receive that arrives while the compute thread runs Python.

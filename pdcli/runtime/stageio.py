@@ -36,6 +36,16 @@ class StageIO:
     grads_out: dict[int, MessageLayout]
     """Producer stage -> layout of the gradients sent to it (floating inputs)."""
 
+    def recv_bytes(self) -> dict[int, dict[str, int]]:
+        """Peer stage -> message kind -> bytes of each message this stage receives from it:
+        the only sizes a transport may accept (see `SocketTransport`)."""
+        out: dict[int, dict[str, int]] = {}
+        for producer, layout in self.acts_in.items():
+            out.setdefault(producer, {})["activation"] = layout.num_bytes
+        for consumer, layout in self.grads_in.items():
+            out.setdefault(consumer, {})["gradient"] = layout.num_bytes
+        return out
+
     @staticmethod
     def from_manifest(manifest: dict[str, Any], stage_id: int) -> "StageIO":
         entry = next(s for s in manifest["stages"] if s["stage_id"] == stage_id)

@@ -24,6 +24,9 @@ from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous, create_rdzv_handler
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from pdcli.errors import UserError
@@ -131,11 +134,60 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+LOCAL_RDZV_BACKEND = "pd-local"
+"""The rendezvous of a one-host run: torch's static TCP rendezvous, listening on LOCALHOST only."""
+
+
+class LocalRendezvous(StaticTCPRendezvous):
+    """torch's static rendezvous for a run whose every rank is on this host.
+
+    torch's TCPStore server listens on every interface whatever address it is given, so
+    anyone who can reach this host could talk to the job's store. Here the store gets a
+    socket bound to LOCALHOST (`master_listen_fd`), on the port asked for, else one the OS
+    picks at bind time (no race with other jobs for a port chosen earlier); the workers
+    learn it from the rendezvous (`bootstrap_store_info`), as with the static backend."""
+
+    def get_backend(self) -> str:
+        return LOCAL_RDZV_BACKEND
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._store is None:
+            from datetime import timedelta
+
+            from torch.distributed import TCPStore
+
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                listener.bind((LOCALHOST, self.master_port))
+            except OSError as e:
+                listener.close()
+                raise UserError(f"--master-port {self.master_port}: cannot listen on {LOCALHOST}:{self.master_port} "
+                                f"({e.strerror or e})", hint="pick another port, or leave --master-port out to get a free one") from None
+            listener.listen(socket.SOMAXCONN)
+            self.master_addr, self.master_port = LOCALHOST, int(listener.getsockname()[1])
+            self._store = TCPStore(LOCALHOST, self.master_port, self.world_size, True, timedelta(seconds=self.timeout.total_seconds()),
+                                   multi_tenant=True, master_listen_fd=listener.detach())  # the store owns the socket now
+        return super().next_rendezvous()
+
+
+def _create_local_rendezvous(params: RendezvousParameters) -> RendezvousHandler:
+    static = create_rdzv_handler(params)
+    assert isinstance(static, StaticTCPRendezvous)
+    return LocalRendezvous(LOCALHOST, static.master_port, static.rank, static.world_size, static.run_id,
+                           int(static.timeout.total_seconds()))
+
+
+rendezvous_handler_registry.register(LOCAL_RDZV_BACKEND, _create_local_rendezvous)
+
+
 def launch_config(world_size: int, hosts: Hosts, log_dir: Path, rdzv_timeout_s: float) -> LaunchConfig:
+    """One host: the store listens on LOCALHOST only (`LocalRendezvous`); several hosts:
+    torch's static rendezvous on `master_addr:master_port`, as torchrun does."""
     if world_size % hosts.nnodes:
         raise ValueError(f"world size {world_size} is not divisible by nnodes={hosts.nnodes}")
-    addr = hosts.master_addr or LOCALHOST
-    port = hosts.master_port or free_port()
+    local = hosts.nnodes == 1
+    addr = LOCALHOST if local else hosts.master_addr or LOCALHOST
+    port = hosts.master_port or (0 if local else free_port())
     return LaunchConfig(
         min_nodes=hosts.nnodes,
         max_nodes=hosts.nnodes,
@@ -143,7 +195,7 @@ def launch_config(world_size: int, hosts: Hosts, log_dir: Path, rdzv_timeout_s: 
         run_id=f"pd-{uuid.uuid4().hex[:8]}",
         rdzv_endpoint=f"{addr}:{port}",
         # static: node_rank fixes the global ranks (node_rank * nproc + local_rank), as torchrun does.
-        rdzv_backend="static",
+        rdzv_backend=LOCAL_RDZV_BACKEND if local else "static",
         rdzv_configs={"rank": hosts.node_rank, "timeout": int(rdzv_timeout_s)},
         max_restarts=0,
         monitor_interval=0.1,

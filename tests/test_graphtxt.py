@@ -75,6 +75,39 @@ def test_bad_files_name_file_and_line(text: str, fragment: str) -> None:
     assert fragment in str(err.value)
 
 
+# input -> a -> b, c -> d: the edge b -> c is missing, so c and the sink d hang apart
+SPLIT = "\n".join([
+    node_line("node1", "Input0", 0, 0, "0.0", 0),
+    node_line("node2", "Conv2d(a)", 1.0, 2.0, "100.0", 10),
+    node_line("node3", "ReLU(b)", 3.0, 4.0, "200.0", 0),
+    node_line("node4", "Linear(c)", 5.0, 6.0, "300.0", 20),
+    node_line("node5", "Linear(d)", 7.0, 8.0, "400.0", 0),
+    "\tnode1 -- node2", "\tnode2 -- node3", "\tnode4 -- node5",
+]) + "\n"
+
+
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        (DIAMOND + node_line("node7", "Dropout(e)", 1, 1, "1.0", 0),  # a node whose edges were cut off
+         ("g.txt:13: node 'node7' (Dropout) has no edges", "1 such nodes: node7 (line 13)")),
+        ("\n".join(DIAMOND.splitlines()[:6]),  # the nodes, but none of the edges
+         ("g.txt:1: node 'node1' (Input0) has no edges", "6 such nodes")),
+        (SPLIT, ("g.txt:4: node 'node4' (Linear) is not reachable from the first layer node2 (line 2)",
+                 "the model's sink node5 (line 5) is missing from it", "2 such nodes: node4 (line 4), node5 (line 5)")),
+        (DIAMOND.rsplit("\t", 1)[0] + "\tnode5 -- nod", ("g.txt:12: edge names unknown node 'nod'",)),  # cut mid-edge
+        (SPLIT + "\tnode3 -- node2\n\tnode5 -- node4\n",
+         ("g.txt:2: node 'node2' (Conv2d) is on a cycle, and no layer ends the model",)),
+    ],
+)
+def test_truncated_or_inconsistent_graphs_are_refused_at_a_line(text: str, fragments: tuple[str, ...]) -> None:
+    with pytest.raises(UserError) as err:
+        parse_graph(text, "g.txt")
+    for fragment in fragments:
+        assert fragment in str(err.value), str(err.value)
+    assert "truncated" in (err.value.hint or "")
+
+
 def test_missing_file_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="graph file not found"):
         load_graph(tmp_path / "nope.txt")
@@ -140,3 +173,22 @@ def test_shared_profiles_state_counts_and_round_trip(shared: Path, name: str, tm
     last = dag["covered_fwd_ms"][-1] + dag["covered_bwd_ms"][-1]
     assert last == pytest.approx(expected["single_device_time_s"] * 1000.0)
     assert Chain.from_json(json.loads(json.dumps(chain.to_json()))) == chain
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_a_truncated_copy_of_a_shared_profile_is_refused_at_a_line(shared: Path, name: str, tmp_path: Path) -> None:
+    text = (shared / name / "graph.txt").read_text()
+    lines = text.splitlines(keepends=True)
+    cuts = ["".join(lines[: int(len(lines) * f)]) for f in (0.25, 0.5, 0.75, 0.9)] + [text[: len(text) // 2]]
+    for cut in cuts:
+        with pytest.raises(UserError, match=r"^g\.txt:\d+: "):
+            parse_graph(cut, "g.txt")
+    truncated = tmp_path / "graph.txt"
+    truncated.write_text(cuts[2])
+    from typer.testing import CliRunner
+
+    from pdcli.cli import app
+
+    result = CliRunner().invoke(app, ["plan", "--profile", str(truncated), "--gpus", "4"])
+    assert result.exit_code == 2 and f"error: {truncated}:" in result.output, result.output
+    assert "Traceback" not in result.output and "truncated" in result.output

@@ -103,9 +103,16 @@ def _parse_node(line: str, where: str) -> GraphNode:
     )
 
 
+TRUNCATED_HINT = "the file looks truncated or hand-edited: a graph.txt lists every node, then every edge; export it again"
+
+
 def parse_graph(text: str, source: str = "<graph.txt>") -> Graph:
-    """Parse graph.txt text; `source` names the file in error messages."""
+    """Parse graph.txt text; `source` names the file in error messages.
+
+    A truncated or inconsistent file is refused with the line to look at (`check_connected`)
+    rather than linearized into a part of the model."""
     nodes: dict[str, GraphNode] = {}
+    lines: dict[str, int] = {}
     edges: list[tuple[str, str]] = []
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
@@ -117,16 +124,93 @@ def parse_graph(text: str, source: str = "<graph.txt>") -> Graph:
             src, dst = (t.strip() for t in tokens)
             for end in (src, dst):
                 if end not in nodes:
-                    raise UserError(f"{where}: edge names unknown node {end!r} (nodes come first)")
+                    raise UserError(f"{where}: edge names unknown node {end!r} (nodes come first)", hint=TRUNCATED_HINT)
             edges.append((src, dst))
             continue
         node = _parse_node(line, where)
         if node.node_id in nodes:
             raise UserError(f"{where}: node {node.node_id!r} is defined twice")
         nodes[node.node_id] = node
+        lines[node.node_id] = lineno
     if not nodes:
         raise UserError(f"{source}: no nodes found (is this a PipeDream graph.txt?)")
-    return Graph(nodes=tuple(nodes.values()), edges=tuple(edges))
+    graph = Graph(nodes=tuple(nodes.values()), edges=tuple(edges))
+    check_connected(graph, lines, source)
+    return graph
+
+
+def check_connected(graph: Graph, lines: dict[str, int], source: str) -> None:
+    """Every node is part of the model PipeDream's linearization walks, or UserError at its line.
+
+    That walk starts at the first source left once `Input*` sources and then `__getitem__*`
+    sinks are dropped, and covers every node reachable from it plus their ancestors; a
+    node outside would silently be left out of the plan. Refused: a node without any edge,
+    graphs where no layer ends the model (a cycle), and nodes the walk does not cover (an
+    edge missing in the middle; the message names the sinks among them)."""
+    names = [n.node_id for n in graph.nodes]
+    desc = {n.node_id: n.desc for n in graph.nodes}
+
+    def at(name: str) -> str:
+        return f"{source}:{lines[name]}: node {name!r} ({desc[name].split('(')[0]})"
+
+    def more(names_left: list[str]) -> str:
+        shown = ", ".join(f"{n} (line {lines[n]})" for n in names_left[:5])
+        return f"{len(names_left)} such nodes: {shown}{', ...' if len(names_left) > 5 else ''}"
+
+    succ: dict[str, set[str]] = {n: set() for n in names}
+    pred: dict[str, set[str]] = {n: set() for n in names}
+    for a, b in graph.edges:
+        succ[a].add(b)
+        pred[b].add(a)
+    if len(names) > 1:
+        lonely = [n for n in names if not succ[n] and not pred[n]]
+        if lonely:
+            raise UserError(f"{at(lonely[0])} has no edges: nothing connects it to the model ({more(lonely)})",
+                            hint=TRUNCATED_HINT)
+    alive = set(names)
+    for n in [n for n in names if not pred[n] and desc[n].startswith(INPUT_PREFIX)]:
+        alive.discard(n)
+    for n in [n for n in names if n in alive and not (succ[n] & alive) and desc[n].startswith(UNUSED_SINK_PREFIX)]:
+        alive.discard(n)
+    order = [n for n in names if n in alive]
+    if not order:
+        return  # nothing but inputs and unused outputs: the linearization says so
+    sinks = [n for n in order if not (succ[n] & alive)]
+    sources = [n for n in order if not (pred[n] & alive)]
+    if not sinks or not sources:  # then walking on from any node runs into a cycle
+        step = succ if not sinks else pred
+        seen: list[str] = []
+        n = order[0]
+        while n not in seen:
+            seen.append(n)
+            n = min(step[n] & alive, key=names.index)
+        raise UserError(f"{at(n)} is on a cycle, and no layer {'ends' if not sinks else 'starts'} the model",
+                        hint=TRUNCATED_HINT)
+    first = sources[0]
+    reached: set[str] = set()
+    stack = [first]
+    while stack:
+        n = stack.pop()
+        if n not in reached:
+            reached.add(n)
+            stack.extend(succ[n] & alive)
+    covered = set(reached)
+    stack = list(reached)
+    while stack:
+        for p in pred[stack.pop()] & alive:
+            if p not in covered:
+                covered.add(p)
+                stack.append(p)
+    missed = [n for n in order if n not in covered]
+    if missed:
+        lost_sinks = [n for n in sinks if n in missed]
+        sink_note = (f"; the model's sink {lost_sinks[0]} (line {lines[lost_sinks[0]]}) is missing from it"
+                     if lost_sinks else "")
+        raise UserError(
+            f"{at(missed[0])} is not reachable from the first layer {first} (line {lines[first]}), nor an "
+            f"ancestor of a layer that is: the plan would leave it out{sink_note} ({more(missed)})",
+            hint=TRUNCATED_HINT,
+        )
 
 
 def load_graph(path: str | Path) -> Graph:

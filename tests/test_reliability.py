@@ -139,46 +139,6 @@ def test_hosts_come_from_the_command_line_then_torchrun_then_slurm() -> None:
         hosts_from_env(None, None, None, None, {"SLURM_NNODES": "x"})
 
 
-def _listening_addresses(port: int) -> set[str]:
-    """Local addresses (hex, as /proc/net/tcp{,6} write them) of the TCP sockets listening on `port`."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, _, hex_port = local.partition(":")
-            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                found.add(address)
-    return found
-
-
-def test_single_host_rendezvous_listens_on_localhost_only(tmp_path: Path) -> None:
-    """torch's TCPStore listens on every interface; a one-host run's store must not."""
-    if not Path("/proc/net/tcp").exists():
-        pytest.skip("needs Linux's /proc/net/tcp to see where a socket listens")
-    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
-
-    from pdcli.runtime.launcher import LOCAL_RDZV_BACKEND, launch_config
-
-    config = launch_config(1, Hosts(), tmp_path, rdzv_timeout_s=10)
-    assert config.rdzv_backend == LOCAL_RDZV_BACKEND and config.rdzv_endpoint == "127.0.0.1:0"
-    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-                                  min_nodes=1, max_nodes=1, **config.rdzv_configs)
-    info = rendezvous_handler_registry.create_handler(params).next_rendezvous()
-    port = info.bootstrap_store_info.master_port
-    assert info.bootstrap_store_info.master_addr == "127.0.0.1" and port > 0  # the workers are told where
-    assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1 only, not 0.0.0.0 or ::
-    info.store.set("k", "v")
-    assert info.store.get("k") == b"v"
-    # an explicit --master-port that is taken: a user error naming it
-    params = RendezvousParameters(backend=LOCAL_RDZV_BACKEND, endpoint=f"127.0.0.1:{port}", run_id="again",
-                                  min_nodes=1, max_nodes=1, rank=0, timeout=10)
-    with pytest.raises(UserError, match=f"--master-port {port}: cannot listen on 127.0.0.1:{port}"):
-        rendezvous_handler_registry.create_handler(params).next_rendezvous()
-    # several hosts: torch's static rendezvous on the given address, unchanged
-    multi = launch_config(4, Hosts(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500), tmp_path, 10)
-    assert (multi.rdzv_backend, multi.rdzv_endpoint, multi.rdzv_configs["rank"]) == ("static", "10.0.0.1:29500", 1)
-
-
 def test_corrupt_stage_file_is_a_user_error_naming_it(tmp_path: Path) -> None:
     module = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from torch import nn
 from pdcli.errors import UserError
 from pdcli.rundir import RunDir
 from pdcli.runtime import checkpoint
-from pdcli.runtime.comm import MessageLayout, TensorSpec, message_tag, tag_kind
+from pdcli.runtime.comm import MessageLayout, TensorSpec, message_tag
 from pdcli.runtime.watchdog import FAULT_ENV
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.sockets import TRANSPORT_ENV
@@ -63,12 +62,6 @@ def test_stage_io_follows_manifest_edges_including_skips(tmp_path: Path) -> None
     assert s0.acts_out[1].names == ("g0", "h0") and s0.acts_out[2].names == ("h0",)
     assert sorted(s2.acts_in) == [0, 1] and s2.grads_out[0].names == ("h0",)
     assert s3.loss_output == "output" and not s3.acts_out and not s3.grads_in
-    # what a transport may accept from each peer stage: one size per kind, fixed by the layouts
-    assert s2.recv_bytes() == {0: {"activation": s2.acts_in[0].num_bytes}, 1: {"activation": s2.acts_in[1].num_bytes},
-                               3: {"gradient": s2.grads_in[3].num_bytes}}
-    assert s0.recv_bytes() == {k: {"gradient": s0.grads_in[k].num_bytes} for k in (1, 2)}
-    assert all(tag_kind(message_tag(kind, mb)) == kind for kind in ("activation", "gradient") for mb in (0, 5, 1 << 21))
-    assert tag_kind(-1) is None and tag_kind(2 << 20) is None
 
 
 def test_placement_maps_ranks_to_stage_replicas() -> None:
@@ -126,13 +119,13 @@ def test_socket_transport_matches_messages_by_tag_and_reports_a_dead_peer() -> N
     from pdcli.runtime.sockets import PeerClosedError, SocketTransport, _Peer
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    sender = SocketTransport({1: _Peer(1, a, {})}, timeout_s=5)
-    receiver = SocketTransport({0: _Peer(0, b, {"activation": 300_000, "gradient": 3})}, timeout_s=5)
+    sender = SocketTransport({1: _Peer(1, a)}, timeout_s=5)
+    receiver = SocketTransport({0: _Peer(0, b)}, timeout_s=5)
     big = torch.arange(300_000, dtype=torch.uint8)  # larger than the socket buffer: sent in parts
     got_big, got_small = torch.empty_like(big), torch.empty(3, dtype=torch.uint8)
-    pending = [receiver.irecv(got_small, 0, tag=7), receiver.irecv(got_big, 0, tag=8)]  # posted ahead
+    pending = [receiver.irecv(got_small, 0, tag=7), receiver.irecv(got_big, 0, tag=9)]  # posted ahead
     small = torch.tensor([1, 2, 3], dtype=torch.uint8)
-    t = threading.Thread(target=lambda: (sender.isend(big, 1, tag=8), sender.isend(small, 1, tag=7)))
+    t = threading.Thread(target=lambda: (sender.isend(big, 1, tag=9), sender.isend(small, 1, tag=7)))
     t.start()
     for p in pending:
         p.wait()
@@ -144,61 +137,13 @@ def test_socket_transport_matches_messages_by_tag_and_reports_a_dead_peer() -> N
     receiver.close()
 
 
-@pytest.mark.parametrize("tag, nbytes, refusal", [
-    (6, 1 << 60, "rank 0 sent a activation message (tag 6) of 1152921504606846976 bytes; the manifest's layout fixes 48 bytes"),
-    (6, 49, "of 49 bytes; the manifest's layout fixes 48 bytes"),
-    (7, 48, "rank 0 sent a message with tag 7 (gradient, 48 bytes); the manifest has it send this rank activation messages of 48 bytes"),
-    ((1 << 64) - 1, 48, "(not a pd tag, 48 bytes)"),
-])
-def test_socket_reader_refuses_a_header_it_did_not_post_a_receive_for_without_allocating(
-    monkeypatch: pytest.MonkeyPatch, tag: int, nbytes: int, refusal: str
-) -> None:
-    """A header is checked against the layout's byte count before a buffer of its size exists."""
-    import socket
-
-    from pdcli.runtime import sockets
-    from pdcli.runtime.sockets import HEADER, BadMessageError, SocketTransport, _Peer
-
-    allocated: list[int] = []
-    real_payload = sockets._payload
-    monkeypatch.setattr(sockets, "_payload", lambda n: allocated.append(n) or real_payload(n))
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    receiver = SocketTransport({0: _Peer(0, b, {"activation": 48})}, timeout_s=5)
-    good = torch.arange(48, dtype=torch.uint8)
-    a.sendall(HEADER.pack(4, 48) + bytes(good.numpy()))  # a well-formed activation message first
-    got = torch.empty(48, dtype=torch.uint8)
-    receiver.irecv(got, 0, tag=4).wait()
-    assert torch.equal(got, good) and allocated == [48]
-    a.sendall(HEADER.pack(tag, nbytes) + b"x" * 48)  # then a header no posted receive can take
-    with pytest.raises(BadMessageError, match=r"refused: .*" + re.escape(refusal)):
-        receiver.irecv(torch.empty(48, dtype=torch.uint8), 0, tag=6).wait()
-    assert allocated == [48]  # nothing was allocated for the refused header
-    a.close()
-    receiver.close()
-
-
-def test_socket_reader_refuses_a_tag_that_is_already_waiting() -> None:
-    import socket
-
-    from pdcli.runtime.sockets import HEADER, BadMessageError, SocketTransport, _Peer
-
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    receiver = SocketTransport({0: _Peer(0, b, {"gradient": 2})}, timeout_s=5)
-    a.sendall((HEADER.pack(9, 2) + b"ab") * 2)
-    receiver.irecv(torch.empty(2, dtype=torch.uint8), 0, tag=9).wait()  # the first one is filed
-    with pytest.raises(BadMessageError, match="rank 0 sent a second gradient message with tag 9"):
-        receiver.irecv(torch.empty(2, dtype=torch.uint8), 0, tag=11).wait()
-    a.close()
-    receiver.close()
-
-
 def test_socket_send_returns_before_the_peer_reads_and_fails_once_the_peer_is_gone() -> None:
     import socket
 
     from pdcli.runtime.sockets import PeerClosedError, SocketTransport, _Peer, _recv_exact
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    sender = SocketTransport({1: _Peer(1, a, {})}, timeout_s=5)
+    sender = SocketTransport({1: _Peer(1, a)}, timeout_s=5)
     big = torch.ones(4 << 20, dtype=torch.uint8)  # 4 MiB: far more than the socket buffer holds
     pending = sender.isend(big, 1, tag=3)  # nobody reads b yet: a blocking send would hang here
     assert not pending.is_completed()

@@ -91,16 +91,21 @@ def _payload(nbytes: int) -> Tensor:
 class _Peer:
     """One connection: a reader thread files arriving messages under their tag.
 
-    `expected_bytes` (message kind -> bytes, from the manifest's layouts: `StageIO.recv_bytes`)
-    bounds what the reader accepts: a header announcing another size, a kind this peer never
-    sends, or a tag already waiting is refused before anything is allocated, and the
-    connection is read no further (its byte stream can no longer be framed).
+    The reader never allocates what a header merely announces. A message must have the size
+    of the receive posted for its tag (`post`); one that arrives before its receive is posted
+    must have the size `expected_bytes` fixes for its kind (message kind -> bytes, from the
+    manifest's layouts: `StageIO.recv_bytes`), or, without `expected_bytes`, waits unread in
+    the socket until its receive is posted. A header of another size, of a kind this peer
+    never sends, or for a tag already waiting is refused before anything is allocated, and
+    the connection is read no further (its byte stream can no longer be framed).
     """
 
-    def __init__(self, rank: int, sock: socket.socket, expected_bytes: Mapping[str, int]) -> None:
+    def __init__(self, rank: int, sock: socket.socket, expected_bytes: Mapping[str, int] | None = None) -> None:
         self.rank = rank
         self.sock = sock
-        self.expected_bytes = dict(expected_bytes)
+        self.expected_bytes = None if expected_bytes is None else dict(expected_bytes)
+        self.posted: dict[int, int] = {}
+        """Tag -> bytes of the receive posted for it and not yet taken."""
         self.refused = False
         self.inbox: dict[int, Tensor] = {}
         self.cond = threading.Condition()
@@ -174,20 +179,34 @@ class _Peer:
             self.outbox.put((parts, sent))
         return sent
 
+    def post(self, tag: int, nbytes: int) -> None:
+        """A receive of `nbytes` is posted for `tag`: the size its message must have."""
+        with self.cond:
+            self.posted[tag] = nbytes
+            self.cond.notify_all()
+
     def _refusal(self, tag: int, nbytes: int) -> str | None:
-        """Why a header cannot be taken (None: it can): checked before any allocation."""
+        """Why a header cannot be taken (None: it can), decided before any allocation."""
         kind = tag_kind(tag)
-        expected = self.expected_bytes.get(kind) if kind is not None else None
-        if expected is None:
-            sends = ", ".join(f"{k} messages of {n} bytes" for k, n in sorted(self.expected_bytes.items())) or "nothing"
-            return (f"rank {self.rank} sent a message with tag {tag} ({kind or 'not a pd tag'}, {nbytes} bytes); "
-                    f"the manifest has it send this rank {sends}")
-        if nbytes != expected:
-            return (f"rank {self.rank} sent a {kind} message (tag {tag}) of {nbytes} bytes; the manifest's "
-                    f"layout fixes {expected} bytes")
+        what = f"{kind} message" if kind else "message with a tag pd never makes"
         with self.cond:
             if tag in self.inbox:
-                return f"rank {self.rank} sent a second {kind} message with tag {tag} before the first was taken"
+                return f"rank {self.rank} sent a second {what} with tag {tag} before the first was taken"
+            while tag not in self.posted and self.expected_bytes is None:  # nothing else to go by: wait
+                if self.closing:
+                    raise PeerClosedError("closing while a message waited for its receive")
+                self.cond.wait()
+            if tag in self.posted:
+                expected, by = self.posted[tag], "the receive posted for it"
+            else:
+                assert self.expected_bytes is not None
+                if kind is None or kind not in self.expected_bytes:
+                    sends = ", ".join(f"{k} messages of {n} bytes" for k, n in sorted(self.expected_bytes.items()))
+                    return (f"rank {self.rank} sent a {what} (tag {tag}, {nbytes} bytes); the manifest has it "
+                            f"send this rank {sends or 'nothing'}")
+                expected, by = self.expected_bytes[kind], "the manifest's layout"
+        if nbytes != expected:
+            return f"rank {self.rank} sent a {what} (tag {tag}) of {nbytes} bytes; {by} fixes {expected} bytes"
         return None
 
     def _read(self) -> None:
@@ -230,6 +249,7 @@ class _Peer:
                 if left_s <= 0:
                     raise TimeoutError(f"timed out after {timeout_s:g} s waiting for a message from rank {self.rank}")
                 self.cond.wait(left_s)
+            self.posted.pop(tag, None)
             return self.inbox.pop(tag)
 
 
@@ -323,7 +343,9 @@ class SocketTransport:
         return self._peer(dst_rank).send([HEADER.pack(tag, payload.numel()), memoryview(payload.numpy())], payload)
 
     def irecv(self, buf: Tensor, src_rank: int, tag: int) -> _Recv:
-        return _Recv(self._peer(src_rank), buf, tag, self.timeout_s)
+        peer = self._peer(src_rank)
+        peer.post(tag, buf.numel() * buf.element_size())
+        return _Recv(peer, buf, tag, self.timeout_s)
 
     def close(self) -> None:
         for peer in self.peers.values():
@@ -331,6 +353,7 @@ class SocketTransport:
             peer.writer.join(timeout=self.timeout_s)
             with peer.cond:
                 peer.closing = True
+                peer.cond.notify_all()  # a reader waiting for a receive to be posted stops
             try:
                 peer.sock.shutdown(socket.SHUT_RDWR)
             except OSError:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import pytest
+
+# The pipeline probe (a real 2-worker run inside every `pd profile`) is off in the tests that
+# profile for another purpose; tests of the probe itself turn it back on.
+os.environ.setdefault("PD_PIPELINE_PROBE", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -50,3 +50,28 @@ def test_calibrate_needs_a_run_directory(tmp_path: Path) -> None:
     result = runner.invoke(app, ["plan", RECIPE, f"run.root={tmp_path}", "profile.repeats=2", "profile.probe_minibatches=4",
                                  "--calibrate", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "not a run directory" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Path) -> None:
+    """`pd profile` runs the schedule on two workers and refits its costs: a plan of the probe
+    run's split then predicts the probe run's steady time."""
+    from pdcli.profiler.chain import Chain
+    from pdcli.profiler.runtime_probe import balanced_cut
+
+    env = {**__import__("os").environ, "PD_PIPELINE_PROBE": "1"}
+    args = [f"run.root={tmp_path}", "profile.repeats=3", "profile.pipeline_probe_minibatches=30"]
+    proc = subprocess.run([str(PD), "profile", RECIPE, *args], capture_output=True, text=True, timeout=200,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "what the runtime pays per action" in proc.stdout
+    chain = Chain.from_json(json.loads((tmp_path / "quickstart" / "profile.json").read_text()))
+    sources = chain.meta["runtime"]["sources"]
+    assert sources["pipeline_probe"].startswith("30 minibatches of pipedream on 2 workers")
+    measured_ms = sources["pipeline"]["steady_time_per_minibatch_ms"]
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", RECIPE, *args, f"plan.boundaries=[{balanced_cut(chain)}]", "-o", str(out)],
+                           env={"PD_PIPELINE_PROBE": "1"})
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["pipeline"]["time_per_minibatch_ms"] == pytest.approx(measured_ms, rel=0.05)

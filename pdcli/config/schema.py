@@ -73,6 +73,9 @@ class ProfileConfig:
     transport's latency and bandwidth), so `pd plan` predicts the run (`meta.runtime`)."""
     probe_minibatches: int = 12
     """Minibatches each probe stage runs (the second half is measured)."""
+    pipeline_probe_minibatches: int = 40
+    """After the probe, a real run of the schedule on two workers for this many minibatches
+    refits its costs to what workers that share the host pay (0: off)."""
 
 
 @dataclass
@@ -228,6 +231,7 @@ def check_values(cfg: Config) -> list[str]:
     positive("profile.warmup", cfg.profile.warmup, allow_zero=True)
     positive("profile.batch_size", cfg.profile.batch_size)
     positive("profile.probe_minibatches", cfg.profile.probe_minibatches)
+    positive("profile.pipeline_probe_minibatches", cfg.profile.pipeline_probe_minibatches, allow_zero=True)
     positive("plan.num_stages", cfg.plan.num_stages)
     positive("cluster.memory_bytes_per_device", cfg.cluster.memory_bytes_per_device)
     if not cfg.cluster.levels:

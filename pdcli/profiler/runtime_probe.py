@@ -14,6 +14,7 @@ and bandwidth by a ping-pong between this process and a forked one.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import socket
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pdcli.planner.runtime_costs import DIRECT, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
+from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
 from pdcli.planner.search import optimizer_step_matrix
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain
@@ -42,6 +43,8 @@ MODE_SCHEDULES = {STASHED: ("pipedream", False), DIRECT: ("1f1b", True)}
 GAP_KEY = "(between actions)"
 PINGPONG_BYTES = (4 << 10, 1 << 20)
 PINGPONG_REPEATS = 40
+PIPELINE_TIMEOUT_S = 300.0
+PIPELINE_RUN = "pipeline-probe"
 PINGPONG_TIMEOUT_S = 20.0
 
 
@@ -320,3 +323,44 @@ def _message_bytes(manifest: dict[str, Any]) -> dict[int, dict[str, float]]:
         out[int(entry["stage_id"])] = sizes
     return out
 
+
+
+def balanced_cut(chain: Chain) -> int:
+    """The position where a 2-stage split of `chain` halves its profiled forward + backward."""
+    work = np.cumsum([node.fwd_ms + node.bwd_ms for node in chain.nodes])
+    return int(min(max(int(np.searchsorted(work, work[-1] / 2)) + 1, 1), len(chain.nodes) - 1))
+
+
+def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int) -> tuple[RuntimeCosts, str]:
+    """`runtime` refitted from a short real run of the configured schedule on two workers of
+    this host (the balanced 2-stage split, `minibatches` minibatches): what workers sharing the
+    host, waiting for each other and waking up again pay that stages run alone do not
+    (`pdcli.report.calibrate`). Unchanged, with the reason, where it cannot run (fewer than 2
+    devices, not the CPU, fewer than 2 positions, or the run failed)."""
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    from pdcli.report.calibrate import calibrate_from_run
+
+    if cfg.num_devices < 2 or len(chain.nodes) < 2 or runtime.cores is None:
+        return runtime, "skipped: needs 2 CPU devices and 2 positions"
+    costed = dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
+    bandwidth = cfg.cluster.levels[0].bandwidth_bytes_per_s
+    with tempfile.TemporaryDirectory(prefix="pd-pipeline-probe-") as tmp:
+        recipe = Path(tmp) / "config.yaml"
+        recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        overrides = [
+            f"run.root={tmp}", f"run.name={PIPELINE_RUN}", "profile.runtime_probe=false", "profile.repeats=1",
+            "profile.warmup=1", f"train.steps={minibatches}", f"train.log_every={minibatches}",
+            "train.checkpoint_every=0", "train.init_from=null", "plan.num_stages=2", "plan.replicas=null",
+            f"plan.boundaries=[{balanced_cut(chain)}]", f"cluster.levels=[{{devices: 2, bandwidth_bytes_per_s: {bandwidth}}}]",
+        ]
+        proc = subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe), *overrides],
+                              capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S, cwd=tmp)
+        if proc.returncode != 0:
+            tail = " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
+            return runtime, f"skipped: the probe run failed ({tail})"
+        calibrated, measured = calibrate_from_run(Path(tmp) / PIPELINE_RUN, costed, runtime)
+    calibrated = dataclasses.replace(calibrated, sources={**runtime.sources, "pipeline": measured})
+    return calibrated, f"{minibatches} minibatches of {cfg.schedule.name} on 2 workers, split at {balanced_cut(chain)}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -64,6 +65,17 @@ MEASURES = 3
 again, not reused."""
 
 
+PIPELINE_PROBE_ENV = "PD_PIPELINE_PROBE"
+"""`0` turns the pipeline probe off whatever `profile.pipeline_probe_minibatches` says (quick
+test loops; the in-process probe still runs)."""
+
+
+def pipeline_probe_minibatches(cfg: Config) -> int:
+    """Minibatches of the pipeline probe: `profile.pipeline_probe_minibatches`, 0 when
+    PD_PIPELINE_PROBE=0."""
+    return 0 if os.environ.get(PIPELINE_PROBE_ENV) == "0" else cfg.profile.pipeline_probe_minibatches
+
+
 def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | None) -> str:
     """Hash of everything the profile depends on: model, data, optimizer, profile settings,
     batch, device, and what the profiler measures."""
@@ -80,6 +92,11 @@ def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | No
     if cfg.profile.runtime_probe:  # the probe runs the schedule's microbatches as training will
         section["probe"] = {"num_microbatches": cfg.schedule.num_microbatches, "precision": cfg.train.precision,
                             "recompute": cfg.train.recompute, "seed": cfg.train.seed}
+        section["probe"]["pipeline_minibatches"] = pipeline_probe_minibatches(cfg)
+        if pipeline_probe_minibatches(cfg):  # a real run of the schedule on this cluster's links
+            section["probe"].update(schedule=asdict(cfg.schedule), batch_size=cfg.data.batch_size,
+                                    devices=cfg.num_devices, levels=[asdict(x) for x in cfg.cluster.levels],
+                                    train={k: getattr(cfg.train, k) for k in ("threads_per_worker", "spin_wait_ms", "transport")})
     return artifact_inputs_hash(section)
 
 
@@ -135,12 +152,15 @@ def ensure_profile(
         )
         if cfg.profile.runtime_probe:
             from pdcli.planner.runtime_costs import RUNTIME_META
-            from pdcli.profiler.runtime_probe import probe_runtime
+            from pdcli.profiler.runtime_probe import probe_pipeline, probe_runtime
 
             # the probe's stages are compiled for the runtime's microbatch, whatever was profiled
             micro = build_data(cfg.data, cfg.data.batch_size).batch(PROFILE_BATCH_INDEX).split(cfg.schedule.num_microbatches)[0]
             runtime = probe_runtime(cfg, model, chain, tuple(t.to(device) for t in micro.inputs),
                                     micro.target.to(device), device, cfg.profile.probe_minibatches)
+            if pipeline_probe_minibatches(cfg):
+                runtime, how = probe_pipeline(cfg, chain, runtime, pipeline_probe_minibatches(cfg))
+                runtime = dataclasses.replace(runtime, sources={**runtime.sources, "pipeline_probe": how})
             chain.meta[RUNTIME_META] = runtime.to_json()
     run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
     return chain, False

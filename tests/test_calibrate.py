@@ -58,7 +58,7 @@ def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Pa
     """`pd profile` runs the schedule on two workers and refits its costs: a plan of the probe
     run's split then predicts the probe run's steady time."""
     from pdcli.profiler.chain import Chain
-    from pdcli.profiler.runtime_probe import balanced_cut
+    from pdcli.profiler.runtime_probe import balanced_cuts
 
     env = {**__import__("os").environ, "PD_PIPELINE_PROBE": "1"}
     args = [f"run.root={tmp_path}", "profile.repeats=3", "profile.pipeline_probe_minibatches=30"]
@@ -71,7 +71,7 @@ def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Pa
     assert sources["pipeline_probe"].startswith("30 minibatches of pipedream on 2 workers")
     measured_ms = sources["pipeline"]["steady_time_per_minibatch_ms"]
     out = tmp_path / "plan.json"
-    result = runner.invoke(app, ["plan", RECIPE, *args, f"plan.boundaries=[{balanced_cut(chain)}]", "-o", str(out)],
+    result = runner.invoke(app, ["plan", RECIPE, *args, f"plan.boundaries={balanced_cuts(chain, 2)}", "-o", str(out)],
                            env={"PD_PIPELINE_PROBE": "1"})
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["pipeline"]["time_per_minibatch_ms"] == pytest.approx(measured_ms, rel=0.05)

@@ -45,6 +45,8 @@ PINGPONG_BYTES = (4 << 10, 1 << 20)
 PINGPONG_REPEATS = 40
 PIPELINE_TIMEOUT_S = 300.0
 PIPELINE_RUN = "pipeline-probe"
+PIPELINE_MAX_STAGES = 4
+"""The pipeline probe runs at most this many workers (one stage each)."""
 PINGPONG_TIMEOUT_S = 20.0
 
 
@@ -325,18 +327,23 @@ def _message_bytes(manifest: dict[str, Any]) -> dict[int, dict[str, float]]:
 
 
 
-def balanced_cut(chain: Chain) -> int:
-    """The position where a 2-stage split of `chain` halves its profiled forward + backward."""
+def balanced_cuts(chain: Chain, num_stages: int) -> list[int]:
+    """Where `num_stages` stages of `chain` start (1..) to share its profiled forward + backward evenly."""
     work = np.cumsum([node.fwd_ms + node.bwd_ms for node in chain.nodes])
-    return int(min(max(int(np.searchsorted(work, work[-1] / 2)) + 1, 1), len(chain.nodes) - 1))
+    n, cuts = len(chain.nodes), []
+    for k in range(1, num_stages):
+        cut = int(np.searchsorted(work, work[-1] * k / num_stages)) + 1
+        cuts.append(min(max(cut, (cuts[-1] + 1) if cuts else 1), n - (num_stages - k)))
+    return cuts
 
 
 def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int) -> tuple[RuntimeCosts, str]:
-    """`runtime` refitted from a short real run of the configured schedule on two workers of
-    this host (the balanced 2-stage split, `minibatches` minibatches): what workers sharing the
-    host, waiting for each other and waking up again pay that stages run alone do not
-    (`pdcli.report.calibrate`). Unchanged, with the reason, where it cannot run (fewer than 2
-    devices, not the CPU, fewer than 2 positions, or the run failed)."""
+    """`runtime` refitted from a short real run of the configured schedule on this host: as
+    many workers as the cluster has devices (at most PIPELINE_MAX_STAGES, one stage each,
+    balanced split), `minibatches` minibatches; what workers sharing the host, waiting for
+    each other and waking up again pay that stages run alone do not (`pdcli.report.calibrate`).
+    Unchanged, with the reason, where it cannot run (fewer than 2 devices, not the CPU, fewer
+    than 2 positions, or the run failed)."""
     import subprocess
 
     from omegaconf import OmegaConf
@@ -347,14 +354,17 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
         return runtime, "skipped: needs 2 CPU devices and 2 positions"
     costed = dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
     bandwidth = cfg.cluster.levels[0].bandwidth_bytes_per_s
+    num_stages = min(cfg.num_devices, len(chain.nodes), PIPELINE_MAX_STAGES)
+    cuts = balanced_cuts(chain, num_stages)
     with tempfile.TemporaryDirectory(prefix="pd-pipeline-probe-") as tmp:
         recipe = Path(tmp) / "config.yaml"
         recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         overrides = [
             f"run.root={tmp}", f"run.name={PIPELINE_RUN}", "profile.runtime_probe=false", "profile.repeats=1",
             "profile.warmup=1", f"train.steps={minibatches}", f"train.log_every={minibatches}",
-            "train.checkpoint_every=0", "train.init_from=null", "plan.num_stages=2", "plan.replicas=null",
-            f"plan.boundaries=[{balanced_cut(chain)}]", f"cluster.levels=[{{devices: 2, bandwidth_bytes_per_s: {bandwidth}}}]",
+            "train.checkpoint_every=0", "train.init_from=null", f"plan.num_stages={num_stages}", "plan.replicas=null",
+            f"plan.boundaries=[{','.join(map(str, cuts))}]",
+            f"cluster.levels=[{{devices: {num_stages}, bandwidth_bytes_per_s: {bandwidth}}}]",
         ]
         proc = subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe), *overrides],
                               capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S, cwd=tmp)
@@ -363,4 +373,4 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
             return runtime, f"skipped: the probe run failed ({tail})"
         calibrated, measured = calibrate_from_run(Path(tmp) / PIPELINE_RUN, costed, runtime)
     calibrated = dataclasses.replace(calibrated, sources={**runtime.sources, "pipeline": measured})
-    return calibrated, f"{minibatches} minibatches of {cfg.schedule.name} on 2 workers, split at {balanced_cut(chain)}"
+    return calibrated, f"{minibatches} minibatches of {cfg.schedule.name} on {num_stages} workers, split at {cuts}"

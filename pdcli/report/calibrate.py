@@ -3,9 +3,8 @@
 The probe (`pdcli.profiler.runtime_probe`) measures stages run alone in one process; a real
 run shares the host with its peers, waits for messages and wakes up again, and a busy host
 slows all of it. This module reads a run's `trace.json` and refits, on its own stages, what
-the plan prices (`pdcli.planner.runtime_costs`): per action kind the affine cost in the
-stage's profiled time (an exact fit through two stages of different size; one stage, or a
-fit that would need a negative term, rescales the probe's fit to the run's total instead),
+the plan prices (`pdcli.planner.runtime_costs`): per action kind the probe's affine cost in
+the stage's profiled time, rescaled to what the run's stages took in all (`refit`),
 the optimizer step with its weight-version bookkeeping, packing and unpacking messages (a
 receive's unpacking: the low quantile of its durations, when the message was already
 there), data loading, and the interpreter's time between actions. Last, the latency of a
@@ -61,18 +60,16 @@ def _gaps(traces: Sequence[RankTrace]) -> list[float]:
 
 
 def refit(xs: Sequence[float], ys: Sequence[float], base: Affine) -> Affine:
-    """The affine map through the run's points: exact through two stages of different size
-    when both terms stay >= 0, else `base` rescaled to the points' total."""
+    """`base` rescaled so that it gives the run's points their measured total. The line's
+    shape (scale against fixed cost) stays the probe's, fitted through stages of 10-40% of the
+    work: a line through a run's two or three stages of near-equal size would extrapolate
+    wildly to other splits."""
     x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
-    if x.size == 0:
+    predicted = float(np.sum(base(x))) if x.size else 0.0
+    if not predicted > 0:
         return base
-    if x.size >= 2 and np.ptp(x) > 1e-9 * max(1.0, float(np.abs(x).max())):
-        scale, fixed = np.polyfit(x, y, 1)
-        if scale >= 0 and fixed >= 0:
-            return Affine(float(scale), float(fixed))
-    predicted = float(np.sum(base(x)))
-    return Affine(base.scale * float(y.sum()) / predicted, base.fixed_ms * float(y.sum()) / predicted) \
-        if predicted > 0 else base
+    factor = max(float(y.sum()), 0.0) / predicted
+    return Affine(base.scale * factor, base.fixed_ms * factor)
 
 
 def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple[RuntimeCosts, dict[str, Any]]:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pdcli.host import host_cores
 from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
 from pdcli.planner.search import optimizer_step_matrix
 from pdcli.planner.space import SplitSpace
@@ -297,7 +298,7 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
     send = fit_affine([b for b, _ in sends], [t for _, t in sends], single="fixed")
     if transport is not None:  # the probe's sends went nowhere: add the real transport's call
         send = Affine(send.scale + transport[2].scale, send.fixed_ms + transport[2].fixed_ms)
-    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) if device.type == "cpu" else None
+    cores = host_cores() if device.type == "cpu" else None
     return RuntimeCosts(
         modes=modes, loss_fwd_ms=loss_fwd_ms, loss_bwd_ms=loss_bwd_ms, load_inputs_ms=load_inputs,
         load_target_ms=load_target,

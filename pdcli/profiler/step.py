@@ -12,6 +12,7 @@ import torch
 
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
+from pdcli.host import host_cores
 from pdcli.profiler.chain import Chain
 from pdcli.rundir import RunDir, artifact_inputs_hash
 
@@ -55,7 +56,7 @@ def cpu_threads_per_worker(cfg: Config) -> int:
     """
     if cfg.train.threads_per_worker:
         return cfg.train.threads_per_worker
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = host_cores()
     return max(1, cores // max(cfg.num_devices, 1))
 
 

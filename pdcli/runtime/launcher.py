@@ -9,7 +9,6 @@ worker dies, the elastic agent stops its siblings and `launch_workers` raises
 from __future__ import annotations
 
 import logging
-import os
 import re
 import signal
 import socket
@@ -30,6 +29,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from pdcli.errors import UserError
+from pdcli.host import host_cores
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.watchdog import read_error, read_status
 
@@ -117,7 +117,7 @@ def check_devices(world_size: int, hosts: Hosts, device: str) -> None:
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         available, what = torch.cuda.device_count(), "GPUs (torch.cuda.device_count())"
     else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = host_cores()
         available = max(MIN_CPU_PROCESSES, CPU_PROCESSES_PER_CORE * cores)
         what = f"CPU worker processes ({CPU_PROCESSES_PER_CORE} per core x {cores} cores, at least {MIN_CPU_PROCESSES})"
     if per_host > available:

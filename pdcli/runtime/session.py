@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from pdcli.compiler import load_stage, read_manifest
 from pdcli.data import build_data
+from pdcli.host import host_cores
 from pdcli.models import build_loss
 from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
@@ -45,7 +46,7 @@ def spin_wait_s(cfg: "Config", device: torch.device, local_workers: int) -> floa
         return cfg.train.spin_wait_ms / 1e3
     if device.type != "cpu":
         return 0.0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = host_cores()
     return AUTO_SPIN_WAIT_MS / 1e3 if local_workers <= cores else 0.0
 
 
@@ -90,7 +91,7 @@ def run_session(
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
     groups = replica_groups(placement)
     if device.type == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = host_cores()
         torch.set_num_threads(cfg.train.threads_per_worker or max(1, cores // env.local_world_size))
     torch.manual_seed(cfg.train.seed + env.rank)
 

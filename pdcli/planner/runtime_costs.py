@@ -29,6 +29,11 @@ the loss, data loading, packing/unpacking messages, the measured transport (late
 bandwidth: the cluster's nominal bandwidth instead), the core count bound, the
 interpreter's time between actions."""
 RUNTIME_META = "runtime"
+
+
+def weight_mode(schedule: str) -> str:
+    """STASHED for the schedules that stash weight versions (`pipedream`, `2bw`), else DIRECT."""
+    return STASHED if schedule in ("pipedream", "2bw") else DIRECT
 """`profile.json` meta key."""
 
 
@@ -116,7 +121,7 @@ class RuntimeCosts:
     """What the fit was made from (probe stages, samples, residuals); informational."""
 
     def mode(self, schedule: str) -> ModeCosts:
-        return self.modes[STASHED if schedule in ("pipedream", "2bw") else DIRECT]
+        return self.modes[weight_mode(schedule)]
 
     def to_json(self) -> dict[str, Any]:
         return {

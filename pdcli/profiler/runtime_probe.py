@@ -31,7 +31,7 @@ from torch import nn
 
 from pdcli.host import host_cores
 from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
-from pdcli.planner.search import optimizer_step_matrix
+from pdcli.planner.runtime_fit import StagePoints
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain
 from pdcli.profiler.clock import Clock
@@ -241,7 +241,6 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
     from pdcli.models import build_loss
 
     space = SplitSpace.from_chain(chain)
-    optimizer = optimizer_step_matrix(space)
     profiled = chain.meta.get("batch_size") if isinstance(chain.meta, dict) else None
     per_mb = cfg.microbatch_size / float(profiled) if profiled else 1.0  # profiled batch -> one microbatch
     ranges = probe_boundaries(chain)
@@ -250,7 +249,6 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
     clock = Clock(device)
     loss_fwd_ms, loss_bwd_ms = time_loss(model, inputs, target, build_loss(cfg.model.loss), clock,
                                          cfg.profile.warmup, max(cfg.profile.repeats, 5))
-    wgrad_covered = space.covered_wgrad_ms if space.covered_wgrad_ms is not None else np.zeros(space.num_positions)
     modes: dict[str, ModeCosts] = {}
     sends: list[tuple[float, float]] = []
     recvs: list[tuple[float, float]] = []
@@ -263,24 +261,11 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
         manifest, _ = compile_stages(model, inputs, ranges, tmp, loss=cfg.model.loss, seed=cfg.train.seed)
         io_bytes = _message_bytes(manifest)
         for mode, (schedule, split) in MODE_SCHEDULES.items():
-            fits: dict[str, tuple[list[float], list[float]]] = {key: ([], []) for key in ("forward", "backward", "wgrad", "update")}
+            fits = StagePoints(space, per_mb, loss_fwd_ms, loss_bwd_ms)
             for stage_id, (start, end) in enumerate(ranges):
                 times = run_stage_actions(cfg, Path(tmp), stage_id, k, schedule, split, num_minibatches, device)
                 last = stage_id == k - 1
-                fwd = space.range_total(space.covered_fwd_ms, start, end) * per_mb
-                bwd = space.range_total(space.covered_bwd_ms, start, end) * per_mb
-                wgrad = space.range_total(wgrad_covered, start, end) * per_mb
-                opt = float(optimizer[start, end])
-                w_ms = steady_mean(times.get("WeightGrads", []))
-                fits["forward"][0].append(fwd)
-                fits["forward"][1].append(steady_mean(times["Forward"]) - (loss_fwd_ms if last else 0.0))
-                fits["backward"][0].append(bwd)
-                fits["backward"][1].append(steady_mean(times["Backward"]) + w_ms - (loss_bwd_ms if last else 0.0))
-                if wgrad > 0 and "WeightGrads" in times:
-                    fits["wgrad"][0].append(wgrad)
-                    fits["wgrad"][1].append(w_ms)
-                fits["update"][0].append(opt)
-                fits["update"][1].append(sum(steady_mean(times.get(a, [])) for a in ("OptimizerStep", "StashWeights", "FreeWeights")))
+                fits.add(start, end, times, last)
                 for action, nbytes in io_bytes[stage_id].items():
                     if action in times:
                         (sends if action.startswith("Send") else recvs).append((nbytes, steady_mean(times[action])))
@@ -291,8 +276,9 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
                     load_target = _per_minibatch(times.get("LoadMicrobatch", []), m)
                 stages_seen.append({"mode": mode, "stage": [start, end],
                                     "measured_ms": {a: steady_mean(v) for a, v in sorted(times.items())}})
-            modes[mode] = ModeCosts(fit_affine(*fits["forward"]), fit_affine(*fits["backward"]),
-                                    fit_affine(*fits["wgrad"]), fit_affine(*fits["update"], single="fixed"))
+            p = fits.points
+            modes[mode] = ModeCosts(fit_affine(*p["forward"]), fit_affine(*p["backward"]),
+                                    fit_affine(*p["wgrad"]), fit_affine(*p["update"], single="fixed"))
     sys.setswitchinterval(switch_interval_s)
     transport = measure_socket_transport() if device.type == "cpu" else None
     send = fit_affine([b for b, _ in sends], [t for _, t in sends], single="fixed")

@@ -25,8 +25,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdcli.errors import UserError
-from pdcli.planner.runtime_costs import RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts, steady, steady_mean
-from pdcli.planner.search import covered_or_zeros, optimizer_step_matrix
+from pdcli.planner.runtime_costs import RUNTIME_META, Affine, ModeCosts, RuntimeCosts, steady, steady_mean, weight_mode
+from pdcli.planner.runtime_fit import KINDS, StagePoints
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain
 from pdcli.report.build import read_trained_plan
@@ -87,11 +87,9 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
                         f"{space.num_positions}", hint="calibrate from a run trained with this profile")
     profiled = float(chain.meta.get("batch_size") or 0) or None
     per_mb = (float(inputs["batch_size"]) / m / profiled) if profiled else 1.0
-    optimizer = optimizer_step_matrix(space)
-    wgrad_covered = covered_or_zeros(space, space.covered_wgrad_ms)
-    mode_name = STASHED if schedule in ("pipedream", "2bw") else "direct"
+    mode_name = weight_mode(schedule)
     mode = base.modes[mode_name]
-    points: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ("forward", "backward", "wgrad", "update")}
+    fits = StagePoints(space, per_mb, base.loss_fwd_ms, base.loss_bwd_ms)
     sends: list[tuple[float, float]] = []
     recvs: list[tuple[float, float]] = []
     n, last_id = space.num_positions, len(plan["stages"]) - 1
@@ -103,17 +101,7 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
         own = [traces[r] for r in stage["ranks"] if r in traces]
         times = _durations(own)
         last = k == last_id
-        w_ms = steady_mean(times.get("WeightGrads", []))
-        points["forward"][0].append(space.range_total(space.covered_fwd_ms, start, end) * per_mb)
-        points["forward"][1].append(steady_mean(times.get("Forward", [])) - (base.loss_fwd_ms if last else 0.0))
-        points["backward"][0].append(space.range_total(space.covered_bwd_ms, start, end) * per_mb)
-        points["backward"][1].append(steady_mean(times.get("Backward", [])) + w_ms - (base.loss_bwd_ms if last else 0.0))
-        wgrad = space.range_total(wgrad_covered, start, end) * per_mb
-        if wgrad > 0 and "WeightGrads" in times:
-            points["wgrad"][0].append(wgrad)
-            points["wgrad"][1].append(w_ms)
-        points["update"][0].append(float(optimizer[start, end]))
-        points["update"][1].append(sum(steady_mean(times.get(a, [])) for a in ("OptimizerStep", "StashWeights", "FreeWeights")))
+        fits.add(start, end, times, last)
         in_bytes = cut[start - 1] * per_mb if start > 0 else 0.0
         out_bytes = cut[end - 1] * per_mb if end < n else 0.0
         for action, nbytes in (("SendActivations", out_bytes), ("SendGrads", in_bytes)):
@@ -131,9 +119,7 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
             load_target = load_ms
         measured.append({"stage_id": k, "actions_ms": {a: steady_mean(v) for a, v in sorted(times.items())}})
     modes = dict(base.modes)
-    modes[mode_name] = ModeCosts(
-        refit(*points["forward"], mode.forward), refit(*points["backward"], mode.backward),
-        refit(*points["wgrad"], mode.wgrad), refit(*points["update"], mode.update))
+    modes[mode_name] = ModeCosts(*(refit(*fits.points[kind], getattr(mode, kind)) for kind in KINDS))
     gaps = _gaps(list(traces.values()))
     gaps_mean = float(sum(gaps)) / len(gaps) if gaps else base.gap_ms
     calibrated = replace(

@@ -117,6 +117,12 @@ def ring_allreduce_ms(parameter_bytes: Any, replicas: Any, bandwidth_bytes_per_s
     return 2.0 * (r - 1.0) / r * np.asarray(parameter_bytes, dtype=float) / bandwidth_bytes_per_s * MS_PER_S
 
 
+def replica_allreduce_ms(parameter_bytes: Any, replicas: Any, bandwidth_bytes_per_s: Any) -> Any:
+    """One all-reduce of a stage's gradients over its replicas (0 for one replica)."""
+    r = np.asarray(replicas, dtype=float)
+    return np.where(r > 1, ring_allreduce_ms(parameter_bytes, r, bandwidth_bytes_per_s), 0.0)
+
+
 def transfer_ms(cut_bytes: Any, bandwidth_bytes_per_s: Any) -> Any:
     """Activations one way plus gradients back across one cut."""
     with np.errstate(invalid="ignore"):
@@ -144,7 +150,7 @@ def pd_stage_terms(fwd_ms: Any, bwd_ms: Any, parameter_bytes: Any, cut_in_bytes:
     r = np.asarray(replicas, dtype=float)
     compute = (np.asarray(fwd_ms) + np.asarray(bwd_ms)) / r
     updates = updates_per_minibatch(schedule, num_microbatches, r)
-    allreduce = np.where(r > 1, ring_allreduce_ms(parameter_bytes, r, sync_bw), 0.0)
+    allreduce = replica_allreduce_ms(parameter_bytes, r, sync_bw)
     sync = allreduce * updates
     optimizer = np.asarray(optimizer_step_ms, dtype=float) * updates
     comm_in = transfer_ms(cut_in_bytes, in_bw) / r
@@ -265,15 +271,15 @@ def runtime_action_costs(runtime: RuntimeCosts, schedule: str, num_microbatches:
     )
 
 
-def runtime_stage_terms(actions: ActionCosts, fwd_ms: Any, bwd_ms: Any, parameter_bytes: Any, replicas: Any,
-                        sync_bw: Any, schedule: str, num_microbatches: int) -> StageTerms:
+def runtime_stage_terms(actions: ActionCosts, parameter_bytes: Any, replicas: Any, sync_bw: Any, schedule: str,
+                        num_microbatches: int) -> StageTerms:
     """A stage's time per minibatch (one replica) from its per-action costs: the busy time of
     its actions, or a link that carries its messages slower."""
     r = np.asarray(replicas, dtype=float)
     per_replica = num_microbatches / r
     a = actions
     updates = updates_per_minibatch(schedule, num_microbatches, r)
-    allreduce = np.where(r > 1, ring_allreduce_ms(parameter_bytes, r, sync_bw), 0.0)
+    allreduce = replica_allreduce_ms(parameter_bytes, r, sync_bw)
     sync = allreduce * updates
     fwd, bwd = a.forward_ms * num_microbatches, a.backward_ms * num_microbatches
     compute = (fwd + bwd) / r + a.load_ms

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdcli.planner.costs import (
-    MS_PER_S, ActionCosts, bubble_factor, pd_stage_terms, ring_allreduce_ms, runtime_action_costs,
+    MS_PER_S, ActionCosts, bubble_factor, pd_stage_terms, replica_allreduce_ms, runtime_action_costs,
     runtime_stage_terms,
 )
 from pdcli.planner.memory import StageMemory, stage_memory
@@ -146,10 +146,8 @@ def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, sca
             actions = runtime_action_costs(runtime, options.schedule, options.num_microbatches, fwd, bwd, wgrad,
                                            float(optimizer[start, end]), cut_in, cut_out, start == 0, end == n,
                                            in_bw, out_bw)
-            terms = runtime_stage_terms(actions, fwd, bwd, params, r, sync_bw, options.schedule,
-                                        options.num_microbatches)
-            allreduce = float(np.where(r > 1, ring_allreduce_ms(params, r, sync_bw), 0.0))
-            actions_ms = _actions_ms(actions, split, allreduce)
+            terms = runtime_stage_terms(actions, params, r, sync_bw, options.schedule, options.num_microbatches)
+            actions_ms = _actions_ms(actions, split, float(replica_allreduce_ms(params, r, sync_bw)))
         else:
             terms = pd_stage_terms(fwd, bwd, params, cut_in, cut_out, r, sync_bw, in_bw, out_bw,
                                    options.schedule, options.num_microbatches, float(optimizer[start, end]))

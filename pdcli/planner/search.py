@@ -166,8 +166,7 @@ class PdCosts:
                 actions = runtime_action_costs(self.runtime, o.schedule, o.num_microbatches, self.fwd, self.bwd,
                                                self.wgrad, self.optimizer, self.cut_in, self.cut_out, self.first,
                                                self.last, links[1], links[2])
-                terms = runtime_stage_terms(actions, self.fwd, self.bwd, self.params, r, links[0], o.schedule,
-                                            o.num_microbatches)
+                terms = runtime_stage_terms(actions, self.params, r, links[0], o.schedule, o.num_microbatches)
             else:
                 terms = pd_stage_terms(self.fwd, self.bwd, self.params, self.cut_in, self.cut_out, r,
                                        *links, o.schedule, o.num_microbatches, self.optimizer)

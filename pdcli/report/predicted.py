@@ -23,14 +23,8 @@ from pdcli.planner.costs import updates_per_minibatch
 from pdcli.planner.evaluate import ACTIONS_KEY, replay_stage_costs
 from pdcli.planner.options import FLUSH_SCHEDULES
 from pdcli.planner.simulator import Simulation, StageCost, simulate
-from pdcli.runtime.schedule import (
-    AllReduceGrads, Backward, Forward, OptimizerStep, RecvActivations, RecvGrads, ScheduleSpec, SendActivations,
-    SendGrads, WeightGrads,
-)
-
-COMM_ACTIONS = (SendActivations, SendGrads, AllReduceGrads)
-IDLE_ACTIONS = (RecvActivations, RecvGrads)
-"""The runtime's categories (`pdcli.runtime.executor.CATEGORY`): every other action is compute."""
+from pdcli.runtime.metrics import CATEGORIES, COMM, COMPUTE, IDLE, action_category
+from pdcli.runtime.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads
 
 MAX_SIMULATED_STEPS = 200
 """Longer runs are simulated over this many minibatches (per-minibatch values barely change)."""
@@ -159,14 +153,13 @@ def _replayed_stage(stage: dict[str, Any], stage_id: int, spec: ScheduleSpec, si
     compute (every action but messages), comm (sends, all-reduce), idle (receives: waiting and
     unpacking), from the replay of its action lists."""
     p = stage["predicted"]
-    totals = {"compute": 0.0, "comm": 0.0, "idle": 0.0}
+    totals = dict.fromkeys(CATEGORIES, 0.0)
     for replica in range(replicas):
         for t in sim.timeline[spec.rank_of(stage_id, replica)]:
-            kind = "comm" if isinstance(t.action, COMM_ACTIONS) else "idle" if isinstance(t.action, IDLE_ACTIONS) else "compute"
-            totals[kind] += (t.end_ms - t.start_ms) / (replicas * steps)
+            totals[action_category(t.action)] += (t.end_ms - t.start_ms) / (replicas * steps)
     return PredictedStage(
         stage_id=stage_id, replicas=replicas, fwd_ms=float(p["fwd_ms"]), bwd_ms=float(p["bwd_ms"]),
-        compute_ms=totals["compute"], optimizer_ms=float(p.get("optimizer_ms", 0.0)),
-        wgrad_ms=float(p.get("wgrad_ms", 0.0)), comm_ms=totals["comm"], idle_ms=totals["idle"],
-        stage_time_ms=totals["compute"] + totals["comm"], wall_ms=sim.makespan_ms / steps,
+        compute_ms=totals[COMPUTE], optimizer_ms=float(p.get("optimizer_ms", 0.0)),
+        wgrad_ms=float(p.get("wgrad_ms", 0.0)), comm_ms=totals[COMM], idle_ms=totals[IDLE],
+        stage_time_ms=totals[COMPUTE] + totals[COMM], wall_ms=sim.makespan_ms / steps,
     )

@@ -29,7 +29,7 @@ from torch.func import functional_call
 from pdcli.runtime import schedule as S
 from pdcli.runtime.comm import Mailbox
 from pdcli.runtime.memory import MemoryTracker, tensor_bytes
-from pdcli.runtime.metrics import COMM, COMPUTE, IDLE, Timeline
+from pdcli.runtime.metrics import Timeline, action_category
 from pdcli.runtime.optim import step_out_of_place, supports_out_of_place
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.stageio import StageIO
@@ -40,11 +40,6 @@ from pdcli.runtime.wgrad import DeferredWeightGrads
 RECV_LOOKAHEAD_ACTIONS = 16
 FP16_LOSS_SCALE = 1024.0  # static; an overflow stops training with a clear error
 
-CATEGORY: dict[type, str] = {
-    S.LoadMicrobatch: COMPUTE, S.Forward: COMPUTE, S.Backward: COMPUTE, S.WeightGrads: COMPUTE, S.OptimizerStep: COMPUTE,
-    S.StashWeights: COMPUTE, S.FreeWeights: COMPUTE, S.SendActivations: COMM, S.SendGrads: COMM,
-    S.AllReduceGrads: COMM, S.RecvActivations: IDLE, S.RecvGrads: IDLE,
-}
 
 # glibc mallopt parameters: keep freed blocks of up to 32 MiB in the heap instead of
 # returning them to the kernel (its default trims and unmaps them, so every microbatch
@@ -155,7 +150,7 @@ class Executor:
                 inject_fault(self._fault[1])  # in compute: a hang there is the cause, not a symptom
             start_s = tl.now()
             S.dispatch(self.handlers, action)
-            tl.add(type(action).__name__, CATEGORY.get(type(action), COMPUTE), start_s, tl.now())
+            tl.add(type(action).__name__, action_category(action), start_s, tl.now())
             if on_step is not None and isinstance(action, S.OptimizerStep):
                 on_step(self.steps_done)
         self.ctx.mailbox.drain()

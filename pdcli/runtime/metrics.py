@@ -15,10 +15,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdcli.runtime import schedule as S
+
 COMPUTE = "compute"
 COMM = "comm"
 IDLE = "idle"
 CATEGORIES = (COMPUTE, COMM, IDLE)
+COMM_ACTIONS = (S.SendActivations, S.SendGrads, S.AllReduceGrads)
+IDLE_ACTIONS = (S.RecvActivations, S.RecvGrads)
+
+
+def action_category(action: S.Action) -> str:
+    """An action's category: sends and the all-reduce are comm, receives idle, the rest compute."""
+    return COMM if isinstance(action, COMM_ACTIONS) else IDLE if isinstance(action, IDLE_ACTIONS) else COMPUTE
 MAX_TRACE_EVENTS = 200_000  # per rank; beyond this only the totals keep counting
 
 S_TO_MS = 1e3

@@ -46,6 +46,12 @@ CALIBRATION = "calibration.json"
 to a run, used instead of the profile's `meta.runtime` while it names the run's profile."""
 
 
+def profile_sha256(run: RunDir) -> str:
+    """The run's profile.json hash (as its manifest recorded it, else of the file)."""
+    record = run.record("profile.json")
+    return record.sha256 if record else run.content_hash("profile.json")
+
+
 def read_calibration(run: RunDir, profile_sha256: str) -> dict[str, Any] | None:
     """The run's calibration.json when it was made for this profile, else None."""
     path = run / CALIBRATION
@@ -91,8 +97,7 @@ def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str
 
 def ensure_plan(cfg: Config, run: RunDir, chain: Chain, force: bool = False) -> tuple[dict[str, Any], bool]:
     """(plan, reused): `run/plan.json` made from the run's profile, or reused as is."""
-    record = run.record("profile.json")
-    profile_sha = record.sha256 if record else run.content_hash("profile.json")
+    profile_sha = profile_sha256(run)
     calibration = read_calibration(run, profile_sha)
     inputs_hash = plan_inputs_hash(cfg, profile_sha, calibration)
     if not force and run.fresh(PLAN, inputs_hash):

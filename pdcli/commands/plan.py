@@ -111,7 +111,7 @@ def plan(
 
 def write_calibration(run: RunDir, chain: Chain, trained: Path) -> None:
     """Refit the profile's runtime costs to the trained run `trained`; write run/calibration.json."""
-    from pdcli.pipeline import CALIBRATION
+    from pdcli.pipeline import CALIBRATION, profile_sha256
     from pdcli.planner.runtime_costs import RuntimeCosts
     from pdcli.report.calibrate import calibrate_from_run
 
@@ -121,10 +121,9 @@ def write_calibration(run: RunDir, chain: Chain, trained: Path) -> None:
     if base is None:
         raise UserError(f"{run / 'profile.json'} has no runtime costs to calibrate (profile.runtime_probe was off)",
                         hint="re-profile with profile.runtime_probe=true (`pd profile RECIPE --force`)")
-    record = run.record("profile.json")
-    profile_sha = record.sha256 if record else run.content_hash("profile.json")
     calibrated, measured = calibrate_from_run(trained, chain, base)
-    atomic_write_json(run / CALIBRATION, {"profile_sha256": profile_sha, "runtime": calibrated.to_json(), "measured": measured})
+    atomic_write_json(run / CALIBRATION, {"profile_sha256": profile_sha256(run), "runtime": calibrated.to_json(),
+                                          "measured": measured})
     echo_err(f"calibration: wrote {run / CALIBRATION} from {trained}")
 
 

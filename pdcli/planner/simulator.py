@@ -154,11 +154,11 @@ def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
     return _summarize(spec, timed, costs, cores)
 
 
-def cpu_ms_of(stage_id: int, action: Action, costs: Sequence[StageCost], t: TimedAction) -> float:
-    """The CPU time `action` took of its process in the replay (a receive: its unpacking only)."""
-    if isinstance(action, (RecvActivations, RecvGrads)):
-        return _cpu_ms(stage_id, action, costs)
-    return t.end_ms - t.start_ms
+def _busy_ms(stage_id: int, t: TimedAction, costs: Sequence[StageCost]) -> float:
+    """The CPU time an action took of its process in the replay, the interpreter's gap before
+    it included (a receive: its unpacking only, not the wait)."""
+    busy = _cpu_ms(stage_id, t.action, costs) if isinstance(t.action, (RecvActivations, RecvGrads)) else t.end_ms - t.start_ms
+    return busy + costs[stage_id].gap_ms
 
 
 def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]], costs: Sequence[StageCost],
@@ -179,8 +179,8 @@ def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]], costs: Sequen
         first = (spec.num_steps - 1) // 2
         per_minibatch_ms = (done_ms[-1] - done_ms[first]) / (spec.num_steps - 1 - first)
     if cores is not None and spec.num_ranks > cores:
-        cpu_ms = sum(cpu_ms_of(spec.stage_replica_of(r)[0], t.action, costs, t)
-                     + costs[spec.stage_replica_of(r)[0]].gap_ms for r, rank in enumerate(timed) for t in rank)
+        stages = [spec.stage_replica_of(r)[0] for r in range(spec.num_ranks)]
+        cpu_ms = sum(_busy_ms(stages[r], t, costs) for r, rank in enumerate(timed) for t in rank)
         per_minibatch_ms = max(per_minibatch_ms, cpu_ms / spec.num_steps / cores)
     bubble = 1.0 - busy_ms / (spec.num_ranks * makespan_ms) if makespan_ms > 0 else 0.0
     return Simulation(tuple(tuple(rank) for rank in timed), makespan_ms, per_minibatch_ms, bubble)

@@ -324,13 +324,13 @@ def balanced_cuts(chain: Chain, num_stages: int) -> list[int]:
     return cuts
 
 
-def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int) -> tuple[RuntimeCosts, str]:
+def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int) -> RuntimeCosts:
     """`runtime` refitted from a short real run of the configured schedule on this host: as
     many workers as the cluster has devices (at most PIPELINE_MAX_STAGES, one stage each,
     balanced split), `minibatches` minibatches; what workers sharing the host, waiting for
     each other and waking up again pay that stages run alone do not (`pdcli.report.calibrate`).
-    Unchanged, with the reason, where it cannot run (fewer than 2 devices, not the CPU, fewer
-    than 2 positions, or the run failed)."""
+    `sources["pipeline_probe"]` says what ran, or why nothing did (fewer than 2 devices, not
+    the CPU, fewer than 2 positions, or the run failed: then the costs are unchanged)."""
     import subprocess
 
     from omegaconf import OmegaConf
@@ -338,7 +338,7 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     from pdcli.report.calibrate import calibrate_from_run
 
     if cfg.num_devices < 2 or len(chain.nodes) < 2 or runtime.cores is None:
-        return runtime, "skipped: needs 2 CPU devices and 2 positions"
+        return _noted(runtime, "skipped: needs 2 CPU devices and 2 positions")
     costed = dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
     bandwidth = cfg.cluster.levels[0].bandwidth_bytes_per_s
     num_stages = min(cfg.num_devices, len(chain.nodes), PIPELINE_MAX_STAGES)
@@ -357,7 +357,11 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
                               capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S, cwd=tmp)
         if proc.returncode != 0:
             tail = " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
-            return runtime, f"skipped: the probe run failed ({tail})"
+            return _noted(runtime, f"skipped: the probe run failed ({tail})")
         calibrated, measured = calibrate_from_run(Path(tmp) / PIPELINE_RUN, costed, runtime)
     calibrated = dataclasses.replace(calibrated, sources={**runtime.sources, "pipeline": measured})
-    return calibrated, f"{minibatches} minibatches of {cfg.schedule.name} on {num_stages} workers, split at {cuts}"
+    return _noted(calibrated, f"{minibatches} minibatches of {cfg.schedule.name} on {num_stages} workers, split at {cuts}")
+
+
+def _noted(runtime: RuntimeCosts, how: str) -> RuntimeCosts:
+    return dataclasses.replace(runtime, sources={**runtime.sources, "pipeline_probe": how})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -93,8 +92,9 @@ def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | No
     if cfg.profile.runtime_probe:  # the probe runs the schedule's microbatches as training will
         section["probe"] = {"num_microbatches": cfg.schedule.num_microbatches, "precision": cfg.train.precision,
                             "recompute": cfg.train.recompute, "seed": cfg.train.seed}
-        section["probe"]["pipeline_minibatches"] = pipeline_probe_minibatches(cfg)
-        if pipeline_probe_minibatches(cfg):  # a real run of the schedule on this cluster's links
+        pipeline_minibatches = pipeline_probe_minibatches(cfg)
+        section["probe"]["pipeline_minibatches"] = pipeline_minibatches
+        if pipeline_minibatches:  # a real run of the schedule on this cluster's links
             section["probe"].update(schedule=asdict(cfg.schedule), batch_size=cfg.data.batch_size,
                                     devices=cfg.num_devices, levels=[asdict(x) for x in cfg.cluster.levels],
                                     train={k: getattr(cfg.train, k) for k in ("threads_per_worker", "spin_wait_ms", "transport")})
@@ -159,9 +159,9 @@ def ensure_profile(
             micro = build_data(cfg.data, cfg.data.batch_size).batch(PROFILE_BATCH_INDEX).split(cfg.schedule.num_microbatches)[0]
             runtime = probe_runtime(cfg, model, chain, tuple(t.to(device) for t in micro.inputs),
                                     micro.target.to(device), device, cfg.profile.probe_minibatches)
-            if pipeline_probe_minibatches(cfg):
-                runtime, how = probe_pipeline(cfg, chain, runtime, pipeline_probe_minibatches(cfg))
-                runtime = dataclasses.replace(runtime, sources={**runtime.sources, "pipeline_probe": how})
+            pipeline_minibatches = pipeline_probe_minibatches(cfg)
+            if pipeline_minibatches:
+                runtime = probe_pipeline(cfg, chain, runtime, pipeline_minibatches)
             chain.meta[RUNTIME_META] = runtime.to_json()
     run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
     return chain, False

@@ -109,8 +109,10 @@ def brute_pd(chain: Chain, topology: Topology, options: PlanOptions) -> float:
                     t["compute_ms"] + t["optimizer_ms"] + t["sync_ms"], t["comm_in_ms"], t["comm_out_ms"]), rel=REL)
                 state = sum(n.optimizer_state_bytes for n in chain.nodes[st.start:st.end])
                 assert st.memory.optimizer_state_bytes == state
-                assert st.memory.total_bytes == pytest.approx(st.memory.weights_bytes + state + st.memory.stashed_weights_bytes
-                                                              + st.memory.activations_bytes, rel=REL)
+                # gradients and activations peak together (pipedream, 2bw) or not (flush schedules)
+                held = state + st.memory.stashed_weights_bytes + st.memory.activations_bytes
+                assert st.memory.weights_bytes / 2 + held <= st.memory.total_bytes * (1 + REL)
+                assert st.memory.total_bytes <= (st.memory.weights_bytes + held) * (1 + REL)
             limit = options.memory_bytes_per_device
             if limit is None or all(st.memory.total_bytes <= limit for st in ev.stages):
                 best = min(best, ev.time_per_minibatch_ms)
@@ -213,13 +215,14 @@ def test_memory_model_per_schedule() -> None:
         # half-width activations, plus the half-width weight copy each held microbatch keeps
         assert float(half.activations_bytes) == acts / 2 + sets * p / 2 and float(half.weights_bytes) == weights
         # recompute: each held microbatch keeps its inputs (40 bytes per minibatch -> 10 per
-        # microbatch), plus one microbatch's activations while its forward is re-run
+        # microbatch), plus one microbatch's activations, less the input it already holds,
+        # while its forward is re-run
         again = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m,
                              recompute=True, input_bytes=40.0)
-        assert float(again.activations_bytes) == sets * 10 + a / m
+        assert float(again.activations_bytes) == sets * 10 + a / m - 10
         both = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m,
                             precision="fp16", recompute=True, input_bytes=40.0)
-        assert float(both.activations_bytes) == sets * 10 + a / m / 2 + p / 2
+        assert float(both.activations_bytes) == sets * 10 + a / m / 2 + p / 2 - 10
 
 
 def test_precision_and_recompute_reach_the_plan_and_let_a_tighter_limit_fit() -> None:
@@ -550,14 +553,15 @@ def test_split_backward_waiting_microbatches_hold_no_weight_copy_nor_only_their_
     assert float(half.activations_bytes) == 1 * (a / m + p) / 2 + 3 * (a / m) / 2
     rec = stage_memory("1f1b", p, a, **common, recompute=True, input_bytes=inp, split_backward=True,
                        num_stages=num_stages)
-    assert float(rec.activations_bytes) == 1 * inp / m + a / m + 3 * a / m
+    # (the recomputed microbatch's input is among what it saves: counted once)
+    assert float(rec.activations_bytes) == 1 * inp / m + (a / m - inp / m) + 3 * a / m
     # gpipe's last stage: all inputs held after the forwards, but late in the backwards
     # three microbatches wait for their W while the fourth one's forward is recomputed
     m = 4
     common = dict(replicas=1, devices_from=stages_from, stages_from=stages_from, num_microbatches=m)
     rec = stage_memory("gpipe", p, a, **common, recompute=True, input_bytes=inp, split_backward=True,
                        num_stages=num_stages)
-    assert float(rec.activations_bytes) == 1 * inp / m + 3 * a / m + a / m > m * inp / m + a / m
+    assert float(rec.activations_bytes) == 1 * inp / m + 3 * a / m + (a / m - inp / m) > m * inp / m + a / m - inp / m
 
 
 def test_split_backward_memory_reaches_the_plan() -> None:

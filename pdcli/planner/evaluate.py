@@ -69,15 +69,16 @@ def batch_scale(meta: dict, options: PlanOptions) -> float:
 def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, end: int,
             replicas: int, devices_from: int, stages_from: int, num_stages: int,
             split_backward: bool = False) -> StageMemory:
+    acts = space.activations(options.precision, scale)
     mem = stage_memory(
         options.schedule,
         space.range_total(space.covered_parameter_bytes, start, end),
-        space.range_total(space.covered_activation_bytes, start, end) * scale,
+        acts.held[start, end],
         replicas, devices_from, stages_from, options.num_microbatches,
         space.range_total(covered_or_zeros(space, space.covered_optimizer_state_bytes), start, end),
-        options.precision, options.recompute,
-        space.cut_bytes[start - 1] * scale if start > 0 else 0.0,
-        split_backward, num_stages,
+        options.precision, options.recompute, acts.inputs[start, end],
+        split_backward, num_stages, None if acts.copies is None else acts.copies[start, end],
+        None if acts.waiting is None else acts.waiting[start, end], space.eager_sends,
     )
     return StageMemory(*(float(x) for x in (mem.weights_bytes, mem.stashed_weights_bytes,
                                             mem.activations_bytes, mem.total_bytes,

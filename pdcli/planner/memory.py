@@ -19,23 +19,30 @@ microbatches per minibatch:
   `ScheduleSpec.stash_depth`; still M for `gpipe`). A microbatch past its Backward keeps only the Linear layers'
   inputs and output gradients (`pdcli.runtime.wgrad`), counted as A / M (an upper bound):
   not the half-width weight copy of mixed precision (the Backward's input gradient used
-  it), but under recompute all of them, not only its stage input. Since the two kinds of
-  held microbatch cost differently, the peak is taken over the stage's own action list
-  (`split_held_counts`). `num_stages` is the whole pipeline's, which a suffix of the
-  search does not know (`pdcli.planner.search` runs once per stage count).
+  it), but under recompute all of them, not only its stage input.
+- total = weights + S + stashed + activations for `pipedream` and `2bw`, whose gradients
+  live while their activation sets are held. A flush schedule (`gpipe`, `1f1b`) holds its
+  gradients only from its first Backward (split: WeightGrads) to its OptimizerStep, while
+  its activations rise and fall: its peaks (activations alone, and activations with the
+  gradients P) are taken over the stage's own action list (`held_points`). `num_stages` is
+  the whole pipeline's, which a suffix of the search does not know
+  (`pdcli.planner.search` runs once per stage count).
 
-Two options every schedule has change the activation term (`train.precision`,
-`train.recompute`):
+A is what the runtime counts (`pdcli.runtime.memory`): the stage's inputs plus every
+tensor autograd saves, each storage once, measured for any stage by `pdcli.profiler.held`
+(`SplitSpace.activations`); profiles without that measurement (PipeDream's graph.txt,
+older profiles) give the sum of what each position saves alone. Two options every
+schedule has change the activation term (`train.precision`, `train.recompute`):
 
 - mixed precision (`bf16`, `fp16`): autocast saves half-width copies of what its matmuls
-  and convolutions keep, so A is scaled by `HALF_PRECISION_ACTIVATION_FACTOR` (0.5; the
-  profile measures fp32); and each forward casts the weights afresh and its backward keeps
-  that half-width copy, so every held microbatch also holds P / 2 (measured:
-  `benchmarks/bench_memory.py --set train.precision=bf16`). Weights, gradients and
+  and convolutions keep, and each forward casts the weights afresh and its backward keeps
+  the half-width copy of each weight whose input needs a gradient: measured by the
+  profile's bf16 pass (A and `copy_bytes` C per forward), otherwise A is scaled by
+  `HALF_PRECISION_ACTIVATION_FACTOR` (0.5) and C = P / 2. Weights, gradients and
   optimizer state stay fp32.
 - recomputation: a held microbatch keeps only its stage inputs (I bytes per minibatch,
   the cut into the stage), and the backward re-runs one microbatch's forward, so
-  activations = sets x I / M + A / M (+ P / 2 under mixed precision).
+  activations = sets x I / M + A / M (+ C under mixed precision).
 
 Every function works elementwise on numpy arrays (the search) and on floats (reports).
 """
@@ -49,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from pdcli.planner.options import GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW
-from pdcli.runtime.schedule import Backward, Forward, ScheduleSpec, WeightGrads, build_for
+from pdcli.runtime.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads, build_for
 
 HALF_PRECISION_ACTIVATION_FACTOR = 0.5
 """Saved activations (and the weight copy) under bf16/fp16 autocast, relative to fp32."""
@@ -82,25 +89,36 @@ def activation_sets(schedule: str, devices_from: Any, replicas: Any, stages_from
 
 
 @functools.lru_cache(maxsize=4096)
-def split_held_counts(schedule: str, num_stages: int, num_microbatches: int,
-                      stage_id: int) -> tuple[tuple[int, int, int], ...]:
+def held_points(schedule: str, num_stages: int, num_microbatches: int, stage_id: int,
+                split_backward: bool, eager_sends: bool | None = None) -> tuple[tuple[int, int, int, int], ...]:
     """(microbatches past Forward before their Backward, past Backward before their
-    WeightGrads, 1 while a Backward runs) at each point of `stage_id`'s split-backward
-    list, in either send order (`sends_first`), the triples another one covers dropped:
-    the peak of any costs of the three kinds is at one of them."""
-    spec = ScheduleSpec.make(schedule, num_stages, num_microbatches, 1, split_backward=True)
-    seen: set[tuple[int, int, int]] = set()
-    for eager_sends in (False, True):
-        before, waiting = 0, 0
-        for action in build_for(spec, stage_id, eager_sends=eager_sends):
+    WeightGrads, 1 while a Backward runs, 1 while the stage holds weight gradients) at each
+    point of `stage_id`'s action list of a flush schedule, in the runtime's send order
+    (`build_for`'s `eager_sends`; None: either), the points another one covers dropped: the
+    peak of any costs of the four kinds is at one of them.
+
+    As the runtime notes its memory (`pdcli.runtime.executor`): a Backward's point still
+    holds its microbatch and the gradients it made; gradients live from the first Backward
+    (with a split backward, the first WeightGrads: the Linear layers' weights are most of a
+    stage's) to the OptimizerStep."""
+    spec = ScheduleSpec.make(schedule, num_stages, num_microbatches, 1, split_backward=split_backward)
+    seen: set[tuple[int, int, int, int]] = set()
+    for eager in (False, True) if eager_sends is None else (eager_sends,):
+        before, waiting, grads = 0, 0, 0
+        for action in build_for(spec, stage_id, eager_sends=eager):
             if isinstance(action, Forward):
                 before += 1
             elif isinstance(action, Backward):
-                seen.add((before, waiting, 1))
-                before, waiting = before - 1, waiting + 1
+                grads = max(grads, 0 if split_backward else 1)
+                seen.add((before, waiting, 1, grads))
+                before, waiting = before - 1, waiting + (1 if split_backward else 0)
             elif isinstance(action, WeightGrads):
+                grads = 1
+                seen.add((before, waiting, 0, grads))
                 waiting -= 1
-            seen.add((before, waiting, 0))
+            elif isinstance(action, OptimizerStep):
+                grads = 0
+            seen.add((before, waiting, 0, grads))
     points = [p for p in seen if not any(q != p and all(x >= y for x, y in zip(q, p)) for q in seen)]
     # a point between two others on a line is never the only peak (the cost is linear)
     return tuple(sorted(p for p in points if not any(_between(p, q, s) for q in points for s in points if q < s)))
@@ -114,15 +132,16 @@ def _between(p: tuple[int, ...], q: tuple[int, ...], s: tuple[int, ...]) -> bool
     return p not in (q, s) and collinear and 0 < dot < norm
 
 
-def _split_counts(schedule: str, num_stages: int, num_microbatches: int,
-                  stages_from: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(counts[v, k] = the k-th `split_held_counts` triple of the v-th distinct stages_from
-    value, padded with zeros; index of each stages_from element into v). A `stages_from`
-    past `num_stages` (search cells no plan uses) counts as the first stage."""
+def _point_counts(schedule: str, num_stages: int, num_microbatches: int, stages_from: Any,
+                  split_backward: bool, eager_sends: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(counts[v, k] = the k-th `held_points` of the v-th distinct stages_from value, padded
+    with zeros; index of each stages_from element into v). A `stages_from` past `num_stages`
+    (search cells no plan uses) counts as the first stage."""
     stages_from = np.asarray(stages_from)
     values, index = np.unique(stages_from, return_inverse=True)
-    tables = [split_held_counts(schedule, num_stages, num_microbatches, max(0, num_stages - int(v))) for v in values]
-    counts = np.zeros((len(values), max(len(t) for t in tables), 3))
+    tables = [held_points(schedule, num_stages, num_microbatches, max(0, num_stages - int(v)), split_backward,
+                          eager_sends) for v in values]
+    counts = np.zeros((len(values), max(len(t) for t in tables), 4))
     for row, table in enumerate(tables):
         counts[row, : len(table)] = table
     return counts, index.reshape(stages_from.shape)
@@ -130,30 +149,32 @@ def _split_counts(schedule: str, num_stages: int, num_microbatches: int,
 
 def split_sets(schedule: str, num_stages: int, num_microbatches: int, stages_from: Any) -> Any:
     """Most microbatches a split-backward stage holds at once, either kind (on its action list)."""
-    counts, index = _split_counts(schedule, num_stages, num_microbatches, stages_from)
+    counts, index = _point_counts(schedule, num_stages, num_microbatches, stages_from, True)
     return (counts[:, :, 0] + counts[:, :, 1]).max(axis=1)[index]
 
 
-def split_peak(schedule: str, num_stages: int, num_microbatches: int, stages_from: Any,
-               held: Any, saved: Any, running: Any) -> Any:
-    """Peak activation bytes of a split-backward stage: `held` per microbatch before its
-    Backward, `saved` per microbatch waiting for its WeightGrads, `running` more while a
-    Backward runs (a recomputed forward), counted on the schedule itself (`split_held_counts`)."""
-    held, saved, running = (np.asarray(c, dtype=float) for c in (held, saved, running))
-    counts, index = _split_counts(schedule, num_stages, num_microbatches, stages_from)
-    shape = np.broadcast_shapes(index.shape, held.shape, saved.shape, running.shape)
-    # the search's arrays are large and a fresh one costs its page faults: one fresh
-    # array (the result), the two temporaries reused from call to call
+def timeline_peaks(schedule: str, num_stages: int, num_microbatches: int, stages_from: Any,
+                   split_backward: bool, held: Any, saved: Any, running: Any, grads: Any,
+                   eager_sends: bool | None = None) -> tuple[Any, Any]:
+    """(peak activation bytes, peak activation + gradient bytes) of a flush-schedule stage:
+    `held` per microbatch before its Backward, `saved` per microbatch waiting for its
+    WeightGrads, `running` more while a Backward runs (a recomputed forward), `grads` while
+    gradients live, counted on the schedule itself (`held_points`)."""
+    held, saved, running, grads = (np.asarray(c, dtype=float) for c in (held, saved, running, grads))
+    counts, index = _point_counts(schedule, num_stages, num_microbatches, stages_from, split_backward, eager_sends)
+    shape = np.broadcast_shapes(index.shape, held.shape, saved.shape, running.shape, grads.shape)
+    # the search's arrays are large and a fresh one costs its page faults: two fresh
+    # arrays (the results), the two temporaries reused from call to call
     value, term = _scratch(shape)
-    peak = np.zeros(shape)
-    recomputes = bool(np.any(running))
+    acts, dynamic = np.zeros(shape), np.zeros(shape)
     for k in range(counts.shape[1]):
         np.multiply(counts[index, k, 0], held, out=value)
         np.add(value, np.multiply(counts[index, k, 1], saved, out=term), out=value)
-        if recomputes:
-            np.add(value, np.multiply(counts[index, k, 2], running, out=term), out=value)
-        np.maximum(peak, value, out=peak)
-    return peak if np.shape(peak) else float(peak)
+        np.add(value, np.multiply(counts[index, k, 2], running, out=term), out=value)
+        np.maximum(acts, value, out=acts)
+        np.add(value, np.multiply(counts[index, k, 3], grads, out=term), out=value)
+        np.maximum(dynamic, value, out=dynamic)
+    return (acts, dynamic) if np.shape(acts) else (float(acts), float(dynamic))
 
 
 @functools.lru_cache(maxsize=1)
@@ -165,26 +186,41 @@ def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, rep
                  devices_from: Any, stages_from: Any, num_microbatches: int,
                  optimizer_state_bytes: Any = 0.0, precision: str = "fp32",
                  recompute: bool = False, input_bytes: Any = 0.0, split_backward: bool = False,
-                 num_stages: Any = None) -> StageMemory:
-    weights = 2.0 * np.asarray(parameter_bytes, dtype=float)
+                 num_stages: Any = None, copy_bytes: Any = None, waiting_bytes: Any = None,
+                 eager_sends: bool | None = None) -> StageMemory:
+    """A stage's memory. `activation_bytes` and `input_bytes` are per minibatch; with
+    `copy_bytes` (the half-width weight copies one forward keeps, `pdcli.profiler.held`)
+    they are measured at the run's precision, without it they are fp32 and `precision`
+    applies the factor rules above. `waiting_bytes` (per minibatch): what a split backward
+    keeps from a Backward to its WeightGrads, when measured. `eager_sends`: the runtime's
+    send order (`SplitSpace.eager_sends`; None: the larger peak of either)."""
+    params = np.asarray(parameter_bytes, dtype=float)
+    weights = 2.0 * params
     state = np.asarray(optimizer_state_bytes, dtype=float)
     versions = weight_versions(schedule, devices_from, replicas)
-    stashed = (versions - 1) * np.asarray(parameter_bytes, dtype=float)
-    sets = activation_sets(schedule, devices_from, replicas, stages_from, num_microbatches)
+    stashed = (versions - 1) * params
     saved = np.asarray(activation_bytes, dtype=float) / num_microbatches
-    per_microbatch = saved
-    if precision != "fp32":  # half-width saved tensors, plus the half-width weight copy
+    if copy_bytes is not None:
+        per_microbatch = saved + np.asarray(copy_bytes, dtype=float)
+    elif precision != "fp32":  # half-width saved tensors, plus the half-width weight copy
         saved = HALF_PRECISION_ACTIVATION_FACTOR * saved
-        per_microbatch = saved + HALF_PRECISION_ACTIVATION_FACTOR * np.asarray(parameter_bytes, dtype=float)
-    held = np.asarray(input_bytes, dtype=float) / num_microbatches if recompute else per_microbatch
-    if split_backward and schedule in (GPIPE, ONE_F_ONE_B):
-        if num_stages is None:
-            raise ValueError(f"{schedule} with split_backward: stage_memory needs num_stages")
-        if recompute or precision != "fp32":  # the two kinds of held microbatch cost differently
-            running = per_microbatch if recompute else 0.0  # the microbatch its Backward recomputes
-            activations = split_peak(schedule, int(num_stages), num_microbatches, stages_from, held, saved, running)
-        else:
-            activations = split_sets(schedule, int(num_stages), num_microbatches, stages_from) * held
+        per_microbatch = saved + HALF_PRECISION_ACTIVATION_FACTOR * params
     else:
-        activations = sets * held + (per_microbatch if recompute else 0.0)
+        per_microbatch = saved
+    held = np.asarray(input_bytes, dtype=float) / num_microbatches if recompute else per_microbatch
+    if schedule in (GPIPE, ONE_F_ONE_B):
+        split = split_backward
+        if num_stages is None:
+            if split:
+                raise ValueError(f"{schedule} with split_backward: stage_memory needs num_stages")
+            num_stages = int(np.max(stages_from))  # without a split, stages_from is all a list depends on
+        # the microbatch its Backward recomputes (its input is already held)
+        running = np.maximum(per_microbatch - held, 0.0) if recompute else 0.0
+        if split and waiting_bytes is not None:
+            saved = np.asarray(waiting_bytes, dtype=float) / num_microbatches
+        activations, dynamic = timeline_peaks(schedule, int(num_stages), num_microbatches, stages_from, split,
+                                              held, saved if split else 0.0, running, params, eager_sends)
+        return StageMemory(weights, stashed, activations, params + state + stashed + dynamic, state)
+    sets = activation_sets(schedule, devices_from, replicas, stages_from, num_microbatches)
+    activations = sets * held + (np.maximum(per_microbatch - held, 0.0) if recompute else 0.0)
     return StageMemory(weights, stashed, activations, weights + state + stashed + activations, state)

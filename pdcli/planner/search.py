@@ -127,7 +127,8 @@ class PdCosts:
         self.first = (np.arange(n) == 0)[:, None]
         self.last = (np.arange(n + 1) == n)[None, :]
         self.params = space.range_matrix(space.covered_parameter_bytes)
-        self.acts = space.range_matrix(space.covered_activation_bytes) * scale
+        self.acts = space.activations(options.precision, scale)
+        self.eager_sends = space.eager_sends
         self.optimizer = optimizer_step_matrix(space)
         self.optimizer_state = space.range_matrix(covered_or_zeros(space, space.covered_optimizer_state_bytes))
         self.valid = space.valid_stages() & ~np.isnan(self.fwd)
@@ -146,9 +147,10 @@ class PdCosts:
         # the stage count matters to 1f1b with split backward only, and `pd_search` fixes it
         # there (num_layers, the most stages searched, would only be an upper bound)
         total_stages = o.num_stages if o.num_stages is not None else self.num_layers
-        return stage_memory(o.schedule, self.params, self.acts, r, d, self.stages_from,
+        return stage_memory(o.schedule, self.params, self.acts.held, r, d, self.stages_from,
                             o.num_microbatches, self.optimizer_state, o.precision, o.recompute,
-                            self.cut_in, o.split_backward, total_stages).total_bytes
+                            self.acts.inputs, o.split_backward, total_stages, self.acts.copies,
+                            self.acts.waiting, self.eager_sends).total_bytes
 
     def runnable(self, r: int) -> bool:
         """The runtime spreads a minibatch's microbatches evenly over a stage's replicas."""

@@ -10,12 +10,14 @@ holds the graph nodes covered by state j but not by the state before it
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from pdcli.planner.runtime_costs import RuntimeCosts
-from pdcli.profiler.chain import Chain, ChainNode
+from pdcli.profiler.chain import HELD_META, Chain, ChainNode
 
 
 def held_activation_bytes(nodes: tuple[ChainNode, ...]) -> list[float]:
@@ -30,6 +32,21 @@ def held_activation_bytes(nodes: tuple[ChainNode, ...]) -> list[float]:
     return [float(x.activation_bytes) for x in nodes]
 
 ANTICHAIN_META = "antichain_dag"
+
+
+class Activations(NamedTuple):
+    """What stages keep for their backward, per minibatch (`SplitSpace.activations`)."""
+
+    held: np.ndarray
+    """Inputs and saved tensors, without the weight copies."""
+    copies: np.ndarray | None
+    """Half-width weight copies one forward keeps (not per minibatch: per forward); None =
+    not measured (`pdcli.planner.memory.stage_memory` applies its factor rules)."""
+    inputs: np.ndarray
+    """The stage's inputs."""
+    waiting: np.ndarray | None = None
+    """What a split backward keeps from a Backward to its WeightGrads; None = not measured
+    (`held` stands for it)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +85,15 @@ class SplitSpace:
     runtime: RuntimeCosts | None = None
     """The runtime's measured costs (`meta.runtime`); None = not measured (PipeDream graphs,
     older profiles, `profile.runtime_probe=false`)."""
+    held: dict[str, dict[str, Any]] | None = None
+    """`meta.held_memory` (`pdcli.profiler.held`): per precision ("fp32", "half") the
+    bytes each position holds, its tail, weight copies, the loss's and the cuts; None =
+    not measured."""
+    input_bytes: float = 0.0
+    """The model inputs of one profiled batch (what stage 0 receives)."""
+    eager_sends: bool | None = None
+    """The runtime's send order on the profiled device (`pdcli.runtime.schedule.build_for`):
+    sends first everywhere but over NCCL (CUDA); None = unknown (PipeDream graphs)."""
 
     @classmethod
     def from_chain(cls, chain: Chain) -> "SplitSpace":
@@ -125,6 +151,9 @@ class SplitSpace:
             calibration_ratio=float(ratio) if ratio is not None else None,
             covered_wgrad_ms=cum([min(max(x.wgrad_ms, 0.0), x.bwd_ms) for x in nodes]),
             runtime=RuntimeCosts.from_meta(meta),
+            held=meta.get(HELD_META) if isinstance(meta.get(HELD_META), dict) else None,
+            input_bytes=float(chain.input_bytes),
+            eager_sends={"cpu": True, "cuda": False}.get(str(meta.get("device_type"))),
         )
 
     # -- ranges ---------------------------------------------------------------------------
@@ -136,6 +165,30 @@ class SplitSpace:
         out = np.concatenate((np.full((n, 1), np.nan), out), axis=1)  # column e = last+1
         start, end = np.arange(n)[:, None], np.arange(n + 1)[None, :]
         return np.where(end > start, out, np.nan)
+
+    @functools.lru_cache(maxsize=8)
+    def activations(self, precision: str, scale: float) -> Activations:
+        """What every stage [i, e) keeps for its backward per minibatch, as matrices [i, e]
+        (nan unless i < e), at the run's precision where the profile measured it."""
+        n = self.num_positions
+        kind = "fp32" if precision == "fp32" else "half"
+        measured = (self.held or {}).get(kind)
+        start = np.arange(n)[:, None]
+        if measured is None or len(measured["held"]) != n:
+            cut_in = np.concatenate(([self.input_bytes], self.cut_bytes[: n - 1]))[:, None]
+            held = self.range_matrix(self.covered_activation_bytes) * scale
+            return Activations(held, None, np.broadcast_to(cut_in * scale, held.shape))
+        cut_in = np.concatenate(([self.input_bytes], np.asarray(measured["cut"], dtype=float)))[:, None]
+        copies = self.range_matrix(np.cumsum(np.asarray(measured["copies"], dtype=float)))
+        held = self.range_matrix(np.cumsum(np.asarray(measured["held"], dtype=float))) - copies
+        tail = np.concatenate(([np.nan], np.asarray(measured["tail"], dtype=float)))[None, :]  # ending at e
+        loss = np.where(np.arange(n + 1) == n, float(measured["loss"]), 0.0)[None, :]
+        head = np.asarray(measured.get("head", [0.0] * n), dtype=float)[:, None]  # starting at i
+        held = (held + cut_in + head - tail + loss) * scale
+        waiting = self.range_matrix(np.cumsum(np.asarray(measured["waiting"], dtype=float))) * scale \
+            if "waiting" in measured else None
+        return Activations(np.where(np.arange(n + 1)[None, :] > start, held, np.nan), copies,
+                           np.broadcast_to(cut_in * scale, held.shape), waiting)
 
     def valid_stages(self) -> np.ndarray:
         """V[i, e]: [i, e) is a valid stage (starts at 0 or right after an ancestor of e-1)."""

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PROFILE_VERSION = 1
+HELD_META = "held_memory"
+"""`meta` key of what stages hold for their backward (`pdcli.profiler.held`)."""
 
 
 @dataclass(frozen=True)

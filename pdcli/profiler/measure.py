@@ -11,8 +11,9 @@ import torch
 import torch.fx as fx
 from tqdm import tqdm
 
-from pdcli.profiler.chain import Chain, ChainNode
+from pdcli.profiler.chain import HELD_META, Chain, ChainNode
 from pdcli.profiler.clock import Clock, device_name, median_ms
+from pdcli.profiler.held import held_memory
 from pdcli.profiler.optim_cost import OptimizerCost, OptimizerFactory, measure_optimizer, step_overhead_ms
 from pdcli.profiler.replay import call_node, is_inplace, node_inputs, used_parameters
 from pdcli.profiler.sizes import (
@@ -140,6 +141,7 @@ def profile_model(
             "sum_node_ms": sum_node_ms,
             "ratio": step_ms / sum_node_ms if sum_node_ms > 0 else None,
         },
+        HELD_META: held_memory(gm, order, inputs, target, loss_fn),
     }
     if optimizer_factory is not None:
         meta["optimizer"] = {

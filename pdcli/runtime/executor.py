@@ -239,7 +239,10 @@ class Executor:
         return loss
 
     def _weights_of(self, leaves: dict[str, Tensor] | None) -> list[Tensor]:
-        return list(self.weights.live.values()) if leaves is None else list(leaves.values())
+        """What the memory accounting counts as the stage's own, not a microbatch's: the
+        weights a forward uses and the module's buffers (BatchNorm's running statistics)."""
+        weights = list(self.weights.live.values()) if leaves is None else list(leaves.values())
+        return weights + list(self.ctx.module.buffers())
 
     def forward(self, a: S.Forward) -> None:
         mb = a.microbatch_id

@@ -43,7 +43,7 @@ class _LinearBackwardInputOnly(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, owner: "DeferredWeightGrads", param: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight if ctx.needs_input_grad[0] else None)  # W only for the input's gradient
         ctx.owner, ctx.param, ctx.has_bias = owner, param, bias is not None
         return F.linear(x, weight, bias)
 

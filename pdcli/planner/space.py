@@ -10,6 +10,7 @@ holds the graph nodes covered by state j but not by the state before it
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,12 @@ class SplitSpace:
     runtime: RuntimeCosts | None = None
     """The runtime's measured costs (`meta.runtime`); None = not measured (PipeDream graphs,
     older profiles, `profile.runtime_probe=false`)."""
+    fixed_cuts: tuple[int, ...] = ()
+    """Positions every plan cuts at (the user's, `pdcli.planner.steer`): no stage spans one."""
+
+    def with_cuts(self, cuts: tuple[int, ...]) -> "SplitSpace":
+        """This space with `cuts` fixed."""
+        return dataclasses.replace(self, fixed_cuts=tuple(cuts))
 
     @classmethod
     def from_chain(cls, chain: Chain) -> "SplitSpace":
@@ -138,11 +145,14 @@ class SplitSpace:
         return np.where(end > start, out, np.nan)
 
     def valid_stages(self) -> np.ndarray:
-        """V[i, e]: [i, e) is a valid stage (starts at 0 or right after an ancestor of e-1)."""
+        """V[i, e]: [i, e) is a valid stage (starts at 0 or right after an ancestor of e-1, and
+        spans no fixed cut)."""
         n = self.num_positions
         out = np.zeros((n, n + 1), dtype=bool)
         out[0, 1:] = True
         out[1:, 1:] = self.split_ok[: n - 1, :]  # out[i, e] = split_ok[i-1, e-1]
+        for cut in self.fixed_cuts:
+            out[:cut, cut + 1:] = False  # start < cut < end
         return out
 
     def range_total(self, covered: np.ndarray, start: int, end: int) -> float:

@@ -35,6 +35,7 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
         num_stages=cfg.plan.num_stages,
         boundaries=tuple(cfg.plan.boundaries) if cfg.plan.boundaries is not None else None,
         split_points=tuple(SplitPoint.of(item) for item in cfg.plan.split_points or ()),
+        pipe_splits=cfg.plan.pipe_splits,
         replicas=tuple(cfg.plan.replicas) if cfg.plan.replicas is not None else None,
         precision=cfg.train.precision,
         recompute=cfg.train.recompute,

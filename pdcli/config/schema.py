@@ -113,6 +113,8 @@ class PlanConfig:
     split_points: Optional[List[Any]] = None
     """Fix cuts by module name (`model.named_modules()`): `layer2` cuts before the module,
     `layer3:end` or {name: layer3, at: end} after it; the search places any other cut."""
+    pipe_splits: bool = True
+    """Cut where the model's forward calls `pdcli.pipe_split()`; false ignores the calls."""
     boundaries: Optional[List[int]] = None
     """Fix cuts by chain position (where stages 1.. start, e.g. [9]); null = search."""
     replicas: Optional[List[int]] = None

@@ -26,8 +26,8 @@ def _steering(chain: Chain, topology: Topology, options: PlanOptions) -> Steerin
         raise UserError("the profile has no positions to plan")
     if devices < 1:
         raise UserError(f"the cluster has {devices} devices; a plan needs at least 1")
-    steer = steering_of(chain, options.boundaries, options.split_points, options.replicas, options.num_stages,
-                        options.straight, options.num_microbatches, devices)
+    steer = steering_of(chain, options.boundaries, options.split_points, options.pipe_splits, options.replicas,
+                        options.num_stages, options.straight, options.num_microbatches, devices)
     if options.cost_model == COST_PIPEDREAM:
         if options.num_stages is not None:
             raise UserError("plan.num_stages needs cost_model=pd (PipeDream's optimizer has no stage count)")

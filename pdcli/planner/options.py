@@ -43,6 +43,8 @@ class PlanOptions:
     split_points: tuple[SplitPoint, ...] = ()
     """Fixed cuts by module name (`pdcli.planner.steer`); the profile's `pipe_split()` markers are
     fixed cuts too."""
+    pipe_splits: bool = True
+    """Cut where the profile recorded `pipe_split()` calls (`meta.pipe_split_positions`)."""
     replicas: tuple[int, ...] | None = None
     """Fixed replicas per stage (one entry per stage); None = the search decides."""
     precision: str = "fp32"

@@ -295,7 +295,7 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
     runs = {}
     for anchor in _anchors(topology, options):
         costs = PdCosts(space, topology, options, scale, anchor, num_layers)
-        fn = costs.time if minimize == "time" else costs.memory
+        fn: StageCost = costs.time if minimize == "time" else costs.memory
         if options.replicas is not None:  # plan_chain fixes num_stages = len(replicas): layered
             fn = fixed_replicas(fn, options.replicas)
         value = suffix_minmax(n, anchor, num_layers, layered, options.straight, fn)

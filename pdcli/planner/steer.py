@@ -138,10 +138,10 @@ def _check_positions(key: str, positions: tuple[int, ...] | list[int], n: int) -
 
 
 def steering_of(chain: Chain, boundaries: tuple[int, ...] | None, split_points: tuple[SplitPoint, ...],
-                replicas: tuple[int, ...] | None, num_stages: int | None, straight: bool,
+                pipe_splits: bool, replicas: tuple[int, ...] | None, num_stages: int | None, straight: bool,
                 num_microbatches: int, num_devices: int) -> Steering:
-    """The fixed cuts (union of `boundaries`, `split_points` and the profile's `pipe_split()`
-    markers), the stage count they and `replicas`/`num_stages` imply, checked against each
+    """The fixed cuts (union of `boundaries`, `split_points` and, with `pipe_splits`, the
+    profile's `pipe_split()` markers), the stage count they and `replicas`/`num_stages` imply, checked against each
     other and the devices (UserError naming the keys)."""
     n = len(chain.nodes)
     cuts: set[int] = set()
@@ -154,7 +154,7 @@ def steering_of(chain: Chain, boundaries: tuple[int, ...] | None, split_points: 
     if point_names:
         cuts.update(cut for cut, _ in point_names)
         sources.append("plan.split_points")
-    markers = chain.meta.get(PIPE_SPLITS_META) or []
+    markers = (chain.meta.get(PIPE_SPLITS_META) or []) if pipe_splits else []
     if markers:
         for position in markers:
             if not 0 < position < n:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 import torch
@@ -73,10 +72,6 @@ def pipe_split_positions(gm: fx.GraphModule) -> list[int]:
     return list(gm.meta.get(PIPE_SPLITS_META, []))
 
 
-_EXPORT_SELF = re.compile(r"^L\['self'\]\.?")
-"""torch.export may write module paths as `L['self'].layer1`."""
-
-
 def module_path(node: fx.Node) -> str:
     """Qualified name of the innermost module whose forward made `node` (`layer2.0.conv1`: the
     module a call_module node calls; `` for the model's own forward)."""
@@ -85,7 +80,7 @@ def module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
-    return _EXPORT_SELF.sub("", str(list(stack.values())[-1][0]))
+    return str(list(stack.values())[-1][0])  # (path, type) of the innermost module, fx and torch.export alike
 
 
 def _export(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> fx.GraphModule:

@@ -121,6 +121,10 @@ def ensure_all(
     echo(f"profile: {'reused' if reused else 'measured'} {run / 'profile.json'}")
     plan, reused = ensure_plan(cfg, run, chain, force=force)
     echo(f"plan:    {'reused' if reused else 'wrote'} {run / PLAN}")
+    from pdcli.planner.render import plan_notes
+
+    for note in plan_notes(plan):
+        echo(f"         {note}")
     manifest, reused = ensure_stages(cfg, run, plan, force=force)
     echo(f"compile: {'reused' if reused else 'wrote'} {run / 'stages'}")
     return chain, plan, manifest

@@ -68,6 +68,12 @@ def steering_line(pipeline: dict[str, Any]) -> str | None:
     return f"{head}, {free['faster_pct']:.0f}% faster: {how}"
 
 
+def plan_notes(plan_json: dict[str, Any]) -> list[str]:
+    """What a steered plan tells the user besides its table: the unconstrained best, warnings."""
+    line = steering_line(plan_json["pipeline"])
+    return ([line] if line else []) + [f"warning: {w}" for w in plan_json.get("warnings", ())]
+
+
 def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "text") -> str:
     plan_json = plan.to_json() if isinstance(plan, Plan) else plan
     if fmt == "json":
@@ -97,6 +103,5 @@ def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "te
     split = " with split backward" if inputs.get("split_backward") else ""
     head = (f"plan: {len(rows)} stages, schedule {inputs.get('schedule', '?')}{split}, "
             f"cost model {inputs.get('cost_model', '?')} ({BOTTLENECK_MARK} = bottleneck)")
-    lines = [summary_line(plan_json["pipeline"]), steering_line(plan_json["pipeline"]),
-             *(f"warning: {w}" for w in plan_json.get("warnings", ()))]
-    return f"{head}\n\n{table}\n\n" + "\n".join(line for line in lines if line)
+    lines = [summary_line(plan_json["pipeline"]), *plan_notes(plan_json)]
+    return f"{head}\n\n{table}\n\n" + "\n".join(lines)

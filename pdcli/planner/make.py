@@ -32,8 +32,10 @@ def _steering(chain: Chain, topology: Topology, options: PlanOptions) -> Steerin
         if options.num_stages is not None:
             raise UserError("plan.num_stages needs cost_model=pd (PipeDream's optimizer has no stage count)")
         if steer.fixed:
+            markers = "; plan.pipe_splits=false ignores the model's pipe_split() calls" \
+                if "pipe_split()" in steer.sources else ""
             raise UserError(f"{' and '.join(steer.sources) or 'plan.replicas'} need cost_model=pd "
-                            f"(PipeDream's optimizer takes no fixed cuts or replicas)")
+                            f"(PipeDream's optimizer takes no fixed cuts or replicas){markers}")
     return steer
 
 

@@ -121,8 +121,8 @@ def resolve_split_point(chain: Chain, point: SplitPoint) -> int:
     n = len(chain.nodes)
     if not _contiguous(positions):
         raise UserError(f"{key}: cannot cut there: its forward runs at positions {positions[0]}..{positions[-1]} "
-                        f"with other layers in between (the module is called more than once, or inside a branch); "
-                        f"nearest cuts: {_nearest(chain, positions[0])}")
+                        f"with other layers in between (it runs more than once, or its forward calls a module "
+                        f"registered elsewhere); nearest cuts: {_nearest(chain, positions[0])}")
     cut = positions[0] if point.at == SPLIT_AT_BEGIN else positions[-1] + 1
     if not 0 < cut < n:
         side = "before the first layer" if cut == 0 else "after the last layer"

@@ -22,6 +22,7 @@ def _quiet(_: str) -> None:
 
 def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
     from pdcli.planner import PlanOptions
+    from pdcli.planner.steer import SplitPoint
 
     return PlanOptions(
         schedule=cfg.schedule.name,
@@ -33,6 +34,8 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
         cost_model=cfg.plan.cost_model,
         num_stages=cfg.plan.num_stages,
         boundaries=tuple(cfg.plan.boundaries) if cfg.plan.boundaries is not None else None,
+        split_points=tuple(SplitPoint.of(item) for item in cfg.plan.split_points or ()),
+        pipe_splits=cfg.plan.pipe_splits,
         replicas=tuple(cfg.plan.replicas) if cfg.plan.replicas is not None else None,
         precision=cfg.train.precision,
         recompute=cfg.train.recompute,
@@ -118,6 +121,10 @@ def ensure_all(
     echo(f"profile: {'reused' if reused else 'measured'} {run / 'profile.json'}")
     plan, reused = ensure_plan(cfg, run, chain, force=force)
     echo(f"plan:    {'reused' if reused else 'wrote'} {run / PLAN}")
+    from pdcli.planner.render import plan_notes
+
+    for note in plan_notes(plan):
+        echo(f"         {note}")
     manifest, reused = ensure_stages(cfg, run, plan, force=force)
     echo(f"compile: {'reused' if reused else 'wrote'} {run / 'stages'}")
     return chain, plan, manifest

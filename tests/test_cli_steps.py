@@ -73,10 +73,12 @@ def test_hand_edited_artifact_is_refused(root: str, tmp_path: Path) -> None:
 def test_plan_diff_exit_codes(root: str, tmp_path: Path) -> None:
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     # the profile's cost model (no runtime probe): on this 2-core host the measured one rightly
-    # predicts nothing from 4 workers, and this test is about the diff
+    # predicts nothing from 4 workers, and this test is about the diff. Both plans read one
+    # profile: two profiles measured apart differ by the host's load, not by the plan
     legacy = "profile.runtime_probe=false"
     assert invoke("plan", QUICKSTART, root, legacy, "-o", str(a)).exit_code == 0
-    assert invoke("plan", QUICKSTART, root, legacy, "--gpus", "4", "--run", "wide", "-o", str(b)).exit_code == 0
+    profile = str(tmp_path / "quickstart" / "profile.json")
+    assert invoke("plan", QUICKSTART, root, legacy, "--gpus", "4", "--profile", profile, "-o", str(b)).exit_code == 0
     same = invoke("plan", "diff", str(a), str(a))
     assert same.exit_code == 0, same.output
     changed = invoke("plan", "diff", str(a), str(b), "--format", "markdown")

@@ -14,6 +14,28 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 TRANSPORTS = ("socket", "gloo")
 """Activation/gradient transports (`train.transport`, which adds `auto`, and `PD_TRANSPORT`)."""
+SPLIT_AT_BEGIN = "begin"
+SPLIT_AT_END = "end"
+
+
+def split_point_fields(item: Any) -> tuple[str, str]:
+    """A `plan.split_points` entry as (module name, `begin`|`end`): `layer2` (cut before it),
+    `layer3:end` or {name: layer3, at: end} (cut after it); a number is the name of an
+    `nn.Sequential` child (`5`). ValueError saying what is wrong."""
+    if isinstance(item, int) and not isinstance(item, bool):
+        item = str(item)
+    if isinstance(item, str):
+        name, _, at = item.partition(":")
+        at = at or SPLIT_AT_BEGIN
+    elif isinstance(item, dict) and set(item) <= {"name", "at"} and isinstance(item.get("name"), str):
+        name, at = item["name"], item.get("at") or SPLIT_AT_BEGIN
+    else:
+        raise ValueError(f"{item!r} is not a module name (`layer2`, `layer3:end`) or {{name: layer3, at: end}}")
+    if not name.strip() or name != name.strip():
+        raise ValueError(f"{item!r}: the module name is empty or padded with spaces")
+    if at not in (SPLIT_AT_BEGIN, SPLIT_AT_END):
+        raise ValueError(f"{item!r}: `at` must be {SPLIT_AT_BEGIN} or {SPLIT_AT_END}, got {at!r}")
+    return name, at
 
 
 @dataclass
@@ -88,10 +110,15 @@ class PlanConfig:
     """Allow a plan on fewer devices than available when that is faster."""
     num_stages: Optional[int] = None
     """Force this many stages (cost_model=pd); null = let the search decide."""
+    split_points: Optional[List[Any]] = None
+    """Fix cuts by module name (`model.named_modules()`): `layer2` cuts before the module,
+    `layer3:end` or {name: layer3, at: end} after it; the search places any other cut."""
+    pipe_splits: bool = True
+    """Cut where the model's forward calls `pdcli.pipe_split()`; false ignores the calls."""
     boundaries: Optional[List[int]] = None
-    """Fix the split: chain positions where stages 1.. start (e.g. [9]); null = search."""
+    """Fix cuts by chain position (where stages 1.. start, e.g. [9]); null = search."""
     replicas: Optional[List[int]] = None
-    """With `boundaries`: the replicas of each stage (e.g. [2, 1]); null = one each."""
+    """Fix the replicas of each stage (e.g. [3, 1]: one entry per stage); null = search."""
 
 
 @dataclass
@@ -233,6 +260,11 @@ def check_values(cfg: Config) -> list[str]:
     positive("profile.probe_minibatches", cfg.profile.probe_minibatches)
     positive("profile.pipeline_probe_minibatches", cfg.profile.pipeline_probe_minibatches, allow_zero=True)
     positive("plan.num_stages", cfg.plan.num_stages)
+    for i, item in enumerate(cfg.plan.split_points or []):
+        try:
+            split_point_fields(item)
+        except ValueError as e:
+            problems.append(f"plan.split_points.{i}: {e}")
     positive("cluster.memory_bytes_per_device", cfg.cluster.memory_bytes_per_device)
     if not cfg.cluster.levels:
         problems.append("cluster.levels: needs at least one level, e.g. [{devices: 2}]")

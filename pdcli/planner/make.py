@@ -12,57 +12,31 @@ from pdcli.planner.pipedream import pipedream_data_parallel_s, pipedream_search
 from pdcli.planner.plan import Plan, Stage
 from pdcli.planner.search import pd_search
 from pdcli.planner.space import SplitSpace
+from pdcli.planner.steer import Steering, cut_names, steering_of
 from pdcli.planner.topology import Topology
 from pdcli.profiler.chain import Chain
 
 MS_PER_S = 1000.0
 
 
-def _check_request(chain: Chain, topology: Topology, options: PlanOptions) -> None:
+def _steering(chain: Chain, topology: Topology, options: PlanOptions) -> Steering:
+    """What the user fixed, checked against the chain, the cluster and the cost model."""
     n, devices = len(chain.nodes), topology.num_devices
     if n == 0:
         raise UserError("the profile has no positions to plan")
     if devices < 1:
         raise UserError(f"the cluster has {devices} devices; a plan needs at least 1")
-    k = options.num_stages
-    if k is not None and k > n:
-        raise UserError(f"cannot split a chain of {n} positions into {k} stages ({k} > {n})")
-    if k is not None and k > devices:
-        raise UserError(f"{k} stages need at least {k} devices, the cluster has {devices}")
-    if k is not None and options.cost_model == COST_PIPEDREAM:
-        raise UserError("plan.num_stages needs cost_model=pd (PipeDream's optimizer has no stage count)")
-    if options.boundaries is not None:
-        _check_boundaries(options.boundaries, n, devices, options)
-    elif options.replicas is not None:
-        raise UserError("plan.replicas needs plan.boundaries (the stages they replicate)",
-                        hint="set plan.boundaries too, e.g. plan.boundaries=[9] plan.replicas=[2,1]")
-
-
-def _check_boundaries(boundaries: tuple[int, ...], n: int, devices: int, options: PlanOptions) -> None:
+    steer = steering_of(chain, options.boundaries, options.split_points, options.pipe_splits, options.replicas,
+                        options.num_stages, options.straight, options.num_microbatches, devices)
     if options.cost_model == COST_PIPEDREAM:
-        raise UserError("plan.boundaries needs cost_model=pd")
-    if list(boundaries) != sorted(set(boundaries)) or any(not 0 < b < n for b in boundaries):
-        raise UserError(
-            f"plan.boundaries: {list(boundaries)} must be strictly increasing positions in 1..{n - 1} "
-            f"(where stages 1.. start; `pd profile` lists the positions)"
-        )
-    replicas = stage_replicas(options)
-    if len(replicas) != len(boundaries) + 1:
-        raise UserError(f"plan.replicas: {len(replicas)} entries for {len(boundaries) + 1} stages",
-                        hint="give one replica count per stage")
-    if any(r < 1 or options.num_microbatches % r for r in replicas):
-        raise UserError(f"plan.replicas: {list(replicas)}: each must be >= 1 and divide "
-                        f"schedule.num_microbatches={options.num_microbatches} (microbatches are spread evenly)")
-    if sum(replicas) > devices:
-        raise UserError(f"plan.boundaries: {len(boundaries) + 1} stages on {sum(replicas)} devices, the cluster has {devices}")
-    if options.num_stages is not None and options.num_stages != len(boundaries) + 1:
-        raise UserError(f"plan.boundaries gives {len(boundaries) + 1} stages but plan.num_stages is {options.num_stages}")
-
-
-def stage_replicas(options: PlanOptions) -> tuple[int, ...]:
-    """Replicas of each stage of a fixed split (`plan.replicas`, else one each)."""
-    assert options.boundaries is not None
-    return options.replicas if options.replicas is not None else (1,) * (len(options.boundaries) + 1)
+        if options.num_stages is not None:
+            raise UserError("plan.num_stages needs cost_model=pd (PipeDream's optimizer has no stage count)")
+        if steer.fixed:
+            markers = "; plan.pipe_splits=false ignores the model's pipe_split() calls" \
+                if "pipe_split()" in steer.sources else ""
+            raise UserError(f"{' and '.join(steer.sources) or 'plan.replicas'} need cost_model=pd "
+                            f"(PipeDream's optimizer takes no fixed cuts or replicas){markers}")
+    return steer
 
 
 def _infeasible(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float) -> UserError:
@@ -113,10 +87,26 @@ def refine_by_replay(space: SplitSpace, topology: Topology, options: PlanOptions
 
 
 def plan_chain(chain: Chain, topology: Topology, options: PlanOptions) -> Plan:
-    """The best plan for `chain` on `topology` under `options` (UserError if none fits)."""
-    _check_request(chain, topology, options)
+    """The best plan for `chain` on `topology` under `options` (UserError if none fits): the
+    search places whatever the user did not fix (`pdcli.planner.steer`). When the user fixed a
+    cut or the replicas, the plan also records the best plan without any of it."""
+    steer = _steering(chain, topology, options)
     space = SplitSpace.from_chain(chain)
     scale = batch_scale(chain.meta, options)
+    result, data_parallel_ms = _best(space, topology, options, scale, steer)
+    unconstrained = None
+    if steer.fixed:
+        free = dataclasses.replace(options, boundaries=None, split_points=(), replicas=None, num_stages=None)
+        try:
+            unconstrained, _ = _best(space, topology, free, scale, Steering())
+        except UserError:  # nothing fits without the constraints either: no comparison to make
+            unconstrained = None
+    return _assemble(chain, space, topology, options, result, data_parallel_ms, steer, unconstrained)
+
+
+def _best(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
+          steer: Steering) -> tuple[PlanEval, float]:
+    """(the best plan under `steer`, the time of data parallelism on all devices)."""
     devices = topology.num_devices
     if options.cost_model == COST_PIPEDREAM:
         found = pipedream_search(space, topology, options, scale)
@@ -128,28 +118,53 @@ def plan_chain(chain: Chain, topology: Topology, options: PlanOptions) -> Plan:
         pd_stages = [dataclasses.replace(st, ranks=tuple(compact[r] for r in st.ranks)) for st in pd_stages]
         result = evaluate_pipedream(space, topology, options, scale, pd_stages)
         result = dataclasses.replace(result, time_per_minibatch_ms=best_s * MS_PER_S)
-        data_parallel_ms = pipedream_data_parallel_s(space, topology, scale) * MS_PER_S
-    elif options.boundaries is not None:
-        edges = [0, *options.boundaries, space.num_positions]
-        result = evaluate_pd(space, topology, options, scale,
-                             [(a, b, r) for a, b, r in zip(edges, edges[1:], stage_replicas(options))])
-        whole = evaluate_pd(space, topology, options, scale, [(0, space.num_positions, devices)])
-        data_parallel_ms = whole.time_per_minibatch_ms
-    else:
-        found_pd = pd_search(space, topology, options, scale)
-        if found_pd is None:
-            raise _infeasible(space, topology, options, scale)
-        result = evaluate_pd(space, topology, options, scale,
-                             [(s.start, s.end, s.replicas) for s in found_pd.stages])
-        if space.runtime is not None:
-            result = refine_by_replay(space, topology, options, scale, result)
-        whole = evaluate_pd(space, topology, options, scale, [(0, space.num_positions, devices)])
-        data_parallel_ms = whole.time_per_minibatch_ms
-    return _assemble(chain, space, topology, options, result, data_parallel_ms)
+        return result, pipedream_data_parallel_s(space, topology, scale) * MS_PER_S
+    whole = evaluate_pd(space, topology, options, scale, [(0, space.num_positions, devices)])
+    replicas = steer.replicas
+    if replicas is None and options.straight and steer.complete_split:
+        replicas = (1,) * (len(steer.cuts) + 1)  # one device per fixed stage, however many the cluster has
+    fixed = space.with_cuts(steer.cuts)
+    search_options = dataclasses.replace(options, num_stages=steer.num_stages, replicas=replicas)
+    found_pd = pd_search(fixed, topology, search_options, scale)
+    if found_pd is None:
+        raise _infeasible(fixed, topology, search_options, scale)
+    result = evaluate_pd(fixed, topology, options, scale, [(s.start, s.end, s.replicas) for s in found_pd.stages])
+    if fixed.runtime is not None:
+        result = refine_by_replay(fixed, topology, options, scale, result)
+    return result, whole.time_per_minibatch_ms
+
+
+def unconstrained_summary(chain: Chain, mine: PlanEval, free: PlanEval) -> dict[str, Any]:
+    """UNCONSTRAINED_KEYS of the best plan `free` found without the user's constraints."""
+    names = cut_names(chain)
+    cuts = [st.start for st in free.stages[1:]]
+    mine_ms, free_ms = mine.time_per_minibatch_ms, free.time_per_minibatch_ms
+    return {
+        "time_per_minibatch_ms": free_ms,
+        "faster_pct": 100.0 * (mine_ms - free_ms) / mine_ms if mine_ms > 0 else 0.0,
+        "boundaries": cuts,
+        "split_points": [names.get(cut) for cut in cuts],
+        "replicas": [st.replicas for st in free.stages],
+    }
+
+
+def replica_warnings(topology: Topology, result: PlanEval) -> list[str]:
+    """A stage whose fixed replicas span a slower level of the cluster than its innermost."""
+    inner_bw = topology.levels[0].bandwidth_bytes_per_s
+    out = []
+    for k, st in enumerate(result.stages):
+        first, last = st.ranks[0], st.ranks[-1]
+        bw = topology.span_bandwidth(first, last) if last > first else inner_bw
+        if bw < inner_bw:
+            out.append(f"plan.replicas: stage {k}'s {st.replicas} replicas (ranks {first}-{last}) span devices joined "
+                       f"at {bw:.3g} bytes/s, slower than {inner_bw:.3g} within a node: its gradient all-reduce "
+                       f"crosses the slow link every update")
+    return out
 
 
 def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: PlanOptions,
-              result: PlanEval, data_parallel_ms: float) -> Plan:
+              result: PlanEval, data_parallel_ms: float, steer: Steering, unconstrained: PlanEval | None) -> Plan:
+    names = {**cut_names(chain), **dict(steer.point_names)}
     stages = []
     for k, st in enumerate(result.stages):
         predicted: dict[str, Any] = dict(st.terms)
@@ -161,6 +176,7 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
             first_node=chain.nodes[st.start].name, last_node=chain.nodes[st.end - 1].name,
             node_names=tuple(space.stage_members(st.start, st.end)),
             replicas=st.replicas, ranks=st.ranks, predicted=predicted,
+            split_point=names.get(st.start, "") if k > 0 else "",
         ))
     time_ms = result.time_per_minibatch_ms
     times = [s.terms["stage_time_ms"] for s in result.stages]
@@ -175,6 +191,8 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
     }
     if result.replay is not None:
         pipeline["replay"] = result.replay
+    if unconstrained is not None:
+        pipeline["unconstrained"] = unconstrained_summary(chain, result, unconstrained)
     inputs: dict[str, Any] = {
         "cost_model": options.cost_model,
         "schedule": options.schedule,
@@ -193,8 +211,13 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
         inputs["split_backward"] = True
     if options.boundaries is not None:
         inputs["boundaries"] = list(options.boundaries)
+    if options.split_points:
+        inputs["split_points"] = [str(point) for point in options.split_points]
     if options.replicas is not None:
         inputs["replicas"] = list(options.replicas)
+    if steer.cuts:
+        inputs["fixed_cuts"] = list(steer.cuts)
     if options.profile_sha256:
         inputs["profile_sha256"] = options.profile_sha256
-    return Plan(inputs=inputs, stages=tuple(stages), pipeline=pipeline)
+    warnings = replica_warnings(topology, result) if steer.replicas is not None else []
+    return Plan(inputs=inputs, stages=tuple(stages), pipeline=pipeline, warnings=tuple(warnings))

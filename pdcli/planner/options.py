@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pdcli.config.schema import COST_MODELS, PRECISIONS, SCHEDULES
 from pdcli.errors import UserError
+from pdcli.planner.steer import SplitPoint
 
 PIPEDREAM = "pipedream"
 ONE_F_ONE_B = "1f1b"
@@ -36,11 +37,16 @@ class PlanOptions:
     cost_model: str = COST_PD
     """`pd` (schedule-aware) or `pipedream` (PipeDream's optimizer, exact)."""
     num_stages: int | None = None
-    """Force exactly this many stages; None = the search decides."""
+    """Force exactly this many stages; None = the search decides (or the fixed cuts and replicas)."""
     boundaries: tuple[int, ...] | None = None
-    """Fixed split: chain positions where stages 1.. start; None = search."""
+    """Fixed cuts by chain position (where stages 1.. start); None = none."""
+    split_points: tuple[SplitPoint, ...] = ()
+    """Fixed cuts by module name (`pdcli.planner.steer`); the profile's `pipe_split()` markers are
+    fixed cuts too."""
+    pipe_splits: bool = True
+    """Cut where the profile recorded `pipe_split()` calls (`meta.pipe_split_positions`)."""
     replicas: tuple[int, ...] | None = None
-    """With `boundaries`: replicas per stage; None = one each."""
+    """Fixed replicas per stage (one entry per stage); None = the search decides."""
     precision: str = "fp32"
     """`train.precision`: `bf16`/`fp16` halve the saved activations and add autocast's
     half-width weight copy per held microbatch (see planner.memory)."""

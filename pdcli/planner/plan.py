@@ -6,10 +6,16 @@
      "inputs": {"profile_sha256"?, "cost_model", "schedule", "num_microbatches", "batch_size",
                 "topology": {"levels": [...]}, "memory_bytes_per_device", "straight",
                 "use_fewer_devices", "num_stages", "precision"?, "recompute"?, "split_backward"?,
-                "boundaries"?},
+                "boundaries"?, "split_points"?, "replicas"?, "fixed_cuts"?},
      "stages": [{"stage_id", "start", "end", "first_node", "last_node", "node_names",
-                 "replicas", "ranks", "predicted": {PREDICTED_KEYS}}],
-     "pipeline": {PIPELINE_KEYS}}
+                 "replicas", "ranks", "split_point"?, "predicted": {PREDICTED_KEYS}}],
+     "pipeline": {PIPELINE_KEYS},
+     "warnings"?: [str]}
+
+`split_point` names the cut a stage starts at (`layer2`, `layer3:end`; see
+`pdcli.planner.steer`), when a module begins or ends there. `fixed_cuts` are the positions
+the user fixed (split points, `pipe_split()` markers, boundaries); a plan with fixed cuts or
+replicas has `pipeline.unconstrained`: the best plan without them (UNCONSTRAINED_KEYS).
 
 `start`/`end` are half-open chain positions. Times are ms per minibatch of `batch_size`
 samples; `fwd_ms`/`bwd_ms` are the stage's whole minibatch on one replica (`wgrad_ms`, the
@@ -37,10 +43,14 @@ runtime-cost terms (`messages_ms`, `load_ms`, `actions_ms`: one replica's cost p
 `pdcli.planner.simulator.StageCost` fields) only a profile with `meta.runtime` gives."""
 PIPELINE_KEYS = (
     "time_per_minibatch_ms", "throughput_samples_per_s", "data_parallel_time_per_minibatch_ms",
-    "speedup_over_data_parallel", "num_devices", "num_devices_used", "bottleneck_stage", "replay",
+    "speedup_over_data_parallel", "num_devices", "num_devices_used", "bottleneck_stage", "replay", "unconstrained",
 )
-OPTIONAL_PIPELINE_KEYS = ("replay",)
-"""`replay`: how the time per minibatch was replayed (runtime costs only)."""
+OPTIONAL_PIPELINE_KEYS = ("replay", "unconstrained")
+"""`replay`: how the time per minibatch was replayed (runtime costs only); `unconstrained`:
+the best plan without the user's fixed cuts and replicas (only when they fixed any)."""
+UNCONSTRAINED_KEYS = ("time_per_minibatch_ms", "faster_pct", "boundaries", "split_points", "replicas")
+"""`faster_pct`: how much less time per minibatch than the user's plan, in percent;
+`split_points`: its cuts by name (null where a cut has no name)."""
 
 
 def round_float(value: float) -> float:
@@ -72,16 +82,21 @@ class Stage:
     ranks: tuple[int, ...]
     predicted: dict[str, Any]
     """PREDICTED_KEYS -> value (ms or bytes; `actions_ms` a dict of ms)."""
+    split_point: str = ""
+    """The cut this stage starts at by name; `` for stage 0 and unnamed cuts."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "stage_id": self.stage_id, "start": self.start, "end": self.end,
             "first_node": self.first_node, "last_node": self.last_node,
             "node_names": list(self.node_names), "replicas": self.replicas,
             "ranks": list(self.ranks),
-            "predicted": {k: _clean(self.predicted[k]) for k in PREDICTED_KEYS
-                          if k in self.predicted or k not in ADDED_PREDICTED_KEYS},
         }
+        if self.split_point:
+            out["split_point"] = self.split_point
+        out["predicted"] = {k: _clean(self.predicted[k]) for k in PREDICTED_KEYS
+                            if k in self.predicted or k not in ADDED_PREDICTED_KEYS}
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "Stage":
@@ -90,6 +105,7 @@ class Stage:
             first_node=str(obj.get("first_node", "")), last_node=str(obj.get("last_node", "")),
             node_names=tuple(obj.get("node_names", ())), replicas=int(obj["replicas"]),
             ranks=tuple(int(r) for r in obj["ranks"]), predicted=dict(obj.get("predicted", {})),
+            split_point=str(obj.get("split_point", "")),
         )
 
 
@@ -99,6 +115,8 @@ class Plan:
     stages: tuple[Stage, ...]
     pipeline: dict[str, Any]
     """PIPELINE_KEYS -> value."""
+    warnings: tuple[str, ...] = ()
+    """What the user fixed that the plan allows but advises against."""
 
     @property
     def num_stages(self) -> int:
@@ -109,13 +127,16 @@ class Plan:
         return float(self.pipeline["time_per_minibatch_ms"])
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "version": PLAN_VERSION,
             "inputs": _clean(self.inputs),
             "stages": [s.to_json() for s in self.stages],
             "pipeline": {k: _clean(self.pipeline[k]) for k in PIPELINE_KEYS
                          if k in self.pipeline or k not in OPTIONAL_PIPELINE_KEYS},
         }
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "Plan":
@@ -126,4 +147,5 @@ class Plan:
             inputs=dict(obj.get("inputs", {})),
             stages=tuple(Stage.from_json(s) for s in obj["stages"]),
             pipeline=dict(obj.get("pipeline", {})),
+            warnings=tuple(obj.get("warnings", ())),
         )

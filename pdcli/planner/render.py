@@ -50,6 +50,30 @@ def summary_line(pipeline: dict[str, Any]) -> str:
     )
 
 
+def steering_line(pipeline: dict[str, Any]) -> str | None:
+    """The user's fixed plan beside the best plan without the constraints (None: nothing fixed)."""
+    free = pipeline.get("unconstrained")
+    if free is None:
+        return None
+    names = free["split_points"]
+    replicas = f"plan.replicas=[{','.join(str(r) for r in free['replicas'])}]"
+    if not names:
+        how = f"no split, {replicas}"
+    else:
+        cuts = f"plan.split_points=[{','.join(names)}]" if all(names) else f"plan.boundaries={free['boundaries']}"
+        how = f"{cuts} {replicas}"
+    head = f"your split {pipeline['time_per_minibatch_ms']:.4g} ms per minibatch; unconstrained best {free['time_per_minibatch_ms']:.4g} ms"
+    if free["faster_pct"] < 0.5:
+        return f"{head} ({how}): yours is as fast"
+    return f"{head}, {free['faster_pct']:.0f}% faster: {how}"
+
+
+def plan_notes(plan_json: dict[str, Any]) -> list[str]:
+    """What a steered plan tells the user besides its table: the unconstrained best, warnings."""
+    line = steering_line(plan_json["pipeline"])
+    return ([line] if line else []) + [f"warning: {w}" for w in plan_json.get("warnings", ())]
+
+
 def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "text") -> str:
     plan_json = plan.to_json() if isinstance(plan, Plan) else plan
     if fmt == "json":
@@ -62,6 +86,7 @@ def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "te
         p = s["predicted"]
         rows.append([
             f"{s['stage_id']}{BOTTLENECK_MARK if s['stage_id'] == bottleneck else ''}",
+            s.get("split_point"),
             _label(chain, s["start"], s["first_node"]),
             _label(chain, s["end"] - 1, s["last_node"]),
             f"[{s['start']}, {s['end']})",
@@ -71,11 +96,12 @@ def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "te
             max(p["comm_in_ms"], p["comm_out_ms"]),
             p["stage_time_ms"], format_bytes(p["total_bytes"]),
         ])
-    headers = ["stage", "first layer", "last layer", "positions", "replicas", "ranks",
+    headers = ["stage", "starts at", "first layer", "last layer", "positions", "replicas", "ranks",
                "fwd ms", "bwd ms", "optim ms", "sync ms", "comm ms", "stage ms", "memory"]
     table = tabulate(rows, headers=headers, tablefmt=TABLE_STYLE[fmt], floatfmt=".4g", missingval="-")
     inputs = plan_json.get("inputs", {})
     split = " with split backward" if inputs.get("split_backward") else ""
     head = (f"plan: {len(rows)} stages, schedule {inputs.get('schedule', '?')}{split}, "
             f"cost model {inputs.get('cost_model', '?')} ({BOTTLENECK_MARK} = bottleneck)")
-    return f"{head}\n\n{table}\n\n{summary_line(plan_json['pipeline'])}"
+    lines = [summary_line(plan_json["pipeline"]), *plan_notes(plan_json)]
+    return f"{head}\n\n{table}\n\n" + "\n".join(lines)

@@ -242,9 +242,26 @@ def trace_back(value: np.ndarray, layered: bool, straight: bool, cost: StageCost
 
 def _anchors(topology: Topology, options: PlanOptions) -> list[int]:
     total = topology.num_devices
-    if not options.use_fewer_devices or topology.is_uniform:
+    if not (options.use_fewer_devices or options.replicas is not None) or topology.is_uniform:
         return [total]
     return [total - s for s in range(min(topology.alignment, total))]
+
+
+def _devices_allowed(d: int, total: int, options: PlanOptions) -> bool:
+    """Whether a plan on `d` of `total` devices is wanted: fixed replicas use their sum."""
+    if options.replicas is not None:
+        return d == sum(options.replicas)
+    return d == total or options.use_fewer_devices
+
+
+def fixed_replicas(cost: StageCost, replicas: tuple[int, ...]) -> StageCost:
+    """`cost` where a stage may only have the replicas fixed for its index: layer t of the
+    stage-count axis is the stage with t stages after it, stage len(replicas) - 1 - t."""
+    allowed = np.asarray(replicas[::-1])[:, None, None]  # layer t -> replicas of its stage
+
+    def masked(d: int, r: int) -> np.ndarray:
+        return np.where(allowed == r, cost(d, r), np.inf)
+    return masked
 
 
 def pd_search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
@@ -280,11 +297,13 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
     runs = {}
     for anchor in _anchors(topology, options):
         costs = PdCosts(space, topology, options, scale, anchor, num_layers)
-        fn = costs.time if minimize == "time" else costs.memory
+        fn: StageCost = costs.time if minimize == "time" else costs.memory
+        if options.replicas is not None:  # plan_chain fixes num_stages = len(replicas): layered
+            fn = fixed_replicas(fn, options.replicas)
         value = suffix_minmax(n, anchor, num_layers, layered, options.straight, fn)
         runs[anchor] = (value, fn)
         for d in range(1, anchor + 1):
-            if (d != total and not options.use_fewer_devices) or (anchor - d) % align:
+            if not _devices_allowed(d, total, options) or (anchor - d) % align:
                 continue
             layers = range(num_layers) if options.num_stages is None else [options.num_stages - 1]
             for t in layers:

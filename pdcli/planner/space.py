@@ -10,6 +10,7 @@ holds the graph nodes covered by state j but not by the state before it
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -94,6 +95,12 @@ class SplitSpace:
     eager_sends: bool | None = None
     """The runtime's send order on the profiled device (`pdcli.runtime.schedule.build_for`):
     sends first everywhere but over NCCL (CUDA); None = unknown (PipeDream graphs)."""
+    fixed_cuts: tuple[int, ...] = ()
+    """Positions every plan cuts at (the user's, `pdcli.planner.steer`): no stage spans one."""
+
+    def with_cuts(self, cuts: tuple[int, ...]) -> "SplitSpace":
+        """This space with `cuts` fixed."""
+        return dataclasses.replace(self, fixed_cuts=tuple(cuts))
 
     @classmethod
     def from_chain(cls, chain: Chain) -> "SplitSpace":
@@ -191,11 +198,14 @@ class SplitSpace:
                            np.broadcast_to(cut_in * scale, held.shape), waiting)
 
     def valid_stages(self) -> np.ndarray:
-        """V[i, e]: [i, e) is a valid stage (starts at 0 or right after an ancestor of e-1)."""
+        """V[i, e]: [i, e) is a valid stage (starts at 0 or right after an ancestor of e-1, and
+        spans no fixed cut)."""
         n = self.num_positions
         out = np.zeros((n, n + 1), dtype=bool)
         out[0, 1:] = True
         out[1:, 1:] = self.split_ok[: n - 1, :]  # out[i, e] = split_ok[i-1, e-1]
+        for cut in self.fixed_cuts:
+            out[:cut, cut + 1:] = False  # start < cut < end
         return out
 
     def range_total(self, covered: np.ndarray, start: int, end: int) -> float:

@@ -8,6 +8,9 @@ from typing import Any
 PROFILE_VERSION = 1
 HELD_META = "held_memory"
 """`meta` key of what stages hold for their backward (`pdcli.profiler.held`)."""
+PIPE_SPLITS_META = "pipe_split_positions"
+"""`meta` key: chain positions where the model's forward called `pdcli.pipe_split()` (a stage
+starts at each); absent when it calls none."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,12 @@ class ChainNode:
     `g^T x` matmul of an `nn.Linear` layer (pdcli.runtime.wgrad; of each one a leaf module
     such as `nn.TransformerEncoderLayer` runs); 0 for every other position and in older
     profiles."""
+    module: str = ""
+    """Qualified name of the innermost module whose forward made this position, as
+    `model.named_modules()` names it (`layer2.0.conv1`; `layer2.0` for the residual add of that
+    block); the enclosing modules are its dotted prefixes. `` for the model's own forward, in
+    imported profiles and in profiles written before it was recorded. `plan.split_points`
+    resolves through it (`pdcli.planner.steer`)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,8 @@ class Chain:
     input_bytes: int = 0
     """Bytes of the model's inputs (what stage 0 receives for one minibatch)."""
     meta: dict[str, Any] = field(default_factory=dict)
-    """device, torch_version, batch_size, dtype, config_hash, calibration, source ..."""
+    """device, torch_version, batch_size, dtype, config_hash, calibration, source ...;
+    PIPE_SPLITS_META: the positions the model's `pipe_split()` calls cut before."""
 
     def __post_init__(self) -> None:
         if len(self.cut_bytes) != max(len(self.nodes) - 1, 0):

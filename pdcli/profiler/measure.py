@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from tqdm import tqdm
 
-from pdcli.profiler.chain import HELD_META, Chain, ChainNode
+from pdcli.profiler.chain import HELD_META, PIPE_SPLITS_META, Chain, ChainNode
 from pdcli.profiler.clock import Clock, device_name, median_ms
 from pdcli.profiler.held import held_memory
 from pdcli.profiler.optim_cost import OptimizerCost, OptimizerFactory, measure_optimizer, step_overhead_ms
@@ -27,7 +27,7 @@ from pdcli.profiler.sizes import (
     value_bytes,
 )
 from pdcli.profiler.summary import SHAPE_SEPARATOR, summarize  # noqa: F401  (the CLI imports summarize from here)
-from pdcli.profiler.trace import chain_order, trace_model
+from pdcli.profiler.trace import chain_order, module_path, pipe_split_positions, trace_model
 from pdcli.runtime.wgrad import DeferredWeightGrads
 
 CREATED_BY = "pd profile"
@@ -116,6 +116,7 @@ def profile_model(
                     optimizer_ms=optim.step_ms,
                     optimizer_state_bytes=optim.state_bytes,
                     wgrad_ms=timing.wgrad_ms,
+                    module=module_path(node),
                 )
             )
             bar.update()
@@ -143,6 +144,8 @@ def profile_model(
         },
         HELD_META: held_memory(gm, order, inputs, target, loss_fn),
     }
+    if pipe_split_positions(gm):
+        meta[PIPE_SPLITS_META] = pipe_split_positions(gm)
     if optimizer_factory is not None:
         meta["optimizer"] = {
             "name": optimizer_name,

@@ -350,7 +350,7 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
             f"run.root={tmp}", f"run.name={PIPELINE_RUN}", "profile.runtime_probe=false", "profile.repeats=1",
             "profile.warmup=1", f"train.steps={minibatches}", f"train.log_every={minibatches}",
             "train.checkpoint_every=0", "train.init_from=null", f"plan.num_stages={num_stages}", "plan.replicas=null",
-            f"plan.boundaries=[{','.join(map(str, cuts))}]",
+            "plan.split_points=null", "plan.pipe_splits=false", f"plan.boundaries=[{','.join(map(str, cuts))}]",
             f"cluster.levels=[{{devices: {num_stages}, bandwidth_bytes_per_s: {bandwidth}}}]",
         ]
         proc = subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe), *overrides],

@@ -59,9 +59,10 @@ def cpu_threads_per_worker(cfg: Config) -> int:
     return max(1, cores // max(cfg.num_devices, 1))
 
 
-MEASURES = 4
+MEASURES = 5
 """What the profiler measures, counted up when it measures more (2: each position's
-`wgrad_ms`; 3: the runtime probe; 4: what stages hold, `meta.held_memory`), so a run directory profiled by an older pd is measured
+`wgrad_ms`; 3: the runtime probe; 4: each position's module name and the `pipe_split()`
+markers; 5: what stages hold, `meta.held_memory`), so a run directory profiled by an older pd is measured
 again, not reused."""
 
 

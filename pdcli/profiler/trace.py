@@ -8,6 +8,8 @@ import torch
 import torch.fx as fx
 
 from pdcli.errors import UserError
+from pdcli.markers import pipe_split, recording_pipe_splits
+from pdcli.profiler.chain import PIPE_SPLITS_META
 
 # Chain positions are the nodes that compute; placeholders are model inputs, get_attr nodes
 # are weights read by their consumer's stage, and the output node only names the result.
@@ -21,18 +23,64 @@ def trace_model(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] |
     `example_inputs` at ATen-op granularity, shapes fixed to those inputs. Both the profiler
     and the compiler call this with the same inputs, so a plan's node names mean the same
     graph in both. When both fail, the user error names both failing constructs.
+
+    Each `pipe_split()` the forward calls is taken out of the graph and recorded as the chain
+    position it cuts before (`pipe_split_positions`).
     """
     try:
-        gm = fx.symbolic_trace(model)
+        gm = _fx_trace(model)
     except Exception as fx_error:  # fx raises TraceError, TypeError, RuntimeError ... for untraceable code
         if example_inputs is None:
             raise _untraceable(model, fx_error, None) from None
+        markers: list[None] = []
         try:
-            gm = _export(model, example_inputs)
+            with recording_pipe_splits(lambda: markers.append(None)):
+                gm = _export(model, example_inputs)
         except Exception as export_error:
             raise _untraceable(model, fx_error, export_error) from None
+        if markers:
+            raise UserError(
+                f"{type(model).__name__} calls pipe_split() but only torch.export could trace it, which keeps "
+                f"no markers (torch.fx: {_first_line(fx_error)}); make its forward traceable by torch.fx, or "
+                f"cut with plan.split_points instead"
+            ) from None
     gm.graph.lint()
     return gm
+
+
+def _fx_trace(model: torch.nn.Module) -> fx.GraphModule:
+    """`fx.symbolic_trace(model)` with each `pipe_split()` call traced as a marker node; the
+    markers are then replaced by the positions they cut before (`PIPE_SPLITS_META`)."""
+    tracer = fx.Tracer()
+    with recording_pipe_splits(lambda: tracer.create_proxy("call_function", pipe_split, (), {})):
+        graph = tracer.trace(model)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    positions, computed = [], 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is pipe_split:
+            positions.append(computed)
+            gm.graph.erase_node(node)
+        elif node.op in COMPUTE_OPS:
+            computed += 1
+    gm.recompile()
+    gm.meta[PIPE_SPLITS_META] = positions
+    return gm
+
+
+def pipe_split_positions(gm: fx.GraphModule) -> list[int]:
+    """Chain positions where the traced model's `pipe_split()` calls cut (a stage starts there)."""
+    return list(gm.meta.get(PIPE_SPLITS_META, []))
+
+
+def module_path(node: fx.Node) -> str:
+    """Qualified name of the innermost module whose forward made `node` (`layer2.0.conv1`: the
+    module a call_module node calls; `` for the model's own forward)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    return str(list(stack.values())[-1][0])  # (path, type) of the innermost module, fx and torch.export alike
 
 
 def _export(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> fx.GraphModule:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from pdcli.host import host_cores
+from pdcli.models.loss import logits_of
 from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
 from pdcli.planner.runtime_fit import StagePoints
 from pdcli.planner.space import SplitSpace
@@ -165,7 +166,7 @@ def time_loss(model: nn.Module, inputs: Sequence[torch.Tensor], target: torch.Te
               warmup: int, repeats: int) -> tuple[float, float]:
     """(forward, backward) ms of the loss on the model's own output for one microbatch."""
     with torch.no_grad():
-        logits = model(*inputs).float()
+        logits = logits_of(model(*inputs)).float()
     samples_f: list[float] = []
     samples_b: list[float] = []
     for i in range(warmup + repeats):

@@ -58,24 +58,25 @@ def hf_config(run_dir: Path, schedule: str, model_type: str = "gpt2", overrides:
     return cfg
 
 
-def two_stage_plan(cfg: Config) -> dict:
+def two_stage_plan(cfg: Config, replicas: tuple[int, int] = (1, 1)) -> dict:
     """A plan that splits the model's chain in the middle: embedding on stage 0, LM head on stage 1."""
     torch.manual_seed(cfg.train.seed)
     sample = build_data(cfg.data, cfg.data.batch_size).batch(0).split(cfg.schedule.num_microbatches)[0]
     n = len(chain_order(trace_model(build_model(cfg.model), sample.inputs)))
+    r0, r1 = replicas
     return {"version": 1, "inputs": {}, "pipeline": {}, "stages": [
-        {"stage_id": 0, "start": 0, "end": n // 2, "replicas": 1, "ranks": [0]},
-        {"stage_id": 1, "start": n // 2, "end": n, "replicas": 1, "ranks": [1]}]}
+        {"stage_id": 0, "start": 0, "end": n // 2, "replicas": r0, "ranks": list(range(r0))},
+        {"stage_id": 1, "start": n // 2, "end": n, "replicas": r1, "ranks": list(range(r0, r0 + r1))}]}
 
 
-def compiled_run(tmp_path: Path, schedule: str) -> tuple[Config, RunDir, dict, dict]:
+def compiled_run(tmp_path: Path, schedule: str, replicas: tuple[int, int] = (1, 1)) -> tuple[Config, RunDir, dict, dict]:
     """config.yaml, plan.json and stages/ of a 2-stage run (the real compile step)."""
     run_dir = tmp_path / "run"
     cfg = hf_config(run_dir, schedule)
     run = RunDir(run_dir)
     run.create()
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    plan = two_stage_plan(cfg)
+    plan = two_stage_plan(cfg, replicas)
     (run_dir / "plan.json").write_text(json.dumps(plan))
     manifest, _ = ensure_stages(cfg, run, plan)
     return cfg, run, plan, manifest
@@ -169,28 +170,42 @@ def test_pipedream_refuses_a_weight_tied_between_stages_before_any_worker() -> N
 
 def single_process(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The `transformers` model (tie and all) trained in one process: gradients accumulated over
-    the microbatches, one SGD step per minibatch."""
+    the microbatches, one SGD step per minibatch. For `2bw` the gradient of minibatch t is taken
+    on the weights before the previous step (W(t+1) = W(t) - lr * grad(W(t-1))), on a second
+    instance of the model that holds those weights, tied as well."""
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
+    stale = build_model(cfg.model)
     assert model.lm_head.weight is model.transformer.wte.weight
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
     data, loss_fn, m = build_data(cfg.data, cfg.data.batch_size), build_loss("cross_entropy"), cfg.schedule.num_microbatches
     losses = []
+    previous = {k: v.clone() for k, v in model.state_dict().items()}  # W(t-1), clamped at W(0)
     for t in range(STEPS):
+        current = {k: v.clone() for k, v in model.state_dict().items()}
+        on = model
+        if cfg.schedule.name == "2bw":
+            stale.load_state_dict(previous)
+            on = stale
         for micro in data.batch(t).split(m):
-            loss = loss_fn(model(*micro.inputs).logits, micro.target)
+            loss = loss_fn(on(*micro.inputs).logits, micro.target)
             (loss / m).backward()
             losses.append(float(loss.detach()))
+        for p, q in zip(model.parameters(), on.parameters()):
+            p.grad = q.grad
         opt.step()
         opt.zero_grad()
+        stale.zero_grad()
+        previous = current
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_tied_gpt2_over_two_stages_equals_single_process_training(tmp_path: Path, schedule: str) -> None:
-    cfg, run, plan, manifest = compiled_run(tmp_path, schedule)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule,replicas", [("1f1b", (1, 1)), ("gpipe", (1, 1)), ("2bw", (1, 1)), ("1f1b", (2, 1))],
+                         ids=["1f1b", "gpipe", "2bw", "1f1b-replicated"])
+def test_tied_gpt2_over_two_stages_equals_single_process_training(tmp_path: Path, schedule: str, replicas: tuple[int, int]) -> None:
+    cfg, run, plan, manifest = compiled_run(tmp_path, schedule, replicas)
     assert tied_holders(manifest)  # the tie crosses the split
     run_training(cfg, run, plan, manifest)
     summary = json.loads((run.path / "train" / "summary.json").read_text())

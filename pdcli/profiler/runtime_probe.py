@@ -354,8 +354,10 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
             f"plan.boundaries=[{','.join(map(str, cuts))}]",
             f"cluster.levels=[{{devices: {num_stages}, bandwidth_bytes_per_s: {bandwidth}}}]",
         ]
+        # From the user's directory, as their own run: relative data paths and `model.target`
+        # modules beside the recipe resolve there (run.root keeps every file in tmp).
         proc = subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe), *overrides],
-                              capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S, cwd=tmp)
+                              capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S)
         if proc.returncode != 0:
             tail = " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
             return _noted(runtime, f"skipped: the probe run failed ({tail})")

@@ -120,6 +120,8 @@ def test_hf_bad_type_and_unknown_override_name_the_key() -> None:
     cfg.model.hf, cfg.model.kwargs = "gpt2", {"n_layers": 2}
     with pytest.raises(UserError, match=r"model.kwargs.n_layers: not a field of transformers' GPT2Config; did you mean n_layer"):
         build_model(cfg.model)
+    cfg.model.kwargs = {**{k: v for k, v in GPT2.items() if k != "n_layer"}, "num_hidden_layers": 1}  # GPT2Config's alias
+    assert build_model(cfg.model).config.n_layer == 1
 
 
 def test_missing_transformers_exits_2_with_the_install_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -48,7 +48,7 @@ def hf_config(model_type: str, overrides: Mapping[str, Any]) -> Any:
             hint="a `model_type` of transformers' CONFIG_MAPPING, e.g. gpt2, llama, mistral, qwen2, bert",
         )
     config_class = mapping[model_type]
-    known = set(config_class().to_dict())
+    known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))  # + aliases: hidden_size of GPT-2
     problems = []
     for key in overrides:
         if key in known:

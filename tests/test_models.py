@@ -60,8 +60,8 @@ PAIRS = {
     "alexnet": "synthetic_images",
     "gnmt": "synthetic_seq2seq",
     "gpt": "synthetic_tokens",
-    "hf_gpt2": "text_bytes",
-    "hf_llama": "text_bytes",
+    "hf_gpt2": "token_file",
+    "hf_llama": "token_file",
 }
 
 

@@ -1,6 +1,6 @@
 """Write `text_bytes.bin`: the repository's own text (README and `pdcli/` sources) as byte tokens.
 
-One uint16 token per byte (vocabulary 256), for the `token_file` recipes (`configs/data/text_bytes.yaml`).
+One uint16 token per byte (vocabulary 256), for the `token_file` recipes (`configs/data/token_file.yaml`).
 Nothing is downloaded. The committed file is a snapshot made by running this from the repository
 root (the sources move on, so running it again gives other bytes of the same kind):
 

@@ -26,6 +26,7 @@ from pdcli.cli import app  # noqa: E402
 from pdcli.compiler.build import compile_stages  # noqa: E402
 from pdcli.compiler.load import tied_holders, with_tied_names  # noqa: E402
 from pdcli.compiler.step import ensure_stages  # noqa: E402
+from pdcli.config import load_resolved  # noqa: E402
 from pdcli.config.schema import Config  # noqa: E402
 from pdcli.data import build_data  # noqa: E402
 from pdcli.errors import UserError  # noqa: E402
@@ -231,3 +232,28 @@ def test_pipedream_with_a_tie_between_stages_fails_before_launch(tmp_path: Path)
     with pytest.raises(UserError, match="pipedream cannot train a weight tied between stages"):
         run_training(cfg, run, plan, manifest)
     assert not (run.path / "train" / "rank0.log").exists()  # no worker started
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", ["gpt2_hf", "llama_hf"])
+def test_hf_recipes_train_end_to_end_and_export(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)  # the recipes' token file path is relative to the repository root
+    result = runner.invoke(app, ["train", f"recipes/{name}.yaml", f"run.root={tmp_path}", "train.steps=30",
+                                 "profile.runtime_probe=false", "profile.repeats=2", "profile.warmup=1"])
+    assert result.exit_code == 0, result.output
+    run = tmp_path / name
+    lines = [json.loads(x) for x in (run / "train/metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if not x.get("final")]
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, steps  # seeded: the same numbers on any host
+    manifest = json.loads((run / "stages/manifest.json").read_text())
+    assert manifest["num_stages"] == 2
+    exported = runner.invoke(app, ["export", str(run), "-o", str(tmp_path / "model.pt")])
+    assert exported.exit_code == 0, exported.output
+    model = build_model(load_resolved(run / "config.yaml").model)
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
+    if name == "gpt2_hf":
+        assert [sorted(g) for g in tied_holders(manifest)] == [[0, 1]]
+        assert model.lm_head.weight is model.transformer.wte.weight
+    else:
+        assert tied_holders(manifest) == []

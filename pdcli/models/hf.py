@@ -3,7 +3,7 @@
 Random weights from torch's global RNG, nothing fetched from the hub: the model is made by
 `AutoModelForCausalLM.from_config` from the type's own config class. `use_cache` is off (the
 pipeline trains; a key/value cache is an extra output no stage needs); the model's output
-object is reduced to its `logits` when it is traced (`pdcli.profiler.trace`).
+object is reduced to its `logits` where it is traced or called (`pdcli.models.loss.logits_of`).
 """
 
 from __future__ import annotations

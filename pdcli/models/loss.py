@@ -30,7 +30,7 @@ def logits_of(output: Any) -> Any:
     `transformers` ModelOutput (a dict), the first element of a tuple (`return_dict=False`)."""
     if isinstance(output, Mapping) and "logits" in output:
         return output["logits"]
-    if isinstance(output, (tuple, list)) and output and not isinstance(output, Tensor):
+    if isinstance(output, (tuple, list)) and output:
         return output[0]
     return output
 

@@ -20,7 +20,8 @@ def trace_model(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] |
     """Trace `model` with torch.fx at the granularity of leaf modules and functional ops.
 
     Where fx cannot trace (e.g. Python control flow on shapes), torch.export traces it for
-    `example_inputs` at ATen-op granularity, shapes fixed to those inputs. Both the profiler
+    `example_inputs` at ATen-op granularity, shapes fixed to those inputs. A tuple or dict output
+    (a `transformers` ModelOutput) is cut down to its logits (`logits_of`). Both the profiler
     and the compiler call this with the same inputs, so a plan's node names mean the same
     graph in both. When both fail, the user error names both failing constructs.
     """

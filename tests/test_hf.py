@@ -27,7 +27,7 @@ from pdcli.compiler.build import compile_stages  # noqa: E402
 from pdcli.compiler.load import tied_holders, with_tied_names  # noqa: E402
 from pdcli.compiler.step import ensure_stages  # noqa: E402
 from pdcli.config import load_resolved  # noqa: E402
-from pdcli.config.schema import Config  # noqa: E402
+from pdcli.config.schema import Config, check_values  # noqa: E402
 from pdcli.data import build_data  # noqa: E402
 from pdcli.errors import UserError  # noqa: E402
 from pdcli.models import build_loss, build_model  # noqa: E402
@@ -123,6 +123,12 @@ def test_hf_bad_type_and_unknown_override_name_the_key() -> None:
         build_model(cfg.model)
     cfg.model.kwargs = {**{k: v for k, v in GPT2.items() if k != "n_layer"}, "num_hidden_layers": 1}  # GPT2Config's alias
     assert build_model(cfg.model).config.n_layer == 1
+
+
+def test_hf_and_target_together_are_a_config_error() -> None:
+    cfg = Config()
+    cfg.model.hf, cfg.model.target = "gpt2", "mymodels:make_net"
+    assert "model.hf: set either model.hf or model.target, not both (model.target=null or '~model.hf')" in check_values(cfg)
 
 
 def test_missing_transformers_exits_2_with_the_install_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

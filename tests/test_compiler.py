@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from pdcli.compiler import CompileVerificationError, compile_stages, load_stage, split_graph, verify_stages
 from pdcli.compiler.ctor import constructor_source
+from pdcli.compiler.load import tied_holders
 from pdcli.compiler.step import ensure_stages
 from pdcli.config.schema import Config, DataConfig, ModelConfig, ScheduleConfig
 from pdcli.errors import UserError
@@ -285,14 +286,16 @@ def test_a_lost_gradient_fails_verification_at_the_last_stage_it_reaches(tmp_pat
     assert info.value.stage_id == 1  # in backward order, stage 1 is the first one wrong
 
 
-def test_tied_weights_within_a_stage_stay_tied_across_stages_refused(tmp_path: Path) -> None:
+def test_tied_weights_within_a_stage_stay_tied_and_across_stages_are_held_by_both(tmp_path: Path) -> None:
     model = Tied()
     inputs = (torch.randn(3, 4),)
-    compile_stages(model, inputs, [(0, len(_positions(model)))], tmp_path / "one")
+    manifest, _ = compile_stages(model, inputs, [(0, len(_positions(model)))], tmp_path / "one")
     module, _ = load_stage(tmp_path / "one", 0)
     assert module.shared.weight is not None and len(list(module.parameters())) == 4  # 2 x Linear, tied
-    with pytest.raises(UserError, match="same tensor"):
-        compile_stages(model, inputs, _cuts(model, "mid"), tmp_path / "two")
+    assert tied_holders(manifest) == []
+    # A layer called in two stages: each holds a copy; verification sums their gradients.
+    manifest, _ = compile_stages(model, inputs, _cuts(model, "mid"), tmp_path / "two")
+    assert tied_holders(manifest) == [{0: "shared.weight", 1: "shared.weight"}, {0: "shared.bias", 1: "shared.bias"}]
 
 
 @pytest.mark.parametrize("bad", ["gap", "short", "empty"])

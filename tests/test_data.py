@@ -288,7 +288,8 @@ def test_list_datasets_covers_the_registry() -> None:
 
 
 @pytest.mark.parametrize("data_file", sorted((CONFIGS / "data").glob("*.yaml")), ids=lambda p: p.stem)
-def test_data_config_group_builds(data_file: Path) -> None:
+def test_data_config_group_builds(data_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(CONFIGS.parent)  # file paths in the groups are relative to the repository root
     content = yaml.safe_load(data_file.read_text())
     cfg = DataConfig(**content)
     assert cfg.name == data_file.stem

@@ -15,7 +15,7 @@ import yaml
 from pdcli.config.schema import DataConfig, ModelConfig
 from pdcli.data import build_data
 from pdcli.errors import UserError
-from pdcli.models import LOSSES, MODELS, build_loss, build_model, list_models
+from pdcli.models import LOSSES, MODELS, build_loss, build_model, list_models, logits_of
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -60,6 +60,8 @@ PAIRS = {
     "alexnet": "synthetic_images",
     "gnmt": "synthetic_seq2seq",
     "gpt": "synthetic_tokens",
+    "hf_gpt2": "token_file",
+    "hf_llama": "token_file",
 }
 
 
@@ -73,7 +75,7 @@ def tiny(name: str, seed: int = 0) -> tuple[torch.nn.Module, tuple[torch.Tensor,
 
 def test_every_builtin_model_has_a_tiny_test_size() -> None:
     assert set(TINY) == set(MODELS)
-    assert set(PAIRS) == set(MODELS)
+    assert set(PAIRS) == set(MODELS) | {p.stem for p in (CONFIGS / "model").glob("hf_*.yaml")}
 
 
 def test_list_models_has_a_one_line_doc_per_model() -> None:
@@ -167,13 +169,17 @@ def test_image_models_with_the_large_image_stem(name: str, kwargs: dict[str, Any
 
 
 @pytest.mark.parametrize("model_file", sorted((CONFIGS / "model").glob("*.yaml")), ids=lambda p: p.stem)
-def test_model_config_group_builds_and_fits_its_data(model_file: Path) -> None:
+def test_model_config_group_builds_and_fits_its_data(model_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = ModelConfig(**yaml.safe_load(model_file.read_text()))
+    if cfg.hf is not None:
+        pytest.importorskip("transformers")
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(CONFIGS.parent)  # data paths are relative to the repository root
     data_cfg = DataConfig(**yaml.safe_load((CONFIGS / "data" / f"{PAIRS[model_file.stem]}.yaml").read_text()))
     torch.manual_seed(0)
     model = build_model(cfg)
     batch = build_data(data_cfg, batch_size=2).batch(0)
-    loss = build_loss(cfg.loss)(model(*batch.inputs), batch.target)
+    loss = build_loss(cfg.loss)(logits_of(model(*batch.inputs)), batch.target)
     assert torch.isfinite(loss)
 
 

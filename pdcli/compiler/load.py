@@ -27,6 +27,30 @@ def read_manifest(stages_dir: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}: not valid JSON ({e.msg})", hint="re-run `pd compile --force`") from None
 
 
+def tied_holders(manifest: dict[str, Any]) -> list[dict[int, str]]:
+    """Per weight tied between stages (`tied_weights` of the manifest): stage id -> the name that
+    stage holds its copy under; only weights held by two stages or more."""
+    groups = [{int(k): str(v) for k, v in t["holders"].items()} for t in manifest.get("tied_weights", [])]
+    return [g for g in groups if len(g) > 1]
+
+
+def held_parameter(module: nn.Module, entry: dict[str, Any], name: str) -> nn.Parameter:
+    """The parameter of a built stage (`module`, its manifest `entry`) by its original `name`."""
+    local = {original: local for local, original in entry["param_names"].items()}.get(name, name)
+    return module.get_parameter(local)
+
+
+def with_tied_names(state: dict[str, torch.Tensor], manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """`state` (original names) plus every other name the model gives a tied weight it holds, so
+    that the model's own `load_state_dict(strict=True)` finds them all (and keeps the tie)."""
+    out = dict(state)
+    for tied in manifest.get("tied_weights", []):
+        held = [n for n in tied["holders"].values() if n in state]
+        for name in tied["names"] if held else []:
+            out.setdefault(name, state[held[0]])
+    return out
+
+
 def import_stage_file(path: str | Path) -> types.ModuleType:
     """Execute a stage file as a new module with a unique name.
 

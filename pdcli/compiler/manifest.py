@@ -12,7 +12,6 @@ from pdcli.compiler.codegen import fetch, stage_source, stage_tensors
 from pdcli.compiler.load import MANIFEST_NAME, import_stage_file
 from pdcli.compiler.load import stage_tensors as built_tensors
 from pdcli.compiler.split import DATA, StagePart, Wire
-from pdcli.errors import UserError
 from pdcli.rundir import atomic_save, atomic_write_json, atomic_write_text
 
 MANIFEST_VERSION = 1
@@ -26,20 +25,28 @@ def _wire_json(wire: Wire) -> dict[str, Any]:
     return {"name": wire.name, "shape": list(wire.shape), "dtype": _dtype_name(wire.dtype)}
 
 
-def check_shared_parameters(parts: Sequence[StagePart], gm: fx.GraphModule) -> None:
-    """A parameter the model shares (tied weights, a layer called twice) must stay in one stage."""
-    owner: dict[int, tuple[int, str]] = {}
+def tied_weights(parts: Sequence[StagePart], gm: fx.GraphModule, state_keys: set[str]) -> list[dict[str, Any]]:
+    """The parameters the model shares (tied embeddings, a layer called twice) that more than
+    one stage uses, or that the model's state dict names more than once.
+
+    Each entry: `holders` (stage id as a string -> the name that stage holds it under; each
+    holder keeps a copy, and the runtime sums their gradients before every update) and `names`
+    (every name of the tensor in the model's state dict, so `pd export` writes them all).
+    """
+    holders: dict[int, dict[str, str]] = {}
     for part in parts:
         for name, tensor in stage_tensors(part, gm):
-            if not isinstance(tensor, torch.nn.Parameter):
-                continue
-            first = owner.setdefault(id(tensor), (part.stage_id, name))
-            if first[0] != part.stage_id:
-                raise UserError(
-                    f"parameter {name!r} (stage {part.stage_id}) is the same tensor as {first[1]!r} "
-                    f"(stage {first[0]}); a pipeline cannot share weights between stages",
-                    hint="untie the weights in the model, or choose stage boundaries that keep both uses in one stage",
-                )
+            if isinstance(tensor, torch.nn.Parameter):
+                holders.setdefault(id(tensor), {}).setdefault(str(part.stage_id), name)
+    names: dict[int, list[str]] = {}
+    for name, tensor in gm.named_parameters(remove_duplicate=False):
+        if name in state_keys:
+            names.setdefault(id(tensor), []).append(name)
+    return [
+        {"holders": held, "names": sorted(names.get(key, []))}
+        for key, held in holders.items()
+        if len(held) > 1 or len(names.get(key, [])) > 1
+    ]
 
 
 def stage_entry(part: StagePart, param_names: dict[str, str]) -> dict[str, Any]:
@@ -71,7 +78,6 @@ def write_stages(
     keys = set(gm.state_dict() if state_keys is None else state_keys)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    check_shared_parameters(parts, gm)
     entries = []
     for part in parts:
         k = part.stage_id
@@ -101,6 +107,7 @@ def write_stages(
         "model_inputs": placeholders,
         "loss": loss,
         "stages": entries,
+        "tied_weights": tied_weights(parts, gm, keys),
     }
     atomic_write_json(out_dir / MANIFEST_NAME, manifest)
     return manifest

@@ -19,7 +19,7 @@ from pdcli.rundir import RunDir, hash_obj
 
 STAGES = "stages"
 """Artifact name of the stages directory in the run directory."""
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the generated code or manifest changes, so old stages are regenerated."""
 
 

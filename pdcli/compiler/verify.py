@@ -21,8 +21,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from pdcli.compiler.load import load_stage, read_manifest
+from pdcli.compiler.load import held_parameter, load_stage, read_manifest, tied_holders
 from pdcli.compiler.split import DATA, LOSS
+from pdcli.models.loss import logits_of
 from pdcli.profiler.trace import trace_model
 
 RTOL = 1e-4
@@ -143,13 +144,14 @@ def verify_stages(
         pristine = copy.deepcopy(model)  # neither side may disturb the caller's model or each other
         reference = copy.deepcopy(model)
         torch.manual_seed(seed)
-        want = reference(*example_inputs)
+        want = logits_of(reference(*example_inputs))
         grad_output = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed), dtype=want.dtype)
         want.backward(grad_output)
 
         stages = _load_all(stages_dir, model.training)
         named_inputs = dict(zip(manifest["model_inputs"], example_inputs))
         sent = _run_stages(stages, named_inputs, grad_output, seed)
+        _sum_tied_grads(stages, manifest)
         out_err, ok = _error(sent[(manifest["num_stages"] - 1, "output")], want)
         if not ok:
             first = _first_forward_mismatch(pristine, example_inputs, stages_dir, named_inputs, seed)
@@ -162,6 +164,17 @@ def verify_stages(
             max(bad_stages),
         )
     return VerificationReport(out_err, grad_err, checked)
+
+
+def _sum_tied_grads(stages: Sequence[tuple[nn.Module, dict[str, Any]]], manifest: dict[str, Any]) -> None:
+    """Every holder of a weight tied between stages gets the sum of the holders' gradients (what
+    the runtime's all-reduce over the holders gives it): the model's gradient of that weight."""
+    for holders in tied_holders(manifest):
+        params = [held_parameter(*stages[k], name) for k, name in holders.items()]
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.stack(grads).sum(0) if grads else None
+        for p in params:
+            p.grad = None if total is None else total.clone()
 
 
 def _compare_state(

@@ -48,6 +48,11 @@ class ModelConfig:
     """Keyword arguments for the model factory (sizes, depth, classes ...)."""
     loss: str = "cross_entropy"
     """Loss on the last stage: `cross_entropy` (classes on the last dim) or `mse`."""
+    # ---- Hugging Face models ----
+    hf: Optional[str] = None
+    """A Hugging Face `transformers` model type (`gpt2`, `llama`, ...): its causal-LM model built
+    from the type's default config with `kwargs` overriding config fields, random weights, nothing
+    downloaded; wins over `name`, exclusive with `target`."""
 
 
 @dataclass
@@ -287,6 +292,8 @@ def check_values(cfg: Config) -> list[str]:
             f"schedule.split_backward: only applies to schedule.name=1f1b or gpipe (it fills their flush "
             f"bubble; {cfg.schedule.name} has none); set it to null or false"
         )
+    if cfg.model.hf is not None and cfg.model.target is not None:
+        problems.append("model.hf: set either model.hf or model.target, not both (model.target=null or '~model.hf')")
     if cfg.model.target is not None and ":" not in cfg.model.target:
         problems.append(
             f"model.target: {cfg.model.target!r} must look like `package.module:factory`"

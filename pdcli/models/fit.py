@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
+from pdcli.models.loss import logits_of
 
 FIT_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
 """What torch raises for shapes, dtypes, argument counts and index ranges that do not fit."""
@@ -46,8 +47,10 @@ def layer_problem(name: str, module: nn.Module, args: tuple[Any, ...]) -> str:
 
 
 def model_key(cfg: Config) -> str:
-    """How the config names the model: `model.target=pkg.mod:fn` or `model.name=mlp`."""
-    return f"model.target={cfg.model.target}" if cfg.model.target else f"model.name={cfg.model.name}"
+    """How the config names the model: `model.target=pkg.mod:fn`, `model.hf=gpt2` or `model.name=mlp`."""
+    if cfg.model.target:
+        return f"model.target={cfg.model.target}"
+    return f"model.hf={cfg.model.hf}" if cfg.model.hf else f"model.name={cfg.model.name}"
 
 
 def check_model_fits_data(
@@ -67,7 +70,7 @@ def check_model_fits_data(
     stage, output = "model", None
     try:
         with torch.no_grad():
-            output = model(*inputs)
+            output = logits_of(model(*inputs))
             if loss_fn is not None:
                 stage = "loss"
                 loss_fn(output, target)

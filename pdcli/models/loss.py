@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -23,6 +23,16 @@ def mse(output: Tensor, target: Tensor) -> Tensor:
 
 
 LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mse}
+
+
+def logits_of(output: Any) -> Any:
+    """What the loss takes of a model's output: a tensor as is, the `logits` of a dict or of a
+    `transformers` ModelOutput (a dict), the first element of a tuple (`return_dict=False`)."""
+    if isinstance(output, Mapping) and "logits" in output:
+        return output["logits"]
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    return output
 
 
 def build_loss(name: str) -> LossFn:

@@ -40,9 +40,14 @@ def _first_line(factory: Callable[..., Any]) -> str:
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Build the model `cfg` names, random init from torch's global RNG (seed it first).
 
-    `cfg.target` (`package.module:factory`) wins over `cfg.name`; either factory is
-    called with `cfg.kwargs`, which are checked against its signature first.
+    `cfg.target` (`package.module:factory`) or `cfg.hf` (a `transformers` model type, `kwargs`
+    overriding its config: `pdcli.models.hf`) win over `cfg.name`; a factory is called with
+    `cfg.kwargs`, which are checked against its signature first.
     """
+    if cfg.hf is not None:
+        from pdcli.models.hf import build_hf  # lazy: importing transformers takes seconds
+
+        return build_hf(cfg.hf, cfg.kwargs)
     if cfg.target is not None:
         factory = import_target(cfg.target, "model.target")
         owner = cfg.target

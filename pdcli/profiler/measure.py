@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 from tqdm import tqdm
 
+from pdcli.models.loss import logits_of
 from pdcli.profiler.chain import HELD_META, PIPE_SPLITS_META, Chain, ChainNode
 from pdcli.profiler.clock import Clock, device_name, median_ms
 from pdcli.profiler.held import held_memory
@@ -307,7 +308,7 @@ def time_step(
             p.grad = None
 
     def step() -> None:
-        loss_fn(model(*inputs), target).backward()
+        loss_fn(logits_of(model(*inputs)), target).backward()
 
     step_ms = median_ms(clock, step, warmup, repeats, setup=zero_grads)
     zero_grads()

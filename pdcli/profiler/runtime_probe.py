@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from pdcli.host import host_cores
+from pdcli.models.loss import logits_of
 from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
 from pdcli.planner.runtime_fit import StagePoints
 from pdcli.planner.space import SplitSpace
@@ -165,7 +166,7 @@ def time_loss(model: nn.Module, inputs: Sequence[torch.Tensor], target: torch.Te
               warmup: int, repeats: int) -> tuple[float, float]:
     """(forward, backward) ms of the loss on the model's own output for one microbatch."""
     with torch.no_grad():
-        logits = model(*inputs).float()
+        logits = logits_of(model(*inputs)).float()
     samples_f: list[float] = []
     samples_b: list[float] = []
     for i in range(warmup + repeats):
@@ -353,8 +354,10 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
             "plan.split_points=null", "plan.pipe_splits=false", f"plan.boundaries=[{','.join(map(str, cuts))}]",
             f"cluster.levels=[{{devices: {num_stages}, bandwidth_bytes_per_s: {bandwidth}}}]",
         ]
+        # From the user's directory, as their own run: relative data paths and `model.target`
+        # modules beside the recipe resolve there (run.root keeps every file in tmp).
         proc = subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe), *overrides],
-                              capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S, cwd=tmp)
+                              capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S)
         if proc.returncode != 0:
             tail = " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
             return _noted(runtime, f"skipped: the probe run failed ({tail})")

@@ -127,7 +127,7 @@ def ensure_profile(
     # Imported here: the model zoo and data sets are only needed when measuring.
     from pdcli.data import Batch, build_data
     from pdcli.models import build_loss, build_model
-    from pdcli.models.fit import check_model_fits_data
+    from pdcli.models.fit import check_model_fits_data, model_key
     from pdcli.profiler.measure import profile_model
     from pdcli.runtime.optim import build_optimizer
 
@@ -148,7 +148,7 @@ def ensure_profile(
             repeats=cfg.profile.repeats,
             progress=progress,
             config_hash=inputs_hash,
-            model_name=cfg.model.target or cfg.model.name,
+            model_name=model_key(cfg).partition("=")[2],
             optimizer_factory=lambda module: build_optimizer(cfg.optim, module),
             optimizer_name=cfg.optim.name,
         )

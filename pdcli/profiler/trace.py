@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from pdcli.errors import UserError
 from pdcli.markers import pipe_split, recording_pipe_splits
+from pdcli.models.loss import logits_of
 from pdcli.profiler.chain import PIPE_SPLITS_META
 
 # Chain positions are the nodes that compute; placeholders are model inputs, get_attr nodes
@@ -20,7 +22,8 @@ def trace_model(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] |
     """Trace `model` with torch.fx at the granularity of leaf modules and functional ops.
 
     Where fx cannot trace (e.g. Python control flow on shapes), torch.export traces it for
-    `example_inputs` at ATen-op granularity, shapes fixed to those inputs. Both the profiler
+    `example_inputs` at ATen-op granularity, shapes fixed to those inputs. A tuple or dict output
+    (a `transformers` ModelOutput) is cut down to its logits (`logits_of`). Both the profiler
     and the compiler call this with the same inputs, so a plan's node names mean the same
     graph in both. When both fail, the user error names both failing constructs.
 
@@ -29,6 +32,7 @@ def trace_model(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] |
     """
     try:
         gm = _fx_trace(model)
+        _keep_logits(gm, logits_of)
     except Exception as fx_error:  # fx raises TraceError, TypeError, RuntimeError ... for untraceable code
         if example_inputs is None:
             raise _untraceable(model, fx_error, None) from None
@@ -93,15 +97,24 @@ def _export(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> f
     # A plain GraphModule over the same graph and weights: the exported module refuses
     # .train()/.eval(), which the profiler and the compiler's verification need, and wraps
     # inputs and outputs in pytrees; ours take tensors and return the one output tensor.
+    # The output is flattened to its tensor leaves (None entries of a ModelOutput drop out);
+    # the output spec tells which leaf holds the logits.
+    out_spec = exported._out_spec
     graph = exported.graph
     graph._codegen = fx.graph.CodeGen()
-    output = next(n for n in graph.nodes if n.op == "output")
-    result = output.args[0]
-    if isinstance(result, (tuple, list)) and len(result) == 1:
-        output.args = (result[0],)
     gm = fx.GraphModule(exported, graph)
-    gm.recompile()
+    leaf = logits_of(pytree.tree_unflatten(list(range(out_spec.num_leaves)), out_spec))
+    _keep_logits(gm, lambda result: result[leaf] if isinstance(leaf, int) else result)
     return gm
+
+
+def _keep_logits(gm: fx.GraphModule, pick: Callable[[Any], Any]) -> None:
+    """Make `gm` return `pick(its output)` (the logits of a tuple or dict output) and nothing else."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    result = pick(output.args[0])
+    if result is not output.args[0]:
+        output.args = (result,)
+    gm.recompile()
 
 
 def _first_line(e: BaseException) -> str:

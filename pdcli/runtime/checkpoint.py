@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pdcli.compiler.load import MANIFEST_NAME, read_manifest, with_tied_names
 from pdcli.errors import UserError
 from pdcli.rundir import atomic_save, atomic_write_json
 
@@ -146,12 +147,15 @@ def load_stage_file(train_dir: Path, step: int, stage_id: int) -> dict[str, Any]
 
 
 def load_model_state(train_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """All stages of a complete checkpoint merged into one state dict of the original model."""
+    """All stages of a complete checkpoint merged into one state dict of the original model,
+    a weight tied between stages once under each of the model's names for it (the stages'
+    copies are equal: `pdcli.runtime.tied`)."""
     info = read_info(train_dir, step)
     state: dict[str, torch.Tensor] = {}
     for k in range(int(info["num_stages"])):
         state.update(load_stage_file(train_dir, step, k)["model"])
-    return state
+    stages_dir = train_dir.parent / "stages"
+    return with_tied_names(state, read_manifest(stages_dir)) if (stages_dir / MANIFEST_NAME).exists() else state
 
 
 def check_weights(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str, hint: str) -> None:

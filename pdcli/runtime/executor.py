@@ -33,6 +33,7 @@ from pdcli.runtime.metrics import Timeline, action_category
 from pdcli.runtime.optim import step_out_of_place, supports_out_of_place
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.stageio import StageIO
+from pdcli.runtime.tied import TiedCopy, sum_tied_grads
 from pdcli.runtime.watchdog import FAULT_ENV, Heartbeat, inject_fault, parse_fault
 from pdcli.runtime.weights import WeightVersions
 from pdcli.runtime.wgrad import DeferredWeightGrads
@@ -98,6 +99,8 @@ class StageContext:
     record_loss: LossRecorder | None = None
     is_classifier: bool = False
     minibatch_cache: dict[int, list[Any]] = field(default_factory=dict)
+    tied: list[TiedCopy] = field(default_factory=list)
+    """This stage's copies of weights tied between stages (`pdcli.runtime.tied`)."""
 
 
 class Executor:
@@ -353,7 +356,13 @@ class Executor:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
+    def sum_tied_grads(self) -> None:
+        """Each copy of a weight tied between stages gets the holders' summed gradient."""
+        if self.ctx.tied:
+            sum_tied_grads(self.ctx.tied)
+
     def optimizer_step(self, a: S.OptimizerStep) -> None:
+        self.sum_tied_grads()  # before anything reads the gradients: the copies update as one weight
         scale = 1.0 / (a.num_microbatches * self.loss_scale)
         for p in self.weights.live.values():
             if p.grad is not None:

@@ -28,6 +28,7 @@ from pdcli.runtime.resume import Checkpointer
 from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replica_for
 from pdcli.runtime.sockets import SocketTransport, socket_transport_possible, transport_from_env
 from pdcli.runtime.stageio import StageIO
+from pdcli.runtime.tied import tied_copies
 from pdcli.runtime.watchdog import Heartbeat
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ def run_session(
     manifest = read_manifest(stages_dir)
     module, entry = load_stage(stages_dir, stage_id)
     module.to(device).train()
+    tied = tied_copies(manifest, placement, stage_id, module, entry)  # collective: every rank
     io = StageIO.from_manifest(manifest, stage_id)
     num_stages, m = placement.num_stages, cfg.schedule.num_microbatches
     resume_step = checkpoint.read_resume_step(train_dir)  # None: a fresh run
@@ -131,6 +133,7 @@ def run_session(
         mailbox=Mailbox(transport, device, spin_wait_s(cfg, device, env.local_world_size)), timeline=timeline, precision=cfg.train.precision,
         recompute=cfg.train.recompute, replica_group=groups.get(stage_id), heartbeat=heartbeat,
         record_loss=tracker.record if tracker else None, is_classifier=loss_name == "cross_entropy",
+        tied=tied,
     )
     executor = Executor(ctx, actions)
     logger.info("stage %d replica %d: %d actions, %s, device %s", stage_id, replica_id, len(actions), cfg.schedule.name, device)

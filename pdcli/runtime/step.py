@@ -22,6 +22,7 @@ from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.schedule import ScheduleSpec, build_schedule, drain_points
 from pdcli.runtime.stageio import StageIO
+from pdcli.runtime.tied import check_schedule
 from pdcli.runtime.session import SUMMARY_FILE
 from pdcli.runtime.sockets import transport_from_env
 from pdcli.runtime.worker import LAUNCH_FILE
@@ -148,6 +149,7 @@ def check_inputs(cfg: Config, plan_json: dict[str, Any], manifest: dict[str, Any
             hint="the stages are stale: re-run `pd compile`",
         )
     check_edges(manifest)
+    check_schedule(manifest, cfg.schedule.name)
     # Pure: a bad schedule fails here, not in 4 workers. The lists of a long run take seconds to
     # build (~1 s per 100k actions); a few minibatches with the run's drain pattern show the same errors.
     steps = min(cfg.train.steps, 2 * max(cfg.train.checkpoint_every, 1) + SCHEDULE_CHECK_MINIBATCHES)

@@ -33,6 +33,7 @@ from pdcli.runtime.metrics import Timeline, action_category
 from pdcli.runtime.optim import step_out_of_place, supports_out_of_place
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.stageio import StageIO
+from pdcli.runtime.update import UpdateRule, set_lr
 from pdcli.runtime.watchdog import FAULT_ENV, Heartbeat, inject_fault, parse_fault
 from pdcli.runtime.weights import WeightVersions
 from pdcli.runtime.wgrad import DeferredWeightGrads
@@ -98,6 +99,8 @@ class StageContext:
     record_loss: LossRecorder | None = None
     is_classifier: bool = False
     minibatch_cache: dict[int, list[Any]] = field(default_factory=dict)
+    update_rule: UpdateRule | None = None
+    """Learning rate per update and gradient clipping; None: the optimizer's lr, no clipping."""
 
 
 class Executor:
@@ -134,6 +137,8 @@ class Executor:
         self.deferred = (DeferredWeightGrads(ctx.module).install()
                          if any(isinstance(a, S.WeightGrads) for a in actions) else None)
         self.steps_done = 0
+        self.last_lr: float | None = None
+        self.last_grad_norm: float | None = None
         self.loss_scale = FP16_LOSS_SCALE if ctx.precision == "fp16" else 1.0
         self._recv_positions = [i for i, a in enumerate(actions) if isinstance(a, (S.RecvActivations, S.RecvGrads))]
         self._next_recv = 0
@@ -361,6 +366,7 @@ class Executor:
                         f"stage {self.ctx.stage_id}: non-finite fp16 gradients at step {a.step} "
                         f"(static loss scale {self.loss_scale:g}); use train.precision=bf16 or fp32"
                     )
+        self._apply_update_rule(a.step)
         if self.weights.must_update_out_of_place:
             step_out_of_place(self.ctx.optimizer)  # a stash holds the old storage: no copy
         else:
@@ -368,3 +374,13 @@ class Executor:
         self.ctx.optimizer.zero_grad(set_to_none=True)
         self.weights.stepped()
         self.steps_done += 1
+
+    def _apply_update_rule(self, step: int) -> None:
+        """The learning rate of this update and gradient clipping (`pdcli.runtime.update`)."""
+        rule = self.ctx.update_rule
+        if rule is None:
+            return
+        self.last_lr = rule.lr(step)
+        set_lr(self.ctx.optimizer, self.last_lr)
+        grads = [p.grad for p in self.weights.live.values() if p.grad is not None]
+        self.last_grad_norm = rule.clip(grads)

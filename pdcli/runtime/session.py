@@ -28,6 +28,7 @@ from pdcli.runtime.resume import Checkpointer
 from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replica_for
 from pdcli.runtime.sockets import SocketTransport, socket_transport_possible, transport_from_env
 from pdcli.runtime.stageio import StageIO
+from pdcli.runtime.update import UpdateRule, clips_per_stage
 from pdcli.runtime.watchdog import Heartbeat
 
 if TYPE_CHECKING:
@@ -66,6 +67,15 @@ def replica_groups(placement: Placement) -> dict[int, Any]:
     return {k: dist.new_group(list(ranks)) for k, ranks in enumerate(placement.stage_ranks) if len(ranks) > 1}
 
 
+def global_clip_group(cfg: "Config", placement: Placement) -> Any:
+    """A process group of every rank for the global gradient norm (`pdcli.runtime.update`),
+    apart from the transport's; None when the run does not clip globally. Every rank decides
+    the same from the config and creates it at the same point."""
+    if cfg.optim.clip_grad_norm is None or clips_per_stage(cfg.schedule.name):
+        return None
+    return dist.new_group(list(range(placement.world_size)))
+
+
 def make_transport(
     placement: Placement, io: StageIO, rank: int, device: torch.device, timeout_s: float, preference: str = "auto"
 ) -> Transport:
@@ -90,6 +100,7 @@ def run_session(
     device, backend = pick_device(cfg, env.local_rank)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
     groups = replica_groups(placement)
+    clip_group = global_clip_group(cfg, placement)
     if device.type == "cpu":
         cores = host_cores()
         torch.set_num_threads(cfg.train.threads_per_worker or max(1, cores // env.local_world_size))
@@ -131,8 +142,11 @@ def run_session(
         mailbox=Mailbox(transport, device, spin_wait_s(cfg, device, env.local_world_size)), timeline=timeline, precision=cfg.train.precision,
         recompute=cfg.train.recompute, replica_group=groups.get(stage_id), heartbeat=heartbeat,
         record_loss=tracker.record if tracker else None, is_classifier=loss_name == "cross_entropy",
+        update_rule=UpdateRule.make(cfg.optim, spec, stage_id, cfg.data.batch_size, replica_id, clip_group),
     )
     executor = Executor(ctx, actions)
+    if tracker is not None:
+        tracker.extra = lambda: {} if executor.last_lr is None else {"lr": executor.last_lr}
     logger.info("stage %d replica %d: %d actions, %s, device %s", stage_id, replica_id, len(actions), cfg.schedule.name, device)
 
     checkpoints = Checkpointer(cfg, train_dir, spec, placement, env.rank, entry, module, ctx.optimizer, tracker, heartbeat, logger)

@@ -4,7 +4,6 @@ trainer against plain single-process training, and real pipelines against the re
 from __future__ import annotations
 
 import copy
-import math
 from pathlib import Path
 
 import pytest

@@ -28,6 +28,7 @@ from torch.func import functional_call
 
 from pdcli.runtime import schedule as S
 from pdcli.runtime.comm import Mailbox
+from pdcli.runtime.evaluation import EvalSums
 from pdcli.runtime.memory import MemoryTracker, tensor_bytes
 from pdcli.runtime.metrics import Timeline, action_category
 from pdcli.runtime.optim import step_out_of_place, supports_out_of_place
@@ -101,6 +102,10 @@ class StageContext:
     minibatch_cache: dict[int, list[Any]] = field(default_factory=dict)
     update_rule: UpdateRule | None = None
     """Learning rate per update and gradient clipping; None: the optimizer's lr, no clipping."""
+    eval_data: Any = None
+    """The held-out split (a BatchSource) that EvalForward reads; None when the run never evaluates."""
+    record_eval: Callable[[int, dict[str, Any]], None] | None = None
+    """record_eval(after_minibatches, metrics) on the last stage, at each EndEval."""
 
 
 class Executor:
@@ -121,9 +126,12 @@ class Executor:
             S.Backward: self.backward, S.SendGrads: self.send_grads, S.WeightGrads: self.weight_grads,
             S.StashWeights: self.stash_weights,
             S.FreeWeights: self.free_weights, S.AllReduceGrads: self.all_reduce_grads,
-            S.OptimizerStep: self.optimizer_step,
+            S.OptimizerStep: self.optimizer_step, S.EvalForward: self.eval_forward, S.EndEval: self.end_eval,
         }
         self.batches: dict[int, Any] = {}  # mb -> Batch (data inputs, target)
+        self.eval_rows: dict[int, int] = {}  # message id -> held-out microbatch, while its EvalForward runs
+        self.eval_cache: dict[int, list[Any]] = {}  # held-out minibatch -> its microbatches
+        self.eval_sums = EvalSums()
         self.received: dict[int, dict[str, Tensor]] = {}
         self.saved_inputs: dict[int, dict[str, Tensor]] = {}
         self.outputs: dict[int, dict[str, Tensor]] = {}  # with autograd graph (no recompute)
@@ -188,6 +196,8 @@ class Executor:
 
     # ---- data -----------------------------------------------------------------------
     def _microbatch(self, mb: int) -> Any:
+        if mb in self.eval_rows:
+            return self._eval_microbatch(self.eval_rows[mb])
         if mb not in self.batches:
             m = self.ctx.num_microbatches
             t = mb // m
@@ -199,6 +209,14 @@ class Executor:
                 cache[t] = self.ctx.data.batch(t, with_inputs=bool(self.ctx.io.data_inputs)).split(m)
             self.batches[mb] = cache[t][mb % m]
         return self.batches[mb]
+
+    def _eval_microbatch(self, eval_microbatch: int) -> Any:
+        m = self.ctx.num_microbatches
+        t = eval_microbatch // m
+        if t not in self.eval_cache:
+            self.eval_cache.clear()  # held-out minibatches are read in order
+            self.eval_cache[t] = self.ctx.eval_data.batch(t, with_inputs=bool(self.ctx.io.data_inputs)).split(m)
+        return self.eval_cache[t][eval_microbatch % m]
 
     def load_microbatch(self, a: S.LoadMicrobatch) -> None:
         self._microbatch(a.microbatch_id)
@@ -310,6 +328,51 @@ class Executor:
             self.deferred.apply(a.microbatch_id)
         self._note_memory()  # the weight gradients a first W allocates
         self.memory.released(a.microbatch_id)
+
+    # ---- evaluation -----------------------------------------------------------------------
+    def eval_forward(self, a: S.EvalForward) -> None:
+        mb, module = a.microbatch_id, self.ctx.module
+        self.eval_rows[mb] = a.eval_microbatch
+        training = module.training
+        module.eval()  # dropout off, batch norm on its running statistics
+        try:
+            with torch.no_grad():
+                outputs = self._run_stage(self._inputs(mb), None)  # the live weights: nothing is in flight
+                self._add_eval_loss(mb, outputs)
+        finally:
+            module.train(training)
+            del self.eval_rows[mb]
+        if self.ctx.io.acts_out:
+            self.to_send[mb] = outputs
+
+    def _add_eval_loss(self, mb: int, outputs: dict[str, Tensor]) -> None:
+        name = self.ctx.io.loss_output
+        if name is None or self.ctx.loss_fn is None:
+            return
+        target = self._microbatch(mb).target.to(self.ctx.device)
+        logits = outputs[name].float()
+        sums = self.eval_sums
+        sums.loss_sum += float(self.ctx.loss_fn(logits, target))
+        sums.num_microbatches += 1
+        sums.num_targets += int(target.numel())
+        sums.num_samples += int(target.size(0))
+        sums.num_correct += int((logits.argmax(-1) == target).sum()) if self.ctx.is_classifier else 0
+        sums.tokens = self.ctx.is_classifier and target.dim() > 1
+
+    def end_eval(self, a: S.EndEval) -> None:
+        if self.ctx.io.loss_output is None or self.ctx.loss_fn is None:
+            return
+        sums = self.eval_sums
+        if self.ctx.replica_group is not None:  # each replica of the last stage saw its share
+            values = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.ctx.device)
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.ctx.replica_group)
+            tokens = sums.tokens
+            sums = EvalSums.from_list(values.tolist(), self.ctx.is_classifier, tokens)
+        if not self.ctx.is_classifier:
+            sums.num_correct = -1
+        if self.ctx.record_eval is not None:
+            self.ctx.record_eval(a.after_minibatches, sums.metrics())
+        self.eval_sums = EvalSums()
 
     # ---- communication ------------------------------------------------------------------
     def send_activations(self, a: S.SendActivations) -> None:

@@ -14,13 +14,15 @@ import torch.distributed as dist
 
 from pdcli.compiler import load_stage, read_manifest
 from pdcli.data import build_data
+from pdcli.data.registry import resolve_steps
 from pdcli.host import host_cores
 from pdcli.models import build_loss
 from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
 from pdcli.runtime.comm import Mailbox, TorchDistTransport, Transport
+from pdcli.runtime.evaluation import EVAL_KEYS, EvalPlan, plan_evaluation
 from pdcli.runtime.executor import Executor, StageContext
-from pdcli.runtime.metrics import MetricsLog, RankStats, Timeline, chrome_trace, per_stage
+from pdcli.runtime.metrics import MetricsLog, RankStats, Timeline, chrome_trace, open_tensorboard, per_stage
 from pdcli.runtime.optim import build_optimizer
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
@@ -67,6 +69,15 @@ def replica_groups(placement: Placement) -> dict[int, Any]:
     return {k: dist.new_group(list(ranks)) for k, ranks in enumerate(placement.stage_ranks) if len(ranks) > 1}
 
 
+def run_spec(cfg: "Config", placement: Placement, evaluation: EvalPlan, resume_step: int | None = None) -> ScheduleSpec:
+    """The schedule of the run: drain points at checkpoints, at the checkpoint it resumes from
+    and at evaluations (pipedream/2bw have nothing in flight there)."""
+    drains = drain_points(cfg.train.steps, cfg.train.checkpoint_every, extra=[resume_step or 0, *evaluation.points])
+    return ScheduleSpec.make(cfg.schedule.name, placement.num_stages, cfg.schedule.num_microbatches, cfg.train.steps,
+                             placement.replicas, cfg.schedule.vertical_sync, drains, cfg.schedule.split_backward_on,
+                             evaluation.points, evaluation.num_microbatches(cfg.schedule.num_microbatches))
+
+
 def global_clip_group(cfg: "Config", placement: Placement) -> Any:
     """A process group of every rank for the global gradient norm (`pdcli.runtime.update`),
     apart from the transport's; None when the run does not clip globally. Every rank decides
@@ -96,6 +107,7 @@ def run_session(
 ) -> None:
     train_dir = run_dir / "train"
     stage_id, replica_id = placement.of(env.rank)
+    resolve_steps(cfg)  # train.epochs -> train.steps, as the launcher did
     heartbeat.beat(0, "init_process_group")
     device, backend = pick_device(cfg, env.local_rank)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
@@ -114,9 +126,8 @@ def run_session(
     io = StageIO.from_manifest(manifest, stage_id)
     num_stages, m = placement.num_stages, cfg.schedule.num_microbatches
     resume_step = checkpoint.read_resume_step(train_dir)  # None: a fresh run
-    drains = drain_points(cfg.train.steps, cfg.train.checkpoint_every, extra=[resume_step or 0])
-    spec = ScheduleSpec.make(cfg.schedule.name, num_stages, m, cfg.train.steps, placement.replicas,
-                             cfg.schedule.vertical_sync, drains, cfg.schedule.split_backward_on)
+    evaluation = plan_evaluation(cfg)
+    spec = run_spec(cfg, placement, evaluation, resume_step)
     is_last = stage_id == num_stages - 1
     writer_rank = placement.rank(num_stages - 1, 0)
     timeline = Timeline(env.rank, stage_id, replica_id)
@@ -127,7 +138,8 @@ def run_session(
             num_microbatches=m, num_minibatches=cfg.train.steps, log_every=cfg.train.log_every,
             batch_size=cfg.data.batch_size,
             own_per_minibatch=lambda t: sum(1 for mb in range(t * m, (t + 1) * m) if replica_for(mb, r) == replica_id),
-            writer=MetricsLog(train_dir / "metrics.jsonl", append=resume_step is not None) if env.rank == writer_rank else None,
+            writer=MetricsLog(train_dir / "metrics.jsonl", append=resume_step is not None,
+                              tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard)) if env.rank == writer_rank else None,
         )
     transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport)
     # eager sends: the next stage gets its input before this one waits (see sends_first)
@@ -143,10 +155,13 @@ def run_session(
         recompute=cfg.train.recompute, replica_group=groups.get(stage_id), heartbeat=heartbeat,
         record_loss=tracker.record if tracker else None, is_classifier=loss_name == "cross_entropy",
         update_rule=UpdateRule.make(cfg.optim, spec, stage_id, cfg.data.batch_size, replica_id, clip_group),
+        eval_data=evaluation.source, record_eval=tracker.record_eval if tracker else None,
     )
     executor = Executor(ctx, actions)
-    if tracker is not None:
-        tracker.extra = lambda: {} if executor.last_lr is None else {"lr": executor.last_lr}
+    if tracker is not None:  # the rate of the update that applies the line's last minibatch
+        rule = ctx.update_rule
+        assert rule is not None
+        tracker.extra = lambda t: {"lr": rule.lr(spec.step_of(stage_id, (t + 1) * m - 1))}
     logger.info("stage %d replica %d: %d actions, %s, device %s", stage_id, replica_id, len(actions), cfg.schedule.name, device)
 
     checkpoints = Checkpointer(cfg, train_dir, spec, placement, env.rank, entry, module, ctx.optimizer, tracker, heartbeat, logger)
@@ -197,14 +212,17 @@ def write_reports(
     losses = minibatch_losses(records, m)
     samples_per_s = cfg.data.batch_size * (cfg.train.steps - first_step) / max(loop_s, 1e-9)  # this launch's
     final = summarize(records, m, [cfg.train.steps - 1])
+    evals = tracker.evals if tracker is not None else []
+    end_eval = {k: v for e in evals if e["step"] == cfg.train.steps for k, v in e.items() if k in EVAL_KEYS}
     summary = {
         "final_loss": final["loss"], "final_accuracy": final.get("accuracy"), "samples_per_s": samples_per_s,
         "loop_s": loop_s, "steps": cfg.train.steps, "schedule": cfg.schedule.name, "stages": stages,
         "minibatch_losses": losses, "microbatch_losses": {str(k): v[0] for k, v in sorted(records.items())},
-        "checkpoint": str(checkpoint.checkpoint_dir(train_dir, cfg.train.steps)),
+        "checkpoint": str(checkpoint.checkpoint_dir(train_dir, cfg.train.steps)), **end_eval, "evals": evals,
     }
     atomic_write_json(train_dir / SUMMARY_FILE, summary)
-    final_line = {**final, "step": cfg.train.steps, "final": True, "samples_per_s": samples_per_s, "stages": stages}
+    final_line = {**final, "step": cfg.train.steps, "final": True, "samples_per_s": samples_per_s, "stages": stages,
+                  **end_eval}
     if tracker is not None and tracker.writer is not None and len(gathered) and _last_stage_replicas(all_stats) == 1:
         tracker.writer.write(final_line)  # the live lines are exact: append the final one
         tracker.writer.close()
@@ -212,11 +230,12 @@ def write_reports(
     # A replicated last stage: live lines saw replica 0's share only; rewrite them from all records.
     if tracker is not None and tracker.writer is not None:
         tracker.writer.close()
-    log = MetricsLog(train_dir / "metrics.jsonl")
+    log = MetricsLog(train_dir / "metrics.jsonl", tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard, fresh=True))
     every, steps = cfg.train.log_every, cfg.train.steps
-    for start in range(0, steps, every):
-        end = min(start + every, steps)
-        line = {**summarize(records, m, list(range(start, end))), "step": end, "samples_per_s": samples_per_s}
+    lines = [{**summarize(records, m, list(range(start, min(start + every, steps)))), "step": min(start + every, steps),
+              "samples_per_s": samples_per_s} for start in range(0, steps, every)]
+    lines += [e for e in evals if e["step"] < steps]  # each after the training line of its step, as live
+    for line in sorted(lines, key=lambda line: (line["step"], "eval_loss" in line)):
         log.write(line)
     log.write(final_line)
     log.close()

@@ -135,7 +135,10 @@ def test_quickstart_trains_and_learns(root: str, tmp_path: Path) -> None:
     result = invoke("train", QUICKSTART, root, "train.steps=60", "train.log_every=10")
     assert result.exit_code == 0, result.output
     lines = [json.loads(x) for x in (tmp_path / "quickstart/train/metrics.jsonl").read_text().splitlines()]
-    steps = [x for x in lines if not x.get("final")]
+    steps = [x for x in lines if not x.get("final") and "loss" in x]
+    evals = [x for x in lines if "eval_accuracy" in x]  # held-out digits: every 50 minibatches and at the end
+    assert [x["step"] for x in evals] == [50, 60] and evals[-1]["final"] and evals[-1]["eval_accuracy"] > 0.7
+    assert f"held-out eval: loss {evals[-1]['eval_loss']:.4f}, accuracy {evals[-1]['eval_accuracy']:.3f}" in result.output
     assert steps[-1]["loss"] < 0.6 * steps[0]["loss"], steps
     assert steps[-1]["accuracy"] > steps[0]["accuracy"] + 0.2, steps
     for artifact in ("config.yaml", "profile.json", "plan.json", "stages/manifest.json", "train/trace.json"):

@@ -209,3 +209,15 @@ def test_pipeline_with_schedule_and_clipping_equals_the_reference(tmp_path: Path
     assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
     for key in ref_weights:
         torch.testing.assert_close(weights[key], ref_weights[key], atol=1e-5, rtol=1e-5, msg=key)
+
+
+def test_a_schedule_or_held_out_split_does_not_make_pd_profile_measure_again() -> None:
+    from pdcli.profiler.step import profile_inputs_hash
+
+    cfg = Config()
+    before = profile_inputs_hash(cfg, torch.device("cpu"), 1)
+    cfg.optim.schedule.name, cfg.data.eval_fraction, cfg.data.eval_path = "cosine", 0.3, "held_out.pt"
+    cfg.optim.clip_grad_norm = 1.0
+    assert profile_inputs_hash(cfg, torch.device("cpu"), 1) == before
+    cfg.optim.momentum = 0.9
+    assert profile_inputs_hash(cfg, torch.device("cpu"), 1) != before

@@ -76,8 +76,9 @@ def pipeline_probe_minibatches(cfg: Config) -> int:
     return 0 if os.environ.get(PIPELINE_PROBE_ENV) == "0" else cfg.profile.pipeline_probe_minibatches
 
 
-TRAINING_ONLY = {"data": ("eval_path", "eval_fraction"), "optim": ("schedule",)}
-"""Config fields that change what training computes but not what any layer or action costs."""
+TRAINING_ONLY = {"data": ("eval_path", "eval_fraction"), "optim": ("schedule", "clip_grad_norm")}
+"""Config fields that change what training computes but not what the profile measures (clipping's
+norm and its small all-reduce per update are not in the profile's optimizer step)."""
 
 
 def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | None) -> str:

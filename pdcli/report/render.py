@@ -96,7 +96,7 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
         f"{len(c.stages)} stages, {m.num_steps} minibatches of {m.batch_size} samples "
         f"({m.num_microbatches} microbatches each{PIPEDREAM_NOTE if m.schedule == PIPEDREAM else ''}); "
         f"final loss {m.final_loss:.4f}" + ("" if m.final_accuracy is None else f", accuracy {m.final_accuracy:.3f}")
-        + " (training minibatches)" + ("" if not m.eval_metrics else "; held-out: " + ", ".join(
+        + " (training minibatches)" + ("" if not m.eval_metrics else "; held-out eval: " + ", ".join(
             f"{k.removeprefix('eval_')} {v}" for k, v in eval_metrics_text(m.eval_metrics).items()))
     )
     lines.append("")

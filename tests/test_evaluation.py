@@ -12,27 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdcli.compiler import load_stage
 from pdcli.data import build_data
 from pdcli.models import build_loss
 from pdcli.rundir import RunDir
-from pdcli.runtime.reference import StageSpec, reference_eval, reference_train
+from pdcli.runtime.reference import reference_eval, reference_train
 from pdcli.runtime.step import run_training
 from pdcli.runtime.toy import write_toy_run
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_transparency import toy_config  # noqa: E402
+from test_transparency import stage_specs, toy_config  # noqa: E402
 
 STEPS = 4
 EVAL_BATCHES = 2
-
-
-def stage_specs(run_dir: Path, manifest: dict) -> list[StageSpec]:
-    specs = []
-    for entry in manifest["stages"]:
-        module, _ = load_stage(run_dir / "stages", entry["stage_id"])
-        specs.append(StageSpec(module, tuple(t["name"] for t in entry["inputs"]), tuple(t["name"] for t in entry["outputs"])))
-    return specs
 
 
 CASES = [  # schedule, replicas, eval_every, drain points the evaluations make
@@ -61,7 +52,7 @@ def test_evaluation_equals_a_single_process_forward_before_during_and_after_trai
     train = build_data(cfg.data, cfg.data.batch_size)
     loss_fn = build_loss("cross_entropy")
     for e in summary["evals"]:  # the reference trained for the same minibatches, then a plain forward
-        specs = stage_specs(run_dir, manifest)
+        specs = stage_specs(run_dir / "stages", manifest)
         t = e["step"]
         if t:
             reference_train(specs, loss_fn, [train.batch(i) for i in range(t)], name, cfg.schedule.num_microbatches,
@@ -75,7 +66,7 @@ def test_evaluation_equals_a_single_process_forward_before_during_and_after_trai
 
     # training went on after the first evaluation exactly as without evaluations
     losses = [summary["microbatch_losses"][str(i)] for i in range(STEPS * cfg.schedule.num_microbatches)]
-    ref = reference_train(stage_specs(run_dir, manifest), loss_fn, [train.batch(i) for i in range(STEPS)], name,
+    ref = reference_train(stage_specs(run_dir / "stages", manifest), loss_fn, [train.batch(i) for i in range(STEPS)], name,
                           cfg.schedule.num_microbatches, lambda ps: torch.optim.SGD(ps, lr=cfg.optim.lr, momentum=cfg.optim.momentum),
                           replicas=replicas, model_input_names=manifest["model_inputs"], drain_after=drains)
     assert losses == pytest.approx(ref.losses, abs=1e-5)

@@ -159,14 +159,12 @@ def run_pipeline(tmp_path: Path, name: str, curve: LRScheduleConfig, clip: float
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_transparency import STEPS, toy_config
+    from test_transparency import STEPS, by_original_name, stage_specs, toy_config
 
-    from pdcli.compiler import load_stage
     from pdcli.data import build_data
     from pdcli.models import build_loss
     from pdcli.rundir import RunDir
     from pdcli.runtime.checkpoint import load_model_state
-    from pdcli.runtime.reference import StageSpec
     from pdcli.runtime.step import run_training
     from pdcli.runtime.toy import write_toy_run
 
@@ -180,10 +178,7 @@ def run_pipeline(tmp_path: Path, name: str, curve: LRScheduleConfig, clip: float
     m = cfg.schedule.num_microbatches
     losses = [summary["microbatch_losses"][str(i)] for i in range(STEPS * m)]
     weights = load_model_state(run_dir / "train", STEPS)
-    specs = []
-    for entry in manifest["stages"]:
-        module, _ = load_stage(run_dir / "stages", entry["stage_id"])
-        specs.append(StageSpec(module, tuple(t["name"] for t in entry["inputs"]), tuple(t["name"] for t in entry["outputs"])))
+    specs = stage_specs(run_dir / "stages", manifest)
     data = build_data(cfg.data, cfg.data.batch_size)
     b = cfg.data.batch_size
     ref = reference_train(
@@ -191,10 +186,7 @@ def run_pipeline(tmp_path: Path, name: str, curve: LRScheduleConfig, clip: float
         lambda ps: torch.optim.SGD(ps, lr=cfg.optim.lr), replicas=replicas, model_input_names=manifest["model_inputs"],
         lr_at_samples=lambda s: lr_at(curve, cfg.optim.lr, s, b, STEPS * b), clip_grad_norm=clip,
     )
-    ref_weights = {}
-    for entry, state in zip(manifest["stages"], ref.state_dicts):
-        ref_weights.update({entry["param_names"].get(k, k): v for k, v in state.items()})
-    return losses, weights, ref.losses, ref_weights
+    return losses, weights, ref.losses, by_original_name(manifest, ref.state_dicts)
 
 
 CASES = [("1f1b", [1, 1, 1]), ("pipedream", [1, 1, 1]), ("2bw", [1, 2]), ("gpipe", [2, 1])]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from pdcli.models.loss import num_correct
 from pdcli.runtime import schedule as S
 from pdcli.runtime.comm import Mailbox
 from pdcli.runtime.evaluation import EvalSums
@@ -257,7 +258,7 @@ class Executor:
         logits = outputs[name].float()
         loss = self.ctx.loss_fn(logits, target)
         if record and self.ctx.record_loss is not None:
-            correct = int((logits.argmax(-1) == target).sum()) if self.ctx.is_classifier else -1
+            correct = num_correct(logits, target) if self.ctx.is_classifier else -1
             self.ctx.record_loss(mb, float(loss.detach()), correct, int(target.numel()))
         return loss
 
@@ -356,7 +357,7 @@ class Executor:
         sums.num_microbatches += 1
         sums.num_targets += int(target.numel())
         sums.num_samples += int(target.size(0))
-        sums.num_correct += int((logits.argmax(-1) == target).sum()) if self.ctx.is_classifier else 0
+        sums.num_correct += num_correct(logits, target) if self.ctx.is_classifier else 0
         sums.tokens = self.ctx.is_classifier and target.dim() > 1
 
     def end_eval(self, a: S.EndEval) -> None:

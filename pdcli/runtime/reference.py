@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.optim import Optimizer
 
+from pdcli.models.loss import num_correct
 from pdcli.runtime.schedule import ScheduleSpec
 from pdcli.runtime.update import clips_per_stage, samples_through_step
 
@@ -221,7 +222,7 @@ def reference_eval(stages: Sequence[StageSpec | nn.Module], loss_fn: LossFn, bat
             for batch in batches:
                 logits = _run_model(stages, params, model_input_names, tuple(batch.inputs)).float()
                 losses.append(float(loss_fn(logits, batch.target)))
-                correct += int((logits.argmax(-1) == batch.target).sum())
+                correct += num_correct(logits, batch.target)
                 count += batch.target.numel()
     finally:
         for m, mode in zip(modules, modes):

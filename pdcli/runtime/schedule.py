@@ -83,8 +83,7 @@ def drain_points(num_steps: int, every: int, extra: Sequence[int] = ()) -> tuple
 def eval_points(num_steps: int, every: int, at_start: bool) -> tuple[int, ...]:
     """Minibatch counts after which the held-out split is evaluated: every `every` minibatches
     (0 = never in between), at 0 when `at_start`, and always at the end (`num_steps`)."""
-    points = set(range(every, num_steps, every)) if every > 0 else set()
-    return tuple(sorted(points | ({0} if at_start else set()) | {num_steps}))
+    return tuple(sorted({*drain_points(num_steps, every), *((0,) if at_start else ()), num_steps}))
 
 
 def replica_for(microbatch_id: int, replicas_of_stage: int) -> int:
@@ -545,12 +544,16 @@ def _positions(spec: ScheduleSpec, stage_id: int, replica_id: int) -> dict[tuple
             if isinstance(a, (Forward, Backward))}
 
 
+def _neighbours(spec: ScheduleSpec, stage_id: int) -> tuple[bool, bool, int, int]:
+    """(first stage, last stage, replicas of the previous stage, of the next; 1 where there is none)."""
+    first, last = stage_id == 0, stage_id == spec.num_stages - 1
+    return first, last, spec.replicas[stage_id - 1] if not first else 1, spec.replicas[stage_id + 1] if not last else 1
+
+
 def _add_communication(spec: ScheduleSpec, stage_id: int, compute: Sequence[Action]) -> list[Action]:
     """Wrap each Forward/Backward in the data loads, receives and sends it needs (see
     `_receive_first` for the one place where a receive may overtake a send)."""
-    first, last = stage_id == 0, stage_id == spec.num_stages - 1
-    prev_r = spec.replicas[stage_id - 1] if not first else 1
-    next_r = spec.replicas[stage_id + 1] if not last else 1
+    first, last, prev_r, next_r = _neighbours(spec, stage_id)
     out: list[Action] = []
     positions: dict[int, dict[tuple[type, int], int]] = {}
     for action in compute:
@@ -637,9 +640,7 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
 
 def _evaluation(spec: ScheduleSpec, stage_id: int, replica_id: int, evaluation: int) -> list[Action]:
     """One evaluation block of a process: its share of the held-out microbatches, forward only."""
-    first, last = stage_id == 0, stage_id == spec.num_stages - 1
-    prev_r = spec.replicas[stage_id - 1] if not first else 1
-    next_r = spec.replicas[stage_id + 1] if not last else 1
+    first, last, prev_r, next_r = _neighbours(spec, stage_id)
     out: list[Action] = []
     for e in range(replica_id, spec.num_eval_microbatches, spec.replicas[stage_id]):
         mb = spec.eval_microbatch_id(evaluation, e)

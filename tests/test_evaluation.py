@@ -119,3 +119,20 @@ def test_resume_with_a_learning_rate_schedule_and_evaluations_is_exact(
         assert got == pytest.approx(want, abs=1e-6)
     for key in whole_weights:
         torch.testing.assert_close(weights[key], whole_weights[key], atol=1e-6, rtol=1e-6, msg=key)
+
+
+def test_eval_metrics_of_a_classifier_and_of_token_targets() -> None:
+    import math
+
+    from pdcli.runtime.evaluation import EvalSums, eval_metrics_text
+
+    images = EvalSums(loss_sum=3.0, num_microbatches=4, num_correct=30, num_targets=40, num_samples=40)
+    assert images.metrics() == {"eval_loss": 0.75, "eval_accuracy": 0.75, "eval_samples": 40}
+    tokens = EvalSums(loss_sum=4.0, num_microbatches=2, num_correct=50, num_targets=400, num_samples=8, tokens=True)
+    assert tokens.metrics()["eval_perplexity"] == pytest.approx(math.exp(2.0))
+    assert tokens.metrics()["eval_accuracy"] == 0.125  # per token
+    regression = EvalSums(loss_sum=1.0, num_microbatches=2, num_correct=-1, num_targets=8, num_samples=8)
+    assert regression.metrics() == {"eval_loss": 0.5, "eval_samples": 8}
+    summed = EvalSums.from_list([a + b for a, b in zip(images.as_list(), images.as_list())], classifier=True, tokens=False)
+    assert summed.metrics()["eval_accuracy"] == 0.75 and summed.num_samples == 80  # replicas' sums add up
+    assert eval_metrics_text(tokens.metrics()) == {"eval_loss": "2.0000", "eval_accuracy": "0.125", "eval_perplexity": "7.39"}

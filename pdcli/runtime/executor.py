@@ -133,6 +133,11 @@ class Executor:
         self.eval_rows: dict[int, int] = {}  # message id -> held-out microbatch, while its EvalForward runs
         self.eval_cache: dict[int, list[Any]] = {}  # held-out minibatch -> its microbatches
         self.eval_sums = EvalSums()
+        eval_ids = {a.microbatch_id for a in actions if isinstance(a, S.EvalForward)}
+        self._evaluating = [isinstance(a, (S.EvalForward, S.EndEval)) or (
+            isinstance(a, (S.RecvActivations, S.SendActivations)) and a.microbatch_id in eval_ids) for a in actions]
+        self.eval_s = 0.0
+        """Seconds spent in evaluation blocks (their receives' waiting included)."""
         self.received: dict[int, dict[str, Tensor]] = {}
         self.saved_inputs: dict[int, dict[str, Tensor]] = {}
         self.outputs: dict[int, dict[str, Tensor]] = {}  # with autograd graph (no recompute)
@@ -164,7 +169,10 @@ class Executor:
                 inject_fault(self._fault[1])  # in compute: a hang there is the cause, not a symptom
             start_s = tl.now()
             S.dispatch(self.handlers, action)
-            tl.add(type(action).__name__, action_category(action), start_s, tl.now())
+            if self._evaluating[index]:  # evaluation time stays out of the training timeline and its totals
+                self.eval_s += tl.now() - start_s
+            else:
+                tl.add(type(action).__name__, action_category(action), start_s, tl.now())
             if on_step is not None and isinstance(action, S.OptimizerStep):
                 on_step(self.steps_done)
         self.ctx.mailbox.drain()

@@ -38,11 +38,14 @@ class LossTracker:
     """Every evaluation so far: {"step": minibatches trained before it, eval metrics}."""
     _seen: dict[int, int] = field(default_factory=dict)
     _interval: list[int] = field(default_factory=list)
+    excluded_s: Callable[[], float] = lambda: 0.0
+    """Seconds so far that samples/s leaves out (evaluations)."""
     _last_log_s: float = field(default_factory=time.perf_counter)
+    _excluded_at_last_s: float = 0.0
 
     def restart_clock(self) -> None:
         """Start timing samples/s now (after setup, before the first action)."""
-        self._last_log_s = time.perf_counter()
+        self._last_log_s, self._excluded_at_last_s = time.perf_counter(), self.excluded_s()
 
     def resume(self, records: dict[int, LossRecord], next_minibatch: int, evals: Sequence[dict[str, Any]] = ()) -> None:
         """Continue a run from a checkpoint: its loss records and evaluations, and the minibatches
@@ -71,9 +74,11 @@ class LossTracker:
         now_s = time.perf_counter()
         line = summarize(self.records, self.num_microbatches, self._interval)
         line["step"] = t + 1
-        line["samples_per_s"] = self.batch_size * len(self._interval) / max(now_s - self._last_log_s, 1e-9)
+        excluded_s = self.excluded_s()
+        elapsed_s = now_s - self._last_log_s - (excluded_s - self._excluded_at_last_s)
+        line["samples_per_s"] = self.batch_size * len(self._interval) / max(elapsed_s, 1e-9)
         line.update(self.extra(t))
-        self._interval, self._last_log_s = [], now_s
+        self._interval, self._last_log_s, self._excluded_at_last_s = [], now_s, excluded_s
         if self.writer is not None:
             self.writer.write(line)
 

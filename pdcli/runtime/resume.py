@@ -115,6 +115,8 @@ class Checkpointer:
             extra: dict[str, Any] = {
                 "schedule": self.cfg.schedule.name, "num_optimizer_steps": executor.steps_done,
                 "optimizer_name": self.cfg.optim.name,
+                # the learning-rate schedule's position (a function of the step: for inspection)
+                "samples_trained": step * self.cfg.data.batch_size, "lr": executor.last_lr,
                 "rng_states": {i: o["rng"] for i, o in by_replica.items()},
             }
             if self.tracker is not None:

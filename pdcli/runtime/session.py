@@ -22,7 +22,7 @@ from pdcli.runtime import checkpoint
 from pdcli.runtime.comm import Mailbox, TorchDistTransport, Transport
 from pdcli.runtime.evaluation import EVAL_KEYS, EvalPlan, plan_evaluation
 from pdcli.runtime.executor import Executor, StageContext
-from pdcli.runtime.metrics import MetricsLog, RankStats, Timeline, chrome_trace, open_tensorboard, per_stage
+from pdcli.runtime.metrics import S_TO_MS, MetricsLog, RankStats, Timeline, chrome_trace, open_tensorboard, per_stage
 from pdcli.runtime.optim import build_optimizer
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
@@ -162,6 +162,7 @@ def run_session(
         rule = ctx.update_rule
         assert rule is not None
         tracker.extra = lambda t: {"lr": rule.lr(spec.step_of(stage_id, (t + 1) * m - 1))}
+        tracker.excluded_s = lambda: executor.eval_s
     logger.info("stage %d replica %d: %d actions, %s, device %s", stage_id, replica_id, len(actions), cfg.schedule.name, device)
 
     checkpoints = Checkpointer(cfg, train_dir, spec, placement, env.rank, entry, module, ctx.optimizer, tracker, heartbeat, logger)
@@ -180,18 +181,20 @@ def run_session(
         tracker.restart_clock()
     start_s = time.perf_counter()
     executor.run(on_step)
-    loop_s = time.perf_counter() - start_s
-    logger.info("training loop done in %.3f s (%d optimizer steps)", loop_s, executor.steps_done)
+    loop_s = time.perf_counter() - start_s - executor.eval_s  # training only: samples/s and pd report's times
+    logger.info("training loop done in %.3f s (%d optimizer steps), evaluations %.3f s", loop_s, executor.steps_done,
+                executor.eval_s)
     checkpoints.save(cfg.train.steps, executor)
 
     heartbeat.beat(executor.steps_done, "report")
     stats = timeline.finish()
+    stats.wall_ms -= executor.eval_s * S_TO_MS
     stats.num_weight_versions_max = executor.weights.max_versions_held
     report = {"stats": stats, "losses": tracker.records if tracker else {}}
     gathered: list[Any] | None = [None] * placement.world_size if env.rank == writer_rank else None
     dist.gather_object(report, gathered, dst=writer_rank)
     if gathered is not None:
-        write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=resume_step or 0)
+        write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=resume_step or 0, eval_s=executor.eval_s)
     dist.barrier()
     if isinstance(transport, SocketTransport):
         transport.close()
@@ -199,7 +202,8 @@ def run_session(
 
 
 def write_reports(
-    train_dir: Path, cfg: "Config", gathered: list[dict[str, Any]], loop_s: float, tracker: LossTracker | None, first_step: int = 0
+    train_dir: Path, cfg: "Config", gathered: list[dict[str, Any]], loop_s: float, tracker: LossTracker | None, first_step: int = 0,
+    eval_s: float = 0.0,
 ) -> None:
     """Chrome trace, summary.json, and the final metrics lines (exact over all last-stage replicas)."""
     all_stats: list[RankStats] = [g["stats"] for g in gathered]
@@ -219,6 +223,7 @@ def write_reports(
         "loop_s": loop_s, "steps": cfg.train.steps, "schedule": cfg.schedule.name, "stages": stages,
         "minibatch_losses": losses, "microbatch_losses": {str(k): v[0] for k, v in sorted(records.items())},
         "checkpoint": str(checkpoint.checkpoint_dir(train_dir, cfg.train.steps)), **end_eval, "evals": evals,
+        "eval_s": eval_s,
     }
     atomic_write_json(train_dir / SUMMARY_FILE, summary)
     final_line = {**final, "step": cfg.train.steps, "final": True, "samples_per_s": samples_per_s, "stages": stages,

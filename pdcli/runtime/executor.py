@@ -152,7 +152,9 @@ class Executor:
                          if any(isinstance(a, S.WeightGrads) for a in actions) else None)
         self.steps_done = 0
         self.last_lr: float | None = None
+        """The learning rate of the last update."""
         self.last_grad_norm: float | None = None
+        """The norm the last update was clipped by (before clipping); None without clipping."""
         self.loss_scale = FP16_LOSS_SCALE if ctx.precision == "fp16" else 1.0
         self._recv_positions = [i for i, a in enumerate(actions) if isinstance(a, (S.RecvActivations, S.RecvGrads))]
         self._next_recv = 0
@@ -375,8 +377,7 @@ class Executor:
         if self.ctx.replica_group is not None:  # each replica of the last stage saw its share
             values = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.ctx.device)
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.ctx.replica_group)
-            tokens = sums.tokens
-            sums = EvalSums.from_list(values.tolist(), self.ctx.is_classifier, tokens)
+            sums = EvalSums.from_list(values.tolist(), self.ctx.is_classifier, sums.tokens)
         if not self.ctx.is_classifier:
             sums.num_correct = -1
         if self.ctx.record_eval is not None:

@@ -172,8 +172,10 @@ def run_session(
         if steps_done % cfg.train.log_every == 0:
             st = timeline.stats
             logger.info(
-                "optimizer step %d: compute %.1f ms, comm %.1f ms, idle %.1f ms so far, %d weight versions held",
-                steps_done, st.compute_ms, st.comm_ms, st.idle_ms, executor.weights.max_versions_held,
+                "optimizer step %d: compute %.1f ms, comm %.1f ms, idle %.1f ms so far, %d weight versions held, "
+                "lr %.4g, gradient norm before clipping %s", steps_done, st.compute_ms, st.comm_ms, st.idle_ms,
+                executor.weights.max_versions_held, executor.last_lr,
+                "-" if executor.last_grad_norm is None else f"{executor.last_grad_norm:.4g}",
             )
         checkpoints.after_step(executor)  # at drain points (train.checkpoint_every): a consistent cut
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,10 @@ def test_paper_recipes_run_end_to_end_on_cpu(name: str, root: str, tmp_path: Pat
     summary = json.loads((run / "train/summary.json").read_text())
     assert len(summary["stages"]) == len(plan["stages"]) and summary["schedule"]
     assert summary["final_loss"] is not None and 0 < summary["final_loss"] < 1e4
+    # the evaluation at the end on the held-out stream; token data (gpt, gnmt) reports the perplexity
+    assert [e["step"] for e in summary["evals"]] == [2] and summary["evals"][0]["eval_samples"] > 0
+    if name in ("gpt", "gnmt"):
+        assert summary["eval_perplexity"] == pytest.approx(math.exp(summary["eval_loss"]))
+        assert f"perplexity {summary['eval_perplexity']:.2f}" in result.output
+    else:
+        assert "eval_perplexity" not in summary and 0 <= summary["eval_accuracy"] <= 1

@@ -15,6 +15,7 @@ import torch
 from pdcli.data import build_data
 from pdcli.models import build_loss
 from pdcli.rundir import RunDir
+from pdcli.runtime.metrics import TENSORBOARD_DIR, tensorboard_available
 from pdcli.runtime.reference import reference_eval, reference_train
 from pdcli.runtime.step import run_training
 from pdcli.runtime.toy import write_toy_run
@@ -75,6 +76,14 @@ def test_evaluation_equals_a_single_process_forward_before_during_and_after_trai
     assert [(line["step"], "eval_loss" in line) for line in lines if not line.get("final")] == sorted(
         [(t, False) for t in range(1, STEPS + 1)] + [(t, True) for t in points if t < STEPS])
     assert lines[-1]["final"] and lines[-1]["eval_loss"] == summary["eval_loss"]
+    if tensorboard_available():  # the same lines as TensorBoard scalars
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(run_dir / "train" / TENSORBOARD_DIR))
+        events.Reload()
+        assert [e.step for e in events.Scalars("eval/loss")] == points
+        assert [e.value for e in events.Scalars("eval/loss")] == pytest.approx([e["eval_loss"] for e in summary["evals"]])
+        assert [e.step for e in events.Scalars("train/lr")] == list(range(1, STEPS + 1))
 
 
 @pytest.mark.slow

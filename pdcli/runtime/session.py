@@ -239,8 +239,11 @@ def write_reports(
         tracker.writer.close()
     log = MetricsLog(train_dir / "metrics.jsonl", tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard, fresh=True))
     every, steps = cfg.train.log_every, cfg.train.steps
-    lines = [{**summarize(records, m, list(range(start, min(start + every, steps)))), "step": min(start + every, steps),
-              "samples_per_s": samples_per_s} for start in range(0, steps, every)]
+    lines = []
+    for start in range(0, steps, every):
+        end = min(start + every, steps)
+        lines.append({**summarize(records, m, list(range(start, end))), "step": end, "samples_per_s": samples_per_s,
+                      **(tracker.extra(end - 1) if tracker is not None else {})})
     lines += [e for e in evals if e["step"] < steps]  # each after the training line of its step, as live
     for line in sorted(lines, key=lambda line: (line["step"], "eval_loss" in line)):
         log.write(line)

@@ -31,6 +31,7 @@ CASES = [  # schedule, replicas, eval_every, drain points the evaluations make
     ("1f1b", [1, 1], 1, ()),
     ("pipedream", [1, 1, 1], 2, (2,)),
     ("gpipe", [1, 2], 3, ()),  # a replicated last stage: its replicas' sums add up
+    ("2bw", [1, 1], 2, (2,)),
 ]
 
 

@@ -63,6 +63,7 @@ def test_evaluation_and_epochs_that_cannot_run_fail_before_profiling(tmp_path: P
     fails("train", QUICKSTART, root, "data.eval_fraction=0.01", "data.kwargs.split=all", "data.batch_size=64",
           expect=("held-out split of digits has 18 examples", "data.batch_size=64", "train.eval_batches=0"))
     fails("train", QUICKSTART, root, "data.eval_path=held_out.pt", expect=("data.eval_path", "digits", "null"))
+    fails("train", QUICKSTART, root, "train.eval_batches=9", expect=("train.eval_batches: 9", "holds 5 whole", "359"))
     fails("train", QUICKSTART, root, "data=synthetic_images", "model=resnet18", "train.epochs=2",
           expect=("train.epochs", "infinite", "train.steps"))
     fails("train", QUICKSTART, root, "optim.schedule.name=exponential", "optim.clip_grad_norm=-1",

@@ -40,16 +40,23 @@ class EvalPlan:
 
 
 def plan_evaluation(cfg: "Config") -> EvalPlan:
-    """The run's evaluations; UserError when a held-out split cannot fill one minibatch."""
+    """The run's evaluations; UserError when the held-out split cannot fill one minibatch or
+    holds fewer than `train.eval_batches` (an evaluation reads no example twice)."""
     if cfg.train.eval_batches == 0:
         return EvalPlan((), 0, None)
     source = build_data(cfg.data, cfg.data.batch_size, split="eval")
-    num_batches = num_eval_batches(source, cfg.train.eval_batches)
-    if num_batches == 0:
+    num_batches, whole = num_eval_batches(source, cfg.train.eval_batches), num_eval_batches(source, None)
+    if whole == 0:
         raise UserError(
             f"data: the held-out split of {cfg.data.name} has {source.num_examples} examples, fewer than one "
             f"minibatch (data.batch_size={cfg.data.batch_size})",
             hint="hold out more (data.eval_fraction, data.eval_path) or turn evaluation off (train.eval_batches=0)",
+        )
+    if source.num_examples is not None and num_batches > whole:  # it would read examples twice
+        raise UserError(
+            f"train.eval_batches: {num_batches} minibatches, but the held-out split of {cfg.data.name} holds "
+            f"{whole} whole minibatches of {cfg.data.batch_size} ({source.num_examples} examples)",
+            hint=f"set train.eval_batches={whole} or null (all of it)",
         )
     return EvalPlan(eval_points(cfg.train.steps, cfg.train.eval_every, cfg.train.eval_at_start), num_batches, source)
 

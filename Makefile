@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,hf]'
+	$(BIN)/pip install -q -e '.[dev,hf,tensorboard]'
 	touch $@
 
 run: setup

@@ -58,6 +58,19 @@ def test_unknown_model_and_data_set(tmp_path: Path) -> None:
     fails("train", QUICKSTART, f"run.root={tmp_path}", "data.name=imagenet22k", expect=("data.name", "imagenet22k", "digits"))
 
 
+def test_evaluation_and_epochs_that_cannot_run_fail_before_profiling(tmp_path: Path) -> None:
+    root = f"run.root={tmp_path}"
+    fails("train", QUICKSTART, root, "data.eval_fraction=0.01", "data.kwargs.split=all", "data.batch_size=64",
+          expect=("held-out split of digits has 18 examples", "data.batch_size=64", "train.eval_batches=0"))
+    fails("train", QUICKSTART, root, "data.eval_path=held_out.pt", expect=("data.eval_path", "digits", "null"))
+    fails("train", QUICKSTART, root, "train.eval_batches=9", expect=("train.eval_batches: 9", "holds 5 whole", "359"))
+    fails("train", QUICKSTART, root, "data=synthetic_images", "model=resnet18", "train.epochs=2",
+          expect=("train.epochs", "infinite", "train.steps"))
+    fails("train", QUICKSTART, root, "optim.schedule.name=exponential", "optim.clip_grad_norm=-1",
+          expect=("optim.schedule.name", "optim.clip_grad_norm"))
+    assert not (tmp_path / "quickstart/profile.json").exists()  # none of them profiled
+
+
 def test_schedule_that_needs_more_memory_than_a_device_has(compiled: str) -> None:
     fails("train", QUICKSTART, compiled, "cluster.memory_bytes_per_device=100000",
           expect=("memory", "cluster.memory_bytes_per_device"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -140,7 +141,10 @@ def test_quickstart_trains_and_learns(root: str, tmp_path: Path) -> None:
     result = invoke("train", QUICKSTART, root, "train.steps=60", "train.log_every=10")
     assert result.exit_code == 0, result.output
     lines = [json.loads(x) for x in (tmp_path / "quickstart/train/metrics.jsonl").read_text().splitlines()]
-    steps = [x for x in lines if not x.get("final")]
+    steps = [x for x in lines if not x.get("final") and "loss" in x]
+    evals = [x for x in lines if "eval_accuracy" in x]  # held-out digits: every 50 minibatches and at the end
+    assert [x["step"] for x in evals] == [50, 60] and evals[-1]["final"] and evals[-1]["eval_accuracy"] > 0.7
+    assert f"held-out eval: loss {evals[-1]['eval_loss']:.4f}, accuracy {evals[-1]['eval_accuracy']:.3f}" in result.output
     assert steps[-1]["loss"] < 0.6 * steps[0]["loss"], steps
     assert steps[-1]["accuracy"] > steps[0]["accuracy"] + 0.2, steps
     for artifact in ("config.yaml", "profile.json", "plan.json", "stages/manifest.json", "train/trace.json"):
@@ -161,3 +165,10 @@ def test_paper_recipes_run_end_to_end_on_cpu(name: str, root: str, tmp_path: Pat
     summary = json.loads((run / "train/summary.json").read_text())
     assert len(summary["stages"]) == len(plan["stages"]) and summary["schedule"]
     assert summary["final_loss"] is not None and 0 < summary["final_loss"] < 1e4
+    # the evaluation at the end on the held-out stream; token data (gpt, gnmt) reports the perplexity
+    assert [e["step"] for e in summary["evals"]] == [2] and summary["evals"][0]["eval_samples"] > 0
+    if name in ("gpt", "gnmt"):
+        assert summary["eval_perplexity"] == pytest.approx(math.exp(summary["eval_loss"]))
+        assert f"perplexity {summary['eval_perplexity']:.2f}" in result.output
+    else:
+        assert "eval_perplexity" not in summary and 0 <= summary["eval_accuracy"] <= 1

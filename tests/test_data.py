@@ -28,7 +28,9 @@ def one_thread():
 
 
 def source(name: str, batch_size: int = 8, seed: int = 0, **kwargs: Any):
-    return build_data(DataConfig(name=name, kwargs=kwargs, seed=seed), batch_size)
+    """The training split; a file set trains on the whole file (its held-out split: the same file)."""
+    eval_path = kwargs.get("path") if name in ("tensor_file", "token_file") else None
+    return build_data(DataConfig(name=name, kwargs=kwargs, seed=seed, eval_path=eval_path), batch_size)
 
 
 def shapes(batch: Batch) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -82,8 +84,48 @@ def test_target_only_batches_have_the_same_target(name: str) -> None:
 
 def test_synthetic_sets_are_infinite_and_digits_is_finite() -> None:
     assert source("synthetic_images").num_examples is None
-    train, test, everything = (source("digits", split=s).num_examples for s in ("train", "test", "all"))
-    assert everything == 1797 and train + test == 1797 and test == round(0.2 * 1797)
+    train, everything = (source("digits", split=s).num_examples for s in ("train", "all"))
+    test = build_data(DataConfig(name="digits", kwargs={"split": "train"}), 8, split="eval").num_examples
+    assert train + test == 1797 and test == round(0.2 * 1797)
+    assert everything == 1797 - round(0.1 * 1797)  # split=all trains on all but data.eval_fraction
+
+
+def test_every_data_set_has_a_held_out_split_disjoint_from_training(tmp_path: Path) -> None:
+    from pdcli.data.registry import num_eval_batches, steps_for_epochs
+
+    def rows(src, num_batches: int) -> set[bytes]:
+        return {row.numpy().tobytes() for t in range(num_batches) for row in src.batch(t).inputs[0]}
+
+    cfg = DataConfig(name="digits", kwargs={"split": "train"})
+    train, held_out = build_data(cfg, 64), build_data(cfg, 64, split="eval")
+    assert held_out.num_examples == round(0.2 * 1797) and num_eval_batches(held_out, None) == 359 // 64
+    assert not rows(train, 23) & rows(held_out, 5)
+    assert steps_for_epochs(train, 2) == -(-2 * 1438 // 64)
+    tokens = np.arange(201, dtype="uint16")
+    tokens.tofile(tmp_path / "tokens.bin")
+    windows = DataConfig(name="token_file", kwargs={"path": str(tmp_path / "tokens.bin"), "seq_len": 10})
+    assert (build_data(windows, 2).num_examples, build_data(windows, 2, split="eval").num_examples) == (18, 2)
+    everything = DataConfig(name="digits", kwargs={"split": "all"}, eval_fraction=0.25)
+    train, held_out = build_data(everything, 8), build_data(everything, 8, split="eval")
+    assert (train.num_examples, held_out.num_examples) == (1797 - 449, 449)
+    assert not rows(train, 1348 // 8) & rows(held_out, 449 // 8)
+    assert torch.equal(held_out.batch(0).target, build_data(everything, 8, split="eval").batch(0).target)  # fixed
+    images = DataConfig(name="synthetic_images", kwargs={"image_size": 4})
+    train, held_out = build_data(images, 8), build_data(images, 8, split="eval")
+    assert num_eval_batches(held_out, None) == 8 and num_eval_batches(held_out, 3) == 3
+    assert not torch.equal(train.batch(0).inputs[0], held_out.batch(0).inputs[0])
+    with pytest.raises(UserError, match="train.epochs: the data set is an infinite"):
+        steps_for_epochs(train, 1)
+    with pytest.raises(UserError, match="data.eval_path: digits has no held-out file"):
+        build_data(DataConfig(name="digits", eval_path="x.pt"), 8, split="eval")
+
+
+def test_a_file_set_reads_its_held_out_file(tmp_path) -> None:
+    torch.save({"inputs": torch.randn(10, 3), "target": torch.arange(10)}, tmp_path / "train.pt")
+    torch.save({"inputs": torch.randn(6, 3), "target": torch.arange(6) + 100}, tmp_path / "eval.pt")
+    cfg = DataConfig(name="tensor_file", kwargs={"path": str(tmp_path / "train.pt")}, eval_path=str(tmp_path / "eval.pt"))
+    assert build_data(cfg, 2).num_examples == 10
+    assert build_data(cfg, 2, split="eval").batch(0).target.tolist() == [100, 101]
 
 
 def test_digits_split_is_fixed_and_disjoint() -> None:

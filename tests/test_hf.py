@@ -70,10 +70,12 @@ def two_stage_plan(cfg: Config, replicas: tuple[int, int] = (1, 1)) -> dict:
         {"stage_id": 1, "start": n // 2, "end": n, "replicas": r1, "ranks": list(range(r0, r0 + r1))}]}
 
 
-def compiled_run(tmp_path: Path, schedule: str, replicas: tuple[int, int] = (1, 1)) -> tuple[Config, RunDir, dict, dict]:
+def compiled_run(tmp_path: Path, schedule: str, replicas: tuple[int, int] = (1, 1),
+                 clip: float | None = None) -> tuple[Config, RunDir, dict, dict]:
     """config.yaml, plan.json and stages/ of a 2-stage run (the real compile step)."""
     run_dir = tmp_path / "run"
     cfg = hf_config(run_dir, schedule)
+    cfg.optim.clip_grad_norm = clip
     run = RunDir(run_dir)
     run.create()
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -202,6 +204,8 @@ def single_process(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
             losses.append(float(loss.detach()))
         for p, q in zip(model.parameters(), on.parameters()):
             p.grad = q.grad
+        if cfg.optim.clip_grad_norm is not None:  # the tied weight is one parameter: counted once
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
         opt.step()
         opt.zero_grad()
         stale.zero_grad()
@@ -211,10 +215,12 @@ def single_process(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule,replicas", [("1f1b", (1, 1)), ("gpipe", (1, 1)), ("2bw", (1, 1)), ("1f1b", (2, 1))],
-                         ids=["1f1b", "gpipe", "2bw", "1f1b-replicated"])
-def test_tied_gpt2_over_two_stages_equals_single_process_training(tmp_path: Path, schedule: str, replicas: tuple[int, int]) -> None:
-    cfg, run, plan, manifest = compiled_run(tmp_path, schedule, replicas)
+@pytest.mark.parametrize("schedule,replicas,clip", [("1f1b", (1, 1), None), ("gpipe", (1, 1), None), ("2bw", (1, 1), None),
+                                                    ("1f1b", (2, 1), None), ("1f1b", (1, 1), 0.05)],
+                         ids=["1f1b", "gpipe", "2bw", "1f1b-replicated", "1f1b-clipped"])
+def test_tied_gpt2_over_two_stages_equals_single_process_training(tmp_path: Path, schedule: str, replicas: tuple[int, int],
+                                                                  clip: float | None) -> None:
+    cfg, run, plan, manifest = compiled_run(tmp_path, schedule, replicas, clip)
     assert tied_holders(manifest)  # the tie crosses the split
     run_training(cfg, run, plan, manifest)
     summary = json.loads((run.path / "train" / "summary.json").read_text())

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow  # real processes over torch.distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_runtime import processes_mentioning  # noqa: E402
-from test_transparency import reference, toy_config  # noqa: E402
+from test_transparency import by_original_name, reference, stage_specs, toy_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "recipes/quickstart.yaml")
@@ -225,25 +225,18 @@ def test_2bw_with_checkpoints_drains_like_its_reference(tmp_path: Path, monkeypa
 
 
 def _reference_with_drains(cfg, manifest, stages_dir: Path, drains: tuple[int, ...]):
-    from pdcli.compiler import load_stage
     from pdcli.data import build_data
     from pdcli.models import build_loss
-    from pdcli.runtime.reference import StageSpec, reference_train
+    from pdcli.runtime.reference import reference_train
 
-    specs = []
-    for e in manifest["stages"]:
-        module, _ = load_stage(stages_dir, e["stage_id"])
-        specs.append(StageSpec(module, tuple(t["name"] for t in e["inputs"]), tuple(t["name"] for t in e["outputs"])))
+    specs = stage_specs(stages_dir, manifest)
     data = build_data(cfg.data, cfg.data.batch_size)
     result = reference_train(
         specs, build_loss("cross_entropy"), [data.batch(t) for t in range(cfg.train.steps)], cfg.schedule.name,
         cfg.schedule.num_microbatches, lambda ps: torch.optim.SGD(ps, lr=cfg.optim.lr, momentum=cfg.optim.momentum),
         model_input_names=manifest["model_inputs"], drain_after=drains,
     )
-    weights = {}
-    for e, state in zip(manifest["stages"], result.state_dicts):
-        weights.update({e["param_names"].get(k, k): v for k, v in state.items()})
-    return result.losses, weights
+    return result.losses, by_original_name(manifest, result.state_dicts)
 
 
 # ---- real processes: a worker killed from outside ---------------------------------------

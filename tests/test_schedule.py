@@ -365,3 +365,36 @@ def test_checker_rejects_an_unknown_action_type():
     lists[0].insert(0, "Forward(0)")
     with pytest.raises(ScheduleError, match="unknown action"):
         check_schedules(lists, spec)
+
+
+@pytest.mark.parametrize("name,replicas", [("1f1b", (1, 1, 1)), ("gpipe", (2, 1)), ("pipedream", (1, 1)),
+                                           ("pipedream", (1, 2)), ("2bw", (1, 1))])
+def test_evaluation_blocks_run_after_their_minibatch_on_every_process(name: str, replicas: tuple[int, ...]) -> None:
+    from pdcli.runtime.schedule import EndEval, EvalForward, build_for, drain_points, eval_points
+
+    steps, m = 6, 4
+    evals = eval_points(steps, 2, at_start=True)
+    assert evals == (0, 2, 4, 6)
+    drains = drain_points(steps, 0, extra=evals)
+    spec = ScheduleSpec.make(name, len(replicas), m, steps, replicas, drain_after=drains, eval_after=evals,
+                             num_eval_microbatches=2 * m)
+    for eager in (False, True):
+        if not eager and name == "pipedream" and max(replicas) > 1:
+            continue  # replicated pipedream needs posted sends, evaluation or not
+        lists = build_all(spec, eager_sends=eager)
+        check_schedules(lists, spec, SendMode.EAGER if eager else SendMode.RENDEZVOUS)
+    for rank, actions in enumerate(build_all(spec)):
+        stage_id, replica_id = spec.stage_replica_of(rank)
+        assert isinstance(actions[0], (EvalForward, RecvActivations))  # evaluation 0 precedes training
+        assert [a.after_minibatches for a in actions if isinstance(a, EndEval)] == list(evals)
+        held_out = [a.eval_microbatch for a in actions if isinstance(a, EvalForward)]
+        assert held_out == list(range(replica_id, 2 * m, replicas[stage_id])) * len(evals)
+        ids = {a.microbatch_id for a in actions if isinstance(a, EvalForward)}
+        assert min(ids) >= spec.total_microbatches and len(ids) == len(held_out)
+        resumed = build_for(spec, stage_id, replica_id, start_minibatch=4)
+        assert [a.after_minibatches for a in resumed if isinstance(a, EndEval)] == [4, 6]  # 4 runs again
+
+
+def test_pipedream_evaluation_between_drain_points_is_refused() -> None:
+    with pytest.raises(UserError, match="must be at drain points"):
+        ScheduleSpec.make("pipedream", 2, 2, 6, eval_after=(3, 6), num_eval_microbatches=2)

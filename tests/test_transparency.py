@@ -72,23 +72,33 @@ def pipelined(tmp_path: Path, schedule: str, replicas: list[int], vertical_sync:
     return cfg, manifest, losses, load_model_state(run_dir / "train", STEPS)
 
 
-def reference(cfg: Config, manifest: dict, replicas: list[int], stages_dir: Path):
-    """reference_train on fresh copies of the same stages; weights returned by original name."""
-    specs, modules = [], []
+def stage_specs(stages_dir: Path, manifest: dict) -> list[StageSpec]:
+    """Fresh copies of the compiled stages, named as the manifest names their tensors."""
+    specs = []
     for entry in manifest["stages"]:
         module, _ = load_stage(stages_dir, entry["stage_id"])
-        modules.append(module)
         specs.append(StageSpec(module, tuple(t["name"] for t in entry["inputs"]), tuple(t["name"] for t in entry["outputs"])))
+    return specs
+
+
+def reference(cfg: Config, manifest: dict, replicas: list[int], stages_dir: Path):
+    """reference_train on fresh copies of the same stages; weights returned by original name."""
+    specs = stage_specs(stages_dir, manifest)
     data = build_data(cfg.data, cfg.data.batch_size)
     result = reference_train(
         specs, build_loss("cross_entropy"), [data.batch(t) for t in range(STEPS)], cfg.schedule.name,
         cfg.schedule.num_microbatches, lambda ps: torch.optim.SGD(ps, lr=cfg.optim.lr, momentum=cfg.optim.momentum),
         replicas=replicas, vertical_sync=cfg.schedule.vertical_sync, model_input_names=manifest["model_inputs"],
     )
+    return result.losses, by_original_name(manifest, result.state_dicts)
+
+
+def by_original_name(manifest: dict, state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The stages' state dicts merged into one of the original model (its parameter names)."""
     weights = {}
-    for entry, state in zip(manifest["stages"], result.state_dicts):
+    for entry, state in zip(manifest["stages"], state_dicts):
         weights.update({entry["param_names"].get(k, k): v for k, v in state.items()})
-    return result.losses, weights
+    return weights
 
 
 def plain_accumulation(cfg: Config, num_stages: int) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -31,11 +31,15 @@ def train(
 
     Exit status: 0 done, 1 a worker failed, 2 a user error, 128+N stopped by signal N (130: Ctrl-C)."""
     loaded, run = load(recipe, overrides, run_name)
+    from pdcli.data.registry import resolve_steps
+    from pdcli.runtime.evaluation import plan_evaluation
     from pdcli.pipeline import ensure_all
     from pdcli.runtime.launcher import TrainingFailed, TrainingInterrupted, hosts_from_env
     from pdcli.runtime.step import format_summary, run_training
 
     cfg = loaded.config
+    resolve_steps(cfg)  # train.epochs -> train.steps
+    plan_evaluation(cfg)  # a held-out split too small to evaluate fails here, before profiling
     hosts = hosts_from_env(nnodes, node_rank, master_addr, master_port, os.environ)
     try:
         _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err, progress=is_tty())

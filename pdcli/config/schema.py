@@ -13,6 +13,8 @@ COST_MODELS = ("pd", "pipedream")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 TRANSPORTS = ("socket", "gloo")
+LR_SCHEDULES = ("constant", "linear", "cosine", "step")
+LR_UNITS = ("minibatches", "samples")
 """Activation/gradient transports (`train.transport`, which adds `auto`, and `PD_TRANSPORT`)."""
 SPLIT_AT_BEGIN = "begin"
 SPLIT_AT_END = "end"
@@ -65,6 +67,11 @@ class DataConfig:
     """Minibatch size in samples (split into microbatches by the schedule)."""
     seed: int = 0
     """Seed of the data order and of synthetic data."""
+    eval_path: Optional[str] = None
+    """`tensor_file`/`token_file`: a file of the same kind holding the held-out split; null = hold
+    out `eval_fraction` of the training file."""
+    eval_fraction: float = 0.1
+    """Fraction of a file set held out for evaluation when `eval_path` is null (fixed rows)."""
 
 
 @dataclass
@@ -145,6 +152,24 @@ class ScheduleConfig:
 
 
 @dataclass
+class LRScheduleConfig:
+    name: str = "constant"
+    """After the warm-up: `constant`, `linear` or `cosine` decay to `final_fraction`, `step` decay."""
+    unit: str = "minibatches"
+    """Unit of `warmup`, `decay` and `step_every`: `minibatches` (of data.batch_size samples) or `samples`."""
+    warmup: float = 0.0
+    """Linear warm-up from 0 to optim.lr over this many units."""
+    decay: Optional[float] = None
+    """linear/cosine: units from the end of the warm-up to `final_fraction`; null = to the end of training."""
+    final_fraction: float = 0.0
+    """linear/cosine: the learning rate at the end of the decay, as a fraction of optim.lr."""
+    step_every: float = 1.0
+    """step: multiply the learning rate by `gamma` every this many units after the warm-up."""
+    gamma: float = 0.1
+    """step: the factor of each decay step."""
+
+
+@dataclass
 class OptimConfig:
     name: str = "sgd"
     """`sgd`, `adam` or `adamw`."""
@@ -154,12 +179,27 @@ class OptimConfig:
     """SGD momentum."""
     weight_decay: float = 0.0
     """L2 weight decay."""
+    schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """Learning-rate schedule over the samples of data trained on (the same curve for every schedule)."""
+    clip_grad_norm: Optional[float] = None
+    """Clip gradients to this global L2 norm before each update (pipedream: each stage's own norm); null = off."""
 
 
 @dataclass
 class TrainConfig:
     steps: int = 50
     """Minibatches of data to train on (pipedream updates once per microbatch: steps x M updates)."""
+    epochs: Optional[float] = None
+    """Passes over a finite training set; when set it replaces `steps` (ceil(epochs x examples / batch_size))."""
+    eval_every: int = 0
+    """Evaluate on the held-out split every this many minibatches (0: only at the end)."""
+    eval_at_start: bool = False
+    """Also evaluate before the first training step."""
+    eval_batches: Optional[int] = None
+    """Minibatches of the held-out split per evaluation; null = all of a finite split (8 of a
+    synthetic one); 0 = no evaluation."""
+    tensorboard: bool = True
+    """Also write scalars to `train/tensorboard/` when the `tensorboard` package is installed."""
     precision: str = "fp32"
     """`fp32`, `bf16` (autocast) or `fp16` (autocast + loss scaling)."""
     recompute: bool = False
@@ -251,6 +291,22 @@ def check_values(cfg: Config) -> list[str]:
     positive("optim.momentum", cfg.optim.momentum, allow_zero=True)
     positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
     positive("train.steps", cfg.train.steps)
+    positive("train.epochs", cfg.train.epochs)
+    positive("train.eval_every", cfg.train.eval_every, allow_zero=True)
+    positive("train.eval_batches", cfg.train.eval_batches, allow_zero=True)
+    positive("optim.clip_grad_norm", cfg.optim.clip_grad_norm)
+    lr = cfg.optim.schedule
+    choice("optim.schedule.name", lr.name, LR_SCHEDULES)
+    choice("optim.schedule.unit", lr.unit, LR_UNITS)
+    positive("optim.schedule.warmup", lr.warmup, allow_zero=True)
+    positive("optim.schedule.decay", lr.decay)
+    positive("optim.schedule.final_fraction", lr.final_fraction, allow_zero=True)
+    positive("optim.schedule.step_every", lr.step_every)
+    positive("optim.schedule.gamma", lr.gamma)
+    if not 0 < cfg.data.eval_fraction < 1:
+        problems.append(f"data.eval_fraction: must be between 0 and 1 (exclusive), got {cfg.data.eval_fraction}")
+    if cfg.data.eval_path is not None and not str(cfg.data.eval_path).strip():
+        problems.append("data.eval_path: empty path; give the held-out file or null")
     positive("train.log_every", cfg.train.log_every)
     positive("train.checkpoint_every", cfg.train.checkpoint_every, allow_zero=True)
     positive("train.keep_checkpoints", cfg.train.keep_checkpoints)

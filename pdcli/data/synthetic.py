@@ -29,19 +29,19 @@ def synthetic_images(
     def patterns(seed: int) -> np.ndarray:
         return rng_for(seed, FIXED_STREAM).standard_normal((num_classes, *shape), dtype=np.float32)
 
-    def draw_labels(seed: int, index: int, batch_size: int) -> tuple[np.random.Generator, np.ndarray]:
+    def draw_labels(seed: int, index: int, batch_size: int, stream: int) -> tuple[np.random.Generator, np.ndarray]:
         """The batch's generator and its labels, drawn first so a target-only batch stops here."""
-        rng = rng_for(seed, BATCH_STREAM, index)
+        rng = rng_for(seed, stream, index)
         return rng, rng.integers(0, num_classes, size=batch_size)
 
-    def make_batch(seed: int, index: int, batch_size: int) -> Batch:
-        rng, labels = draw_labels(seed, index, batch_size)
+    def make_batch(seed: int, index: int, batch_size: int, stream: int = BATCH_STREAM) -> Batch:
+        rng, labels = draw_labels(seed, index, batch_size, stream)
         noise = rng.standard_normal((batch_size, *shape), dtype=np.float32)
         images = patterns(seed)[labels] + np.float32(noise_std) * noise
         return Batch(inputs=(torch.from_numpy(images),), target=torch.from_numpy(labels))
 
-    def make_target(seed: int, index: int, batch_size: int) -> torch.Tensor:
-        return torch.from_numpy(draw_labels(seed, index, batch_size)[1])
+    def make_target(seed: int, index: int, batch_size: int, stream: int = BATCH_STREAM) -> torch.Tensor:
+        return torch.from_numpy(draw_labels(seed, index, batch_size, stream)[1])
 
     return Synthetic(
         make_batch,
@@ -64,8 +64,8 @@ def synthetic_tokens(
             f"0 <= noise_prob <= 1; got {vocab_size}, {seq_len}, {max_step}, {noise_prob}"
         )
 
-    def make_batch(seed: int, index: int, batch_size: int) -> Batch:
-        rng = rng_for(seed, BATCH_STREAM, index)
+    def make_batch(seed: int, index: int, batch_size: int, stream: int = BATCH_STREAM) -> Batch:
+        rng = rng_for(seed, stream, index)
         start = rng.integers(0, vocab_size, size=(batch_size, 1))
         step = rng.integers(1, max_step + 1, size=(batch_size, 1))
         tokens = (start + step * np.arange(seq_len + 1)) % vocab_size
@@ -91,8 +91,8 @@ def synthetic_seq2seq(vocab_size: int = 64, seq_len: int = 16, reverse: bool = T
             f"synthetic_seq2seq needs vocab_size >= 2, seq_len >= 1; got {vocab_size}, {seq_len}"
         )
 
-    def make_batch(seed: int, index: int, batch_size: int) -> Batch:
-        rng = rng_for(seed, BATCH_STREAM, index)
+    def make_batch(seed: int, index: int, batch_size: int, stream: int = BATCH_STREAM) -> Batch:
+        rng = rng_for(seed, stream, index)
         src = torch.from_numpy(rng.integers(BOS_TOKEN + 1, vocab_size, size=(batch_size, seq_len)))
         tgt = src.flip(1) if reverse else src.clone()
         bos = torch.full((batch_size, 1), BOS_TOKEN, dtype=torch.int64)

@@ -22,6 +22,11 @@ def mse(output: Tensor, target: Tensor) -> Tensor:
     return F.mse_loss(output, target.to(output.dtype).reshape(output.shape))
 
 
+def num_correct(logits: Tensor, target: Tensor) -> int:
+    """Target elements a classifier gets right: argmax over the last dim (classes) equal to the target."""
+    return int((logits.argmax(-1) == target).sum())
+
+
 LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mse}
 
 

@@ -349,7 +349,8 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
         recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         overrides = [
             f"run.root={tmp}", f"run.name={PIPELINE_RUN}", "profile.runtime_probe=false", "profile.repeats=1",
-            "profile.warmup=1", f"train.steps={minibatches}", f"train.log_every={minibatches}",
+            "profile.warmup=1", f"train.steps={minibatches}", "train.epochs=null", f"train.log_every={minibatches}",
+            "train.eval_batches=0", "train.eval_every=0", "train.eval_at_start=false", "train.tensorboard=false",
             "train.checkpoint_every=0", "train.init_from=null", f"plan.num_stages={num_stages}", "plan.replicas=null",
             "plan.split_points=null", "plan.pipe_splits=false", f"plan.boundaries=[{','.join(map(str, cuts))}]",
             f"cluster.levels=[{{devices: {num_stages}, bandwidth_bytes_per_s: {bandwidth}}}]",

@@ -77,14 +77,19 @@ def pipeline_probe_minibatches(cfg: Config) -> int:
     return 0 if os.environ.get(PIPELINE_PROBE_ENV) == "0" else cfg.profile.pipeline_probe_minibatches
 
 
+TRAINING_ONLY = {"data": ("eval_path", "eval_fraction"), "optim": ("schedule", "clip_grad_norm")}
+"""Config fields that change what training computes but not what the profile measures (clipping's
+norm and its small all-reduce per update are not in the profile's optimizer step)."""
+
+
 def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | None) -> str:
     """Hash of everything the profile depends on: model, data, optimizer, profile settings,
     batch, device, and what the profiler measures."""
     section: dict[str, Any] = {
         "measures": MEASURES,
         "model": asdict(cfg.model),
-        "data": asdict(cfg.data),
-        "optim": asdict(cfg.optim),
+        "data": {k: v for k, v in asdict(cfg.data).items() if k not in TRAINING_ONLY["data"]},
+        "optim": {k: v for k, v in asdict(cfg.optim).items() if k not in TRAINING_ONLY["optim"]},
         "profile": asdict(cfg.profile),
         "microbatch_size": profile_batch_size(cfg),
         "device": device.type,

@@ -112,5 +112,6 @@ def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, c
             written["timeline"] = draw_timeline(measured.ranks, num_microbatches, stage_ranks, train_dir / TIMELINE_FILE,
                                                 timeline_steps, timeline_start)
         if measured.metrics:
-            written["loss"] = draw_loss(measured.metrics, measured.minibatch_losses, batch_size, train_dir / LOSS_FILE)
+            written["loss"] = draw_loss(measured.metrics, measured.minibatch_losses, batch_size, train_dir / LOSS_FILE,
+                                         measured.evals)
     return ReportResult(comparison, written)

@@ -94,8 +94,10 @@ def wall_times_s(metrics: Sequence[dict[str, Any]], batch_size: int) -> list[flo
     return out
 
 
-def draw_loss(metrics: Sequence[dict[str, Any]], minibatch_losses: Sequence[float], batch_size: int, out: Path) -> Path:
-    """Loss and accuracy over steps (top) and over wall time (bottom); returns `out`."""
+def draw_loss(metrics: Sequence[dict[str, Any]], minibatch_losses: Sequence[float], batch_size: int, out: Path,
+              evals: Sequence[dict[str, Any]] = ()) -> Path:
+    """Loss and accuracy over steps (top) and over wall time (bottom), the held-out evaluations
+    (`evals`) beside them over steps; returns `out`."""
     steps = [int(line["step"]) for line in metrics]
     wall_s = wall_times_s(metrics, batch_size)
     has_accuracy = any("accuracy" in line for line in metrics)
@@ -103,6 +105,9 @@ def draw_loss(metrics: Sequence[dict[str, Any]], minibatch_losses: Sequence[floa
     per_step = list(range(1, len(minibatch_losses) + 1))
     axes[0][0].plot(per_step, minibatch_losses, color="tab:blue", alpha=0.35, linewidth=0.8, label="per minibatch")
     axes[0][0].plot(steps, [line["loss"] for line in metrics], "o-", color="tab:blue", label="logged mean")
+    if evals:
+        axes[0][0].plot([e["step"] for e in evals], [e["eval_loss"] for e in evals], "s--", color="tab:green",
+                        label="held-out")
     axes[0][0].set(xlabel="step (minibatch)", ylabel="loss", title="loss over steps")
     axes[0][0].legend(fontsize="small")
     if minibatch_losses and wall_s:
@@ -116,6 +121,11 @@ def draw_loss(metrics: Sequence[dict[str, Any]], minibatch_losses: Sequence[floa
     if has_accuracy:
         acc = [(s, w, line["accuracy"]) for s, w, line in zip(steps, wall_s, metrics) if "accuracy" in line]
         axes[0][1].plot([a[0] for a in acc], [a[2] for a in acc], "o-", color="tab:orange")
+        held_out = [e for e in evals if "eval_accuracy" in e]
+        if held_out:
+            axes[0][1].plot([e["step"] for e in held_out], [e["eval_accuracy"] for e in held_out], "s--",
+                            color="tab:green", label="held-out")
+            axes[0][1].legend(fontsize="small")
         axes[0][1].set(xlabel="step (minibatch)", ylabel="accuracy", title="accuracy over steps")
         axes[1][1].plot([a[1] for a in acc], [a[2] for a in acc], "o-", color="tab:orange")
         axes[1][1].set(xlabel="wall time (s, training loop)", ylabel="accuracy", title="accuracy over wall time")

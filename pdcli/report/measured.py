@@ -13,11 +13,12 @@ action start to last action end), not the runtime's `wall_ms`, which also counts
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from pdcli.errors import UserError
+from pdcli.runtime.evaluation import EVAL_KEYS, is_eval_line
 
 TRAIN_DIR = "train"
 SUMMARY_FILE = "summary.json"  # pdcli.runtime.session.SUMMARY_FILE
@@ -130,8 +131,12 @@ class Measured:
     final_accuracy: float | None
     minibatch_losses: tuple[float, ...]
     metrics: tuple[dict[str, Any], ...]
-    """The live metrics.jsonl lines (the `final` line excluded)."""
+    """The live metrics.jsonl lines of training (the `final` line and evaluations excluded)."""
     ranks: dict[int, RankTrace]
+    evals: tuple[dict[str, Any], ...] = ()
+    """Every evaluation on the held-out split: {"step": minibatches before it, "eval_loss": ...}."""
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    """The evaluation at the end (`pdcli.runtime.evaluation.EVAL_KEYS`); empty: none."""
 
 
 def _read_json(path: Path, next_step: str) -> Any:
@@ -215,6 +220,8 @@ def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage
         samples_per_s=float(summary["samples_per_s"]), final_loss=float(summary["final_loss"]),
         final_accuracy=None if accuracy is None else float(accuracy),
         minibatch_losses=tuple(float(x) for x in summary.get("minibatch_losses", ())),
-        metrics=tuple(line for line in lines if not line.get("final")), ranks=ranks,
+        metrics=tuple(line for line in lines if not line.get("final") and not is_eval_line(line)), ranks=ranks,
+        evals=tuple(summary.get("evals", ())),
+        eval_metrics={k: float(summary[k]) for k in EVAL_KEYS if summary.get(k) is not None},
     )
 

@@ -10,6 +10,7 @@ from tabulate import tabulate
 
 from pdcli.report.compare import Comparison, relative_pct
 from pdcli.report.measured import WEIGHT_GRADS
+from pdcli.runtime.evaluation import eval_metrics_text
 from pdcli.runtime.schedule import PIPEDREAM
 
 TEXT, MARKDOWN, JSON = "text", "markdown", "json"
@@ -95,6 +96,8 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
         f"{len(c.stages)} stages, {m.num_steps} minibatches of {m.batch_size} samples "
         f"({m.num_microbatches} microbatches each{PIPEDREAM_NOTE if m.schedule == PIPEDREAM else ''}); "
         f"final loss {m.final_loss:.4f}" + ("" if m.final_accuracy is None else f", accuracy {m.final_accuracy:.3f}")
+        + " (training minibatches)" + ("" if not m.eval_metrics else "; held-out eval: " + ", ".join(
+            f"{k.removeprefix('eval_')} {v}" for k, v in eval_metrics_text(m.eval_metrics).items()))
     )
     lines.append("")
     lines.append("per stage, predicted / measured, ms per minibatch (of one replica; stage time = compute + comm):")
@@ -166,7 +169,7 @@ def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, 
             "measured": {"time_per_minibatch_ms": m.time_per_minibatch_ms,
                          "steady_time_per_minibatch_ms": m.steady_time_per_minibatch_ms,
                          "samples_per_s": m.samples_per_s, "bubble_fraction": _measured_bubble(c),
-                         "final_loss": m.final_loss, "final_accuracy": m.final_accuracy},
+                         "final_loss": m.final_loss, "final_accuracy": m.final_accuracy, **m.eval_metrics},
             "time_per_minibatch_ratio": c.time_per_minibatch_ratio,
         },
         "drift_threshold_pct": c.threshold_pct,

@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Iterator, Sequence
 
 from pdcli.runtime.schedule import (
-    ACTION_TYPES, Action, AllReduceGrads, Backward, Forward, FreeWeights, LoadMicrobatch,
+    ACTION_TYPES, Action, AllReduceGrads, Backward, EndEval, EvalForward, Forward, FreeWeights, LoadMicrobatch,
     OptimizerStep, RecvActivations, RecvGrads, ScheduleSpec, SendActivations, SendGrads,
     PIPEDREAM, StashDepth, StashWeights, WeightGrads, replica_for,
 )
@@ -141,6 +141,8 @@ class _Process:
     deferred: set[int] = field(default_factory=set)  # split_backward: backwarded, WeightGrads to come
     forwarded: set[int] = field(default_factory=set)
     backwarded: set[int] = field(default_factory=set)
+    evaluated: set[int] = field(default_factory=set)  # held-out microbatch ids (EvalForward)
+    evaluations: list[int] = field(default_factory=list)  # EndEval points, in order
     grads: set[int] = field(default_factory=set)  # microbatches in .grad since the last step
     reduced: frozenset[int] | None = None  # after AllReduceGrads: microbatches of all replicas
     max_versions: int = 1
@@ -206,8 +208,19 @@ def _apply_unchecked_depth(spec: ScheduleSpec, p: _Process, a: Action) -> str | 
         p.loaded.add(a.microbatch_id)
     elif isinstance(a, RECVS):
         p.received.add((type(a), a.microbatch_id))
-    elif isinstance(a, SendActivations) and a.microbatch_id not in p.forwarded:
+    elif isinstance(a, SendActivations) and a.microbatch_id not in p.forwarded | p.evaluated:
         return "sends activations before their forward"
+    elif isinstance(a, EvalForward):
+        if not first and (RecvActivations, a.microbatch_id) not in p.received:
+            return "evaluation forward before RecvActivations"
+        if p.in_flight or p.deferred or p.grads:
+            return (f"evaluates with training in flight (microbatches {sorted(p.in_flight)}, "
+                    f"weight gradients {sorted(p.deferred | p.grads)} not yet applied)")
+        p.evaluated.add(a.microbatch_id)
+    elif isinstance(a, EndEval):
+        if p.version != spec.steps_through(p.stage_id, a.after_minibatches):
+            return f"evaluates version {p.version}, not the one after minibatch {a.after_minibatches}"
+        p.evaluations.append(a.after_minibatches)
     elif isinstance(a, SendGrads) and a.microbatch_id not in p.backwarded:
         return "sends gradients before their backward"
     elif isinstance(a, Forward):
@@ -305,6 +318,10 @@ def _final_problems(spec: ScheduleSpec, p: _Process) -> list[str]:
                         f"expected {sorted(own)}")
     if p.version != spec.num_optimizer_steps(p.stage_id):
         problems.append(f"took {p.version} steps, expected {spec.num_optimizer_steps(p.stage_id)}")
+    if p.evaluations != list(spec.eval_after):
+        problems.append(f"evaluated after {p.evaluations}, expected {list(spec.eval_after)}")
+    if len(p.evaluated) != len(spec.eval_after) * len(range(p.replica_id, spec.num_eval_microbatches, spec.replicas[p.stage_id])):
+        problems.append(f"evaluated {len(p.evaluated)} held-out microbatches")
     if p.stash or p.grads or p.deferred:
         problems.append(f"ends with stash {sorted(p.stash)}, gradients of {sorted(p.grads)} and "
                         f"deferred weight gradients of {sorted(p.deferred)}")

@@ -26,14 +26,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from pdcli.models.loss import num_correct
 from pdcli.runtime import schedule as S
 from pdcli.runtime.comm import Mailbox
+from pdcli.runtime.evaluation import EvalSums
 from pdcli.runtime.memory import MemoryTracker, tensor_bytes
 from pdcli.runtime.metrics import Timeline, action_category
 from pdcli.runtime.optim import step_out_of_place, supports_out_of_place
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import TiedCopy, sum_tied_grads
+from pdcli.runtime.update import UpdateRule, set_lr
 from pdcli.runtime.watchdog import FAULT_ENV, Heartbeat, inject_fault, parse_fault
 from pdcli.runtime.weights import WeightVersions
 from pdcli.runtime.wgrad import DeferredWeightGrads
@@ -101,6 +104,12 @@ class StageContext:
     minibatch_cache: dict[int, list[Any]] = field(default_factory=dict)
     tied: list[TiedCopy] = field(default_factory=list)
     """This stage's copies of weights tied between stages (`pdcli.runtime.tied`)."""
+    update_rule: UpdateRule | None = None
+    """Learning rate per update and gradient clipping; None: the optimizer's lr, no clipping."""
+    eval_data: Any = None
+    """The held-out split (a BatchSource) that EvalForward reads; None when the run never evaluates."""
+    record_eval: Callable[[int, dict[str, Any]], None] | None = None
+    """record_eval(after_minibatches, metrics) on the last stage, at each EndEval."""
 
 
 class Executor:
@@ -121,9 +130,17 @@ class Executor:
             S.Backward: self.backward, S.SendGrads: self.send_grads, S.WeightGrads: self.weight_grads,
             S.StashWeights: self.stash_weights,
             S.FreeWeights: self.free_weights, S.AllReduceGrads: self.all_reduce_grads,
-            S.OptimizerStep: self.optimizer_step,
+            S.OptimizerStep: self.optimizer_step, S.EvalForward: self.eval_forward, S.EndEval: self.end_eval,
         }
         self.batches: dict[int, Any] = {}  # mb -> Batch (data inputs, target)
+        self.eval_rows: dict[int, int] = {}  # message id -> held-out microbatch, while its EvalForward runs
+        self.eval_cache: dict[int, list[Any]] = {}  # held-out minibatch -> its microbatches
+        self.eval_sums = EvalSums()
+        eval_ids = {a.microbatch_id for a in actions if isinstance(a, S.EvalForward)}
+        self._evaluating = [isinstance(a, (S.EvalForward, S.EndEval)) or (
+            isinstance(a, (S.RecvActivations, S.SendActivations)) and a.microbatch_id in eval_ids) for a in actions]
+        self.eval_s = 0.0
+        """Seconds spent in evaluation blocks (their receives' waiting included)."""
         self.received: dict[int, dict[str, Tensor]] = {}
         self.saved_inputs: dict[int, dict[str, Tensor]] = {}
         self.outputs: dict[int, dict[str, Tensor]] = {}  # with autograd graph (no recompute)
@@ -137,6 +154,10 @@ class Executor:
         self.deferred = (DeferredWeightGrads(ctx.module).install()
                          if any(isinstance(a, S.WeightGrads) for a in actions) else None)
         self.steps_done = 0
+        self.last_lr: float | None = None
+        """The learning rate of the last update."""
+        self.last_grad_norm: float | None = None
+        """The norm the last update was clipped by (before clipping); None without clipping."""
         self.loss_scale = FP16_LOSS_SCALE if ctx.precision == "fp16" else 1.0
         self._recv_positions = [i for i, a in enumerate(actions) if isinstance(a, (S.RecvActivations, S.RecvGrads))]
         self._next_recv = 0
@@ -153,7 +174,10 @@ class Executor:
                 inject_fault(self._fault[1])  # in compute: a hang there is the cause, not a symptom
             start_s = tl.now()
             S.dispatch(self.handlers, action)
-            tl.add(type(action).__name__, action_category(action), start_s, tl.now())
+            if self._evaluating[index]:  # evaluation time stays out of the training timeline and its totals
+                self.eval_s += tl.now() - start_s
+            else:
+                tl.add(type(action).__name__, action_category(action), start_s, tl.now())
             if on_step is not None and isinstance(action, S.OptimizerStep):
                 on_step(self.steps_done)
         self.ctx.mailbox.drain()
@@ -186,6 +210,8 @@ class Executor:
 
     # ---- data -----------------------------------------------------------------------
     def _microbatch(self, mb: int) -> Any:
+        if mb in self.eval_rows:
+            return self._eval_microbatch(self.eval_rows[mb])
         if mb not in self.batches:
             m = self.ctx.num_microbatches
             t = mb // m
@@ -197,6 +223,14 @@ class Executor:
                 cache[t] = self.ctx.data.batch(t, with_inputs=bool(self.ctx.io.data_inputs)).split(m)
             self.batches[mb] = cache[t][mb % m]
         return self.batches[mb]
+
+    def _eval_microbatch(self, eval_microbatch: int) -> Any:
+        m = self.ctx.num_microbatches
+        t = eval_microbatch // m
+        if t not in self.eval_cache:
+            self.eval_cache.clear()  # held-out minibatches are read in order
+            self.eval_cache[t] = self.ctx.eval_data.batch(t, with_inputs=bool(self.ctx.io.data_inputs)).split(m)
+        return self.eval_cache[t][eval_microbatch % m]
 
     def load_microbatch(self, a: S.LoadMicrobatch) -> None:
         self._microbatch(a.microbatch_id)
@@ -237,7 +271,7 @@ class Executor:
         logits = outputs[name].float()
         loss = self.ctx.loss_fn(logits, target)
         if record and self.ctx.record_loss is not None:
-            correct = int((logits.argmax(-1) == target).sum()) if self.ctx.is_classifier else -1
+            correct = num_correct(logits, target) if self.ctx.is_classifier else -1
             self.ctx.record_loss(mb, float(loss.detach()), correct, int(target.numel()))
         return loss
 
@@ -312,6 +346,50 @@ class Executor:
         self._note_memory()  # the weight gradients a first W allocates
         self.memory.released(a.microbatch_id)
 
+    # ---- evaluation -----------------------------------------------------------------------
+    def eval_forward(self, a: S.EvalForward) -> None:
+        mb, module = a.microbatch_id, self.ctx.module
+        self.eval_rows[mb] = a.eval_microbatch
+        training = module.training
+        module.eval()  # dropout off, batch norm on its running statistics
+        try:
+            with torch.no_grad():
+                outputs = self._run_stage(self._inputs(mb), None)  # the live weights: nothing is in flight
+                self._add_eval_loss(mb, outputs)
+        finally:
+            module.train(training)
+            del self.eval_rows[mb]
+        if self.ctx.io.acts_out:
+            self.to_send[mb] = outputs
+
+    def _add_eval_loss(self, mb: int, outputs: dict[str, Tensor]) -> None:
+        name = self.ctx.io.loss_output
+        if name is None or self.ctx.loss_fn is None:
+            return
+        target = self._microbatch(mb).target.to(self.ctx.device)
+        logits = outputs[name].float()
+        sums = self.eval_sums
+        sums.loss_sum += float(self.ctx.loss_fn(logits, target))
+        sums.num_microbatches += 1
+        sums.num_targets += int(target.numel())
+        sums.num_samples += int(target.size(0))
+        sums.num_correct += num_correct(logits, target) if self.ctx.is_classifier else 0
+        sums.tokens = self.ctx.is_classifier and target.dim() > 1
+
+    def end_eval(self, a: S.EndEval) -> None:
+        if self.ctx.io.loss_output is None or self.ctx.loss_fn is None:
+            return
+        sums = self.eval_sums
+        if self.ctx.replica_group is not None:  # each replica of the last stage saw its share
+            values = torch.tensor(sums.as_list(), dtype=torch.float64, device=self.ctx.device)
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.ctx.replica_group)
+            sums = EvalSums.from_list(values.tolist(), self.ctx.is_classifier, sums.tokens)
+        if not self.ctx.is_classifier:
+            sums.num_correct = -1
+        if self.ctx.record_eval is not None:
+            self.ctx.record_eval(a.after_minibatches, sums.metrics())
+        self.eval_sums = EvalSums()
+
     # ---- communication ------------------------------------------------------------------
     def send_activations(self, a: S.SendActivations) -> None:
         mb = a.microbatch_id
@@ -373,6 +451,7 @@ class Executor:
                         f"stage {self.ctx.stage_id}: non-finite fp16 gradients at step {a.step} "
                         f"(static loss scale {self.loss_scale:g}); use train.precision=bf16 or fp32"
                     )
+        self._apply_update_rule(a.step)
         if self.weights.must_update_out_of_place:
             step_out_of_place(self.ctx.optimizer)  # a stash holds the old storage: no copy
         else:
@@ -380,3 +459,15 @@ class Executor:
         self.ctx.optimizer.zero_grad(set_to_none=True)
         self.weights.stepped()
         self.steps_done += 1
+
+    def _apply_update_rule(self, step: int) -> None:
+        """The learning rate of this update and gradient clipping (`pdcli.runtime.update`)."""
+        rule = self.ctx.update_rule
+        if rule is None:
+            return
+        self.last_lr = rule.lr(step)
+        set_lr(self.ctx.optimizer, self.last_lr)
+        grads = [p.grad for p in self.weights.live.values() if p.grad is not None]
+        elsewhere = {id(c.param) for c in self.ctx.tied if not c.in_norm}  # counted by the first holder
+        counted = [p.grad for p in self.weights.live.values() if p.grad is not None and id(p) not in elsewhere]
+        self.last_grad_norm = rule.clip(grads, counted)

@@ -10,6 +10,7 @@ Categories (per rank, in ms):
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -134,19 +135,78 @@ def stage_memory(group: list[RankStats]) -> dict[str, Any]:
     return out
 
 
-class MetricsLog:
-    """`train/metrics.jsonl`: one JSON object per line, flushed as written."""
+TENSORBOARD_DIR = "tensorboard"
+"""`train/tensorboard/`: the metrics lines as TensorBoard scalars, when the package is installed."""
 
-    def __init__(self, path: Path, append: bool = False) -> None:
+
+def tensorboard_available() -> bool:
+    """True when the optional `tensorboard` package (`pip install 'pd[tensorboard]'`) is importable."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def open_tensorboard(train_dir: Path, enabled: bool, fresh: bool = False) -> Any:
+    """A `torch.utils.tensorboard.SummaryWriter` on `train/tensorboard/` (`fresh`: emptied first),
+    or None when `train.tensorboard` is off or the package is not installed."""
+    if not enabled or not tensorboard_available():
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    log_dir = train_dir / TENSORBOARD_DIR
+    if fresh:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return SummaryWriter(str(log_dir))
+
+
+def tensorboard_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The scalars of a metrics line: `train/loss`, `train/lr`, `train/samples_per_s`, `eval/loss`,
+    `eval/accuracy`, ..., and on the final line `stage_<k>/compute_ms` (comm_ms, idle_ms) per stage.
+    The final line's loss, accuracy and throughput (of the last minibatch, of the whole run) are
+    not on the per-interval curves."""
+    out: dict[str, float] = {}
+    final = bool(record.get("final"))
+    for key, value in record.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or key == "step":
+            continue
+        if key.startswith("eval_"):
+            out[f"eval/{key.removeprefix('eval_')}"] = float(value)
+        elif not final:
+            out[f"train/{key}"] = float(value)
+    for stage in record.get("stages", []) if final else []:
+        for category in CATEGORIES:
+            out[f"stage_{stage['stage_id']}/{category}_ms"] = float(stage[f"{category}_ms"])
+    return out
+
+
+def add_scalars(tensorboard: Any, record: dict[str, Any]) -> None:
+    """A metrics line's scalars (`tensorboard_scalars`) into a SummaryWriter, at the line's step."""
+    for tag, value in tensorboard_scalars(record).items():
+        tensorboard.add_scalar(tag, value, int(record.get("step", 0)))
+
+
+class MetricsLog:
+    """`train/metrics.jsonl`: one JSON object per line, flushed as written; with a TensorBoard
+    writer (`open_tensorboard`) each line's scalars too, at its step."""
+
+    def __init__(self, path: Path, append: bool = False, tensorboard: Any = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(path, "a" if append else "w")
+        self.tensorboard = tensorboard
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record, sort_keys=True) + "\n")
         self._f.flush()
+        if self.tensorboard is not None:
+            add_scalars(self.tensorboard, record)
+            self.tensorboard.flush()
 
     def close(self) -> None:
         self._f.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

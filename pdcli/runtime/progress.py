@@ -5,13 +5,16 @@ its microbatches of minibatch t, the minibatch is done; every `log_every` miniba
 metrics writer (last stage, replica 0) appends a line. With a replicated last stage each
 replica sees only its own microbatches: live lines then cover replica 0's share, and the
 writer rewrites the file at the end from every replica's records (exact).
+
+Evaluations (`record_eval`) during training get a line of their own, `{"step": t, "eval_loss":
+...}` after the training line of step t; the evaluation at the end goes into the final line.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from pdcli.runtime.metrics import MetricsLog
 
@@ -28,20 +31,27 @@ class LossTracker:
     own_per_minibatch: Callable[[int], int]
     """How many microbatches of minibatch t this rank runs."""
     writer: MetricsLog | None = None
-    extra: Callable[[], dict[str, Any]] = lambda: {}
+    extra: Callable[[int], dict[str, Any]] = lambda t: {}
+    """More fields of the line that ends with minibatch t (e.g. the learning rate of its update)."""
     records: dict[int, LossRecord] = field(default_factory=dict)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """Every evaluation so far: {"step": minibatches trained before it, eval metrics}."""
     _seen: dict[int, int] = field(default_factory=dict)
     _interval: list[int] = field(default_factory=list)
+    excluded_s: Callable[[], float] = lambda: 0.0
+    """Seconds so far that samples/s leaves out (evaluations)."""
     _last_log_s: float = field(default_factory=time.perf_counter)
+    _excluded_at_last_s: float = 0.0
 
     def restart_clock(self) -> None:
         """Start timing samples/s now (after setup, before the first action)."""
-        self._last_log_s = time.perf_counter()
+        self._last_log_s, self._excluded_at_last_s = time.perf_counter(), self.excluded_s()
 
-    def resume(self, records: dict[int, LossRecord], next_minibatch: int) -> None:
-        """Continue a run from a checkpoint: its loss records, and the minibatches since the
-        last metrics line (they belong to the next line, as in the uninterrupted run)."""
+    def resume(self, records: dict[int, LossRecord], next_minibatch: int, evals: Sequence[dict[str, Any]] = ()) -> None:
+        """Continue a run from a checkpoint: its loss records and evaluations, and the minibatches
+        since the last metrics line (they belong to the next line, as in the uninterrupted run)."""
         self.records.update({int(k): tuple(v) for k, v in records.items()})  # type: ignore[misc]
+        self.evals = [dict(e) for e in evals if int(e["step"]) < next_minibatch]  # the one at the cut runs again
         self._interval = list(range(next_minibatch - next_minibatch % self.log_every, next_minibatch))
 
     def record(self, microbatch_id: int, loss: float, correct: int, num_samples: int) -> None:
@@ -53,13 +63,22 @@ class LossTracker:
             if (t + 1) % self.log_every == 0 or t + 1 == self.num_minibatches:
                 self._log(t)
 
+    def record_eval(self, after_minibatches: int, metrics: dict[str, Any]) -> None:
+        """An evaluation after `after_minibatches` minibatches; a metrics line unless it is the end's."""
+        line = {"step": after_minibatches, **metrics}
+        self.evals.append(line)
+        if self.writer is not None and after_minibatches < self.num_minibatches:
+            self.writer.write(line)
+
     def _log(self, t: int) -> None:
         now_s = time.perf_counter()
         line = summarize(self.records, self.num_microbatches, self._interval)
         line["step"] = t + 1
-        line["samples_per_s"] = self.batch_size * len(self._interval) / max(now_s - self._last_log_s, 1e-9)
-        line.update(self.extra())
-        self._interval, self._last_log_s = [], now_s
+        excluded_s = self.excluded_s()
+        elapsed_s = now_s - self._last_log_s - (excluded_s - self._excluded_at_last_s)
+        line["samples_per_s"] = self.batch_size * len(self._interval) / max(elapsed_s, 1e-9)
+        line.update(self.extra(t))
+        self._interval, self._last_log_s, self._excluded_at_last_s = [], now_s, excluded_s
         if self.writer is not None:
             self.writer.write(line)
 

@@ -16,6 +16,12 @@ must give the same losses and final weights as `reference_train`, to float toler
 - drain points (`drain_after`, checkpoints every N minibatches): pipedream and 2bw drain
   there, so each segment follows the rules above as a run of its own that starts from
   the weights and optimizer state the previous segment left (`ScheduleSpec.weight_version`).
+- learning rate per update (`lr_at_samples`) at the samples consumed when it is applied, and
+  clipping with `torch.nn.utils.clip_grad_norm_`: over all stages at once for gpipe, 1f1b
+  and 2bw, over each stage's own parameters for pipedream (`pdcli.runtime.update`).
+
+`reference_eval` is the single-process forward over held-out batches that the pipeline's
+evaluation must equal.
 
 Stages must be deterministic (no dropout): the reference does not replay random state.
 """
@@ -30,7 +36,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.optim import Optimizer
 
+from pdcli.models.loss import num_correct
 from pdcli.runtime.schedule import ScheduleSpec
+from pdcli.runtime.update import clips_per_stage, samples_through_step
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,8 @@ def reference_train(
     vertical_sync: bool = False,
     model_input_names: Sequence[str] | None = None,
     drain_after: Sequence[int] = (),
+    lr_at_samples: Callable[[int], float] | None = None,
+    clip_grad_norm: float | None = None,
 ) -> ReferenceResult:
     """Train the stages in place on `batches` (minibatches) as `schedule` would.
 
@@ -119,7 +129,9 @@ def reference_train(
     over the microbatches an update covers and divided by their number before the step.
     `model_input_names` name `Batch.inputs` in the environment (default: the first
     stage's `input_names`). `drain_after`: minibatch counts where the pipeline drains
-    (see `pdcli.runtime.schedule.drain_points`).
+    (see `pdcli.runtime.schedule.drain_points`). `lr_at_samples(samples)`: the learning rate
+    of an update applied after `samples` samples (None: the optimizers' own); `clip_grad_norm`:
+    clip before each update (see the module docstring).
     """
     spec = ScheduleSpec.make(schedule, len(stages), num_microbatches, len(batches),
                              replicas, vertical_sync, drain_after)
@@ -159,21 +171,63 @@ def reference_train(
                     continue
                 target = stage_live[name]
                 target.grad = grad.clone() if target.grad is None else target.grad + grad
-        for stage_id in range(spec.num_stages):
+        stepping = [s for s in range(spec.num_stages)
+                    if microbatch_id == spec.microbatches_of_step(s, spec.step_of(s, microbatch_id))[-1]]
+        for stage_id in stepping:
+            covered = spec.microbatches_of_step(stage_id, spec.step_of(stage_id, microbatch_id))
+            for p in live[stage_id].values():
+                if p.grad is not None:
+                    p.grad /= len(covered)
+        if clip_grad_norm is not None:
+            _clip(spec, [live[s] for s in stepping], clip_grad_norm)
+        for stage_id in stepping:
             step = spec.step_of(stage_id, microbatch_id)
-            covered = spec.microbatches_of_step(stage_id, step)
-            if microbatch_id != covered[-1]:
-                continue
             optimizer = optimizers[stage_id]
             if optimizer is not None:
-                for p in live[stage_id].values():
-                    if p.grad is not None:
-                        p.grad /= len(covered)
+                if lr_at_samples is not None:
+                    lr = lr_at_samples(samples_through_step(spec, stage_id, step, int(micro.target.size(0))))
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             history[stage_id][step + 1] = _snapshot(live[stage_id])
         _drop_unneeded(spec, history, microbatch_id + 1)
     return ReferenceResult(losses, [m.state_dict() for m in modules])
+
+
+def _clip(spec: ScheduleSpec, stepping: list[Params], max_norm: float) -> None:
+    """clip_grad_norm_ over the stages that step now: each alone (pipedream) or all together."""
+    groups = [[p] for p in stepping] if clips_per_stage(spec.name) else [stepping]
+    for group in groups:
+        params = [t for stage in group for t in stage.values() if t.grad is not None]
+        if params:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def reference_eval(stages: Sequence[StageSpec | nn.Module], loss_fn: LossFn, batches: Sequence[MicrobatchLike],
+                   model_input_names: Sequence[str] | None = None) -> tuple[float, float]:
+    """(mean loss, accuracy) of the stages' current weights over `batches`, forward only, in
+    eval mode: the loss averaged over the batches (equal sizes), accuracy = argmax over the
+    last dimension equal to the target, over every target element."""
+    modules = [s.module if isinstance(s, StageSpec) else s for s in stages]
+    if model_input_names is None:
+        model_input_names = stages[0].input_names if isinstance(stages[0], StageSpec) else ()
+    params = [dict(m.named_parameters()) for m in modules]
+    modes = [m.training for m in modules]
+    losses, correct, count = [], 0, 0
+    try:
+        for m in modules:
+            m.eval()
+        with torch.no_grad():
+            for batch in batches:
+                logits = _run_model(stages, params, model_input_names, tuple(batch.inputs)).float()
+                losses.append(float(loss_fn(logits, batch.target)))
+                correct += num_correct(logits, batch.target)
+                count += batch.target.numel()
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)
+    return sum(losses) / len(losses), correct / count
 
 
 def _drop_unneeded(spec: ScheduleSpec, history: list[dict[int, Params]], next_id: int) -> None:

@@ -94,7 +94,7 @@ class Checkpointer:
             set_rng_state(rng)
         if self.tracker is not None:
             records = payload.get("loss_records", {}).get(self.replica_id, {})
-            self.tracker.resume(records, resume_step)
+            self.tracker.resume(records, resume_step, payload.get("evals", []))
         self.logger.info("stage %d: resumed from %s at minibatch %d (%d optimizer steps)", self.stage_id, where, resume_step, steps)
 
     def after_step(self, executor: "Executor") -> None:
@@ -115,10 +115,13 @@ class Checkpointer:
             extra: dict[str, Any] = {
                 "schedule": self.cfg.schedule.name, "num_optimizer_steps": executor.steps_done,
                 "optimizer_name": self.cfg.optim.name,
+                # the learning-rate schedule's position (a function of the step: for inspection)
+                "samples_trained": step * self.cfg.data.batch_size, "lr": executor.last_lr,
                 "rng_states": {i: o["rng"] for i, o in by_replica.items()},
             }
             if self.tracker is not None:
                 extra["loss_records"] = {i: o["records"] for i, o in by_replica.items()}
+                extra["evals"] = list(self.tracker.evals)
             checkpoint.save_stage(self.train_dir, step, self.stage_id, self.module, self.param_names,
                                   self.optimizer, executor.weights.version, extra)
         checkpoint_fault(self.rank, step, "written")

@@ -29,6 +29,14 @@ segments. Everything before a drain point is finished on every process, so a che
 there is a consistent cut and a resumed run (`build_for(..., start_minibatch=t)`) is the
 suffix of the same lists.
 
+Evaluation (`ScheduleSpec.eval_after`): after the first t minibatches (t = 0: before any
+training) every process runs an evaluation block: forward-only passes of the held-out
+microbatches through the pipeline on the live weights (`EvalForward`: no stashing, no
+gradients), then `EndEval(t)`. The block follows the optimizer step that completes
+minibatch t, at a point where nothing is in flight (pipedream and 2bw drain there, as at
+checkpoints), so every stage evaluates the same weights. Held-out microbatch e of the k-th
+evaluation travels under the id `eval_microbatch_id(k, e)`, past every training id.
+
 Gradients: a Backward adds the gradient of its microbatch's (unscaled) loss to the
 live parameters' `.grad`, whatever version it ran on (with `split_backward`, gpipe and
 1f1b only: all but the deferred weight gradients, which a later WeightGrads adds);
@@ -53,7 +61,7 @@ __all__ = [
     "LoadMicrobatch", "OptimizerStep", "RecvActivations", "RecvGrads", "ScheduleSpec",
     "SCHEDULES", "SendActivations", "SendGrads", "StashDepth", "StashWeights", "sends_first",
     "UnknownActionError", "WeightGrads", "build_all", "build_for", "build_schedule", "dispatch",
-    "drain_points", "one_f_one_b", "replica_for", "stash_depth",
+    "drain_points", "one_f_one_b", "replica_for", "stash_depth", "EvalForward", "EndEval", "eval_points",
 ]
 
 GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW = "gpipe", "1f1b", "pipedream", "2bw"
@@ -70,6 +78,12 @@ def drain_points(num_steps: int, every: int, extra: Sequence[int] = ()) -> tuple
     points = set(range(every, num_steps, every)) if every > 0 else set()
     points |= {t for t in extra if 0 < t < num_steps}
     return tuple(sorted(points))
+
+
+def eval_points(num_steps: int, every: int, at_start: bool) -> tuple[int, ...]:
+    """Minibatch counts after which the held-out split is evaluated: every `every` minibatches
+    (0 = never in between), at 0 when `at_start`, and always at the end (`num_steps`)."""
+    return tuple(sorted({*drain_points(num_steps, every), *((0,) if at_start else ()), num_steps}))
 
 
 def replica_for(microbatch_id: int, replicas_of_stage: int) -> int:
@@ -109,15 +123,22 @@ class ScheduleSpec:
     split_backward: bool = False
     """gpipe and 1f1b only: each Backward leaves the weight gradients of its Linear layers
     to a WeightGrads action placed where the stage would wait (see `_add_weight_grads`)."""
+    eval_after: tuple[int, ...] = ()
+    """Minibatch counts after which the held-out split is evaluated (see `eval_points`),
+    increasing, inside [0, num_steps]; pipedream/2bw: those inside (0, num_steps) are drain points."""
+    num_eval_microbatches: int = 0
+    """Held-out microbatches per evaluation (a multiple of num_microbatches)."""
 
     @classmethod
     def make(cls, name: str, num_stages: int, num_microbatches: int, num_steps: int,
              replicas: Sequence[int] | None = None, vertical_sync: bool = False,
-             drain_after: Sequence[int] = (), split_backward: bool = False) -> ScheduleSpec:
+             drain_after: Sequence[int] = (), split_backward: bool = False,
+             eval_after: Sequence[int] = (), num_eval_microbatches: int = 0) -> ScheduleSpec:
         """A spec with `replicas=None` meaning one replica per stage."""
         reps = tuple(replicas) if replicas is not None else (1,) * num_stages
+        evals = tuple(eval_after) if num_eval_microbatches else ()
         return cls(name, num_stages, num_microbatches, num_steps, reps, vertical_sync, tuple(drain_after),
-                   split_backward)
+                   split_backward, evals, num_eval_microbatches if evals else 0)
 
     def __post_init__(self) -> None:
         problems = []
@@ -137,6 +158,15 @@ class ScheduleSpec:
                 not 0 < t < self.num_steps for t in self.drain_after):
             problems.append(f"drain_after {list(self.drain_after)} must increase strictly inside "
                             f"(0, num_steps={self.num_steps})")
+        if list(self.eval_after) != sorted(set(self.eval_after)) or any(
+                not 0 <= t <= self.num_steps for t in self.eval_after):
+            problems.append(f"eval_after {list(self.eval_after)} must increase strictly inside [0, {self.num_steps}]")
+        if not self.is_flush and any(0 < t < self.num_steps and t not in self.drain_after for t in self.eval_after):
+            problems.append(f"{self.name}: evaluations {list(self.eval_after)} must be at drain points "
+                            f"{list(self.drain_after)} (nothing in flight)")
+        if self.num_eval_microbatches % self.num_microbatches:
+            problems.append(f"num_eval_microbatches={self.num_eval_microbatches} is not whole minibatches "
+                            f"of {self.num_microbatches}")
         if problems:
             raise UserError("; ".join(problems))
         for stage_id, r in enumerate(self.replicas):
@@ -257,6 +287,12 @@ class ScheduleSpec:
         first = self.segment_start(microbatch_id // self.num_microbatches) * self.num_microbatches
         round_index = (microbatch_id - first) // r  # first is a multiple of r (M % r == 0)
         return first // r + max(0, round_index - self.num_in_flight(stage_id) + 1)
+
+    def eval_microbatch_id(self, evaluation: int, eval_microbatch: int) -> int:
+        """The message id of held-out microbatch `eval_microbatch` of the `evaluation`-th
+        evaluation: past every training id (a multiple of M, so replicas take them round-robin
+        as `eval_microbatch % r`)."""
+        return self.total_microbatches + evaluation * self.num_eval_microbatches + eval_microbatch
 
     @property
     def weight_grad_lag(self) -> int:
@@ -386,13 +422,30 @@ class OptimizerStep:
     num_microbatches: int
 
 
+@dataclass(frozen=True)
+class EvalForward:
+    """acts_out[mb] = stage(acts_in[mb] or held-out data[eval_microbatch]; live weights), no grad; last: eval sums += loss."""
+
+    microbatch_id: int
+    eval_microbatch: int
+
+
+@dataclass(frozen=True)
+class EndEval:
+    """last stage: report the eval sums (summed over its replicas) as the evaluation after `after_minibatches`; reset."""
+
+    after_minibatches: int
+
+
 Action = Union[
     LoadMicrobatch, RecvActivations, Forward, SendActivations, RecvGrads, Backward,
     SendGrads, WeightGrads, StashWeights, FreeWeights, AllReduceGrads, OptimizerStep,
+    EvalForward, EndEval,
 ]
 ACTION_TYPES: tuple[type, ...] = (
     LoadMicrobatch, RecvActivations, Forward, SendActivations, RecvGrads, Backward,
     SendGrads, WeightGrads, StashWeights, FreeWeights, AllReduceGrads, OptimizerStep,
+    EvalForward, EndEval,
 )
 
 
@@ -491,12 +544,16 @@ def _positions(spec: ScheduleSpec, stage_id: int, replica_id: int) -> dict[tuple
             if isinstance(a, (Forward, Backward))}
 
 
+def _neighbours(spec: ScheduleSpec, stage_id: int) -> tuple[bool, bool, int, int]:
+    """(first stage, last stage, replicas of the previous stage, of the next; 1 where there is none)."""
+    first, last = stage_id == 0, stage_id == spec.num_stages - 1
+    return first, last, spec.replicas[stage_id - 1] if not first else 1, spec.replicas[stage_id + 1] if not last else 1
+
+
 def _add_communication(spec: ScheduleSpec, stage_id: int, compute: Sequence[Action]) -> list[Action]:
     """Wrap each Forward/Backward in the data loads, receives and sends it needs (see
     `_receive_first` for the one place where a receive may overtake a send)."""
-    first, last = stage_id == 0, stage_id == spec.num_stages - 1
-    prev_r = spec.replicas[stage_id - 1] if not first else 1
-    next_r = spec.replicas[stage_id + 1] if not last else 1
+    first, last, prev_r, next_r = _neighbours(spec, stage_id)
     out: list[Action] = []
     positions: dict[int, dict[tuple[type, int], int]] = {}
     for action in compute:
@@ -581,6 +638,33 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
     return out
 
 
+def _evaluation(spec: ScheduleSpec, stage_id: int, replica_id: int, evaluation: int) -> list[Action]:
+    """One evaluation block of a process: its share of the held-out microbatches, forward only."""
+    first, last, prev_r, next_r = _neighbours(spec, stage_id)
+    out: list[Action] = []
+    for e in range(replica_id, spec.num_eval_microbatches, spec.replicas[stage_id]):
+        mb = spec.eval_microbatch_id(evaluation, e)
+        if not first:
+            out.append(RecvActivations(mb, replica_for(mb, prev_r)))
+        out.append(EvalForward(mb, e))
+        if not last:
+            out.append(SendActivations(mb, replica_for(mb, next_r)))
+    return [*out, EndEval(spec.eval_after[evaluation])]
+
+
+def _add_evaluations(spec: ScheduleSpec, stage_id: int, replica_id: int, actions: list[Action]) -> list[Action]:
+    """Each evaluation block right after the optimizer step that completes its minibatch count
+    (at the start for 0)."""
+    blocks = {spec.steps_through(stage_id, t) - 1: _evaluation(spec, stage_id, replica_id, k)
+              for k, t in enumerate(spec.eval_after)}
+    out = list(blocks.pop(-1, []))
+    for action in actions:
+        out.append(action)
+        if isinstance(action, OptimizerStep) and action.step in blocks:
+            out += blocks.pop(action.step)
+    return out
+
+
 def sends_first(actions: Sequence[Action]) -> list[Action]:
     """The same list with every send moved ahead of the receives (and WeightGrads) just before it.
 
@@ -627,6 +711,8 @@ def build_for(spec: ScheduleSpec, stage_id: int, replica_id: int = 0, start_mini
     if spec.split_backward:
         actions = _add_weight_grads(spec, actions)
     actions = _add_weight_stashing(actions)
+    if spec.eval_after:
+        actions = _add_evaluations(spec, stage_id, replica_id, actions)
     return actions if start_minibatch == 0 else _resume_suffix(spec, stage_id, actions, start_minibatch)
 
 
@@ -664,16 +750,19 @@ def build_schedule(
     start_minibatch: int = 0,
     split_backward: bool = False,
     eager_sends: bool = False,
+    eval_after: Sequence[int] = (),
+    num_eval_microbatches: int = 0,
 ) -> list[Action]:
     """The action list of one process for a run of `num_steps` minibatches.
 
     `replicas[s]` is the replication factor of stage s (None: all 1); `drain_after` the
     drain (checkpoint) points (see `drain_points`); `start_minibatch` a drain point to
-    resume from; `split_backward` (gpipe, 1f1b) adds WeightGrads. Raises UserError on
-    parameters no schedule can run (see `ScheduleSpec`).
+    resume from; `split_backward` (gpipe, 1f1b) adds WeightGrads; `eval_after` the
+    evaluation points (see `eval_points`) of `num_eval_microbatches` each. Raises UserError
+    on parameters no schedule can run (see `ScheduleSpec`).
     """
     spec = ScheduleSpec.make(name, num_stages, num_microbatches, num_steps, replicas, vertical_sync, drain_after,
-                             split_backward)
+                             split_backward, eval_after, num_eval_microbatches)
     return build_for(spec, stage_id, replica_id, start_minibatch, eager_sends)
 
 

@@ -14,13 +14,15 @@ import torch.distributed as dist
 
 from pdcli.compiler import load_stage, read_manifest
 from pdcli.data import build_data
+from pdcli.data.registry import resolve_steps
 from pdcli.host import host_cores
 from pdcli.models import build_loss
 from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
 from pdcli.runtime.comm import Mailbox, TorchDistTransport, Transport
+from pdcli.runtime.evaluation import EVAL_KEYS, EvalPlan, plan_evaluation
 from pdcli.runtime.executor import Executor, StageContext
-from pdcli.runtime.metrics import MetricsLog, RankStats, Timeline, chrome_trace, per_stage
+from pdcli.runtime.metrics import S_TO_MS, MetricsLog, RankStats, Timeline, chrome_trace, open_tensorboard, per_stage
 from pdcli.runtime.optim import build_optimizer
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
@@ -29,6 +31,7 @@ from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replic
 from pdcli.runtime.sockets import SocketTransport, socket_transport_possible, transport_from_env
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import tied_copies
+from pdcli.runtime.update import UpdateRule, clips_per_stage
 from pdcli.runtime.watchdog import Heartbeat
 
 if TYPE_CHECKING:
@@ -67,6 +70,24 @@ def replica_groups(placement: Placement) -> dict[int, Any]:
     return {k: dist.new_group(list(ranks)) for k, ranks in enumerate(placement.stage_ranks) if len(ranks) > 1}
 
 
+def run_spec(cfg: "Config", placement: Placement, evaluation: EvalPlan, resume_step: int | None = None) -> ScheduleSpec:
+    """The schedule of the run: drain points at checkpoints, at the checkpoint it resumes from
+    and at evaluations (pipedream/2bw have nothing in flight there)."""
+    drains = drain_points(cfg.train.steps, cfg.train.checkpoint_every, extra=[resume_step or 0, *evaluation.points])
+    return ScheduleSpec.make(cfg.schedule.name, placement.num_stages, cfg.schedule.num_microbatches, cfg.train.steps,
+                             placement.replicas, cfg.schedule.vertical_sync, drains, cfg.schedule.split_backward_on,
+                             evaluation.points, evaluation.num_microbatches(cfg.schedule.num_microbatches))
+
+
+def global_clip_group(cfg: "Config", placement: Placement) -> Any:
+    """A process group of every rank for the global gradient norm (`pdcli.runtime.update`),
+    apart from the transport's; None when the run does not clip globally. Every rank decides
+    the same from the config and creates it at the same point."""
+    if cfg.optim.clip_grad_norm is None or clips_per_stage(cfg.schedule.name):
+        return None
+    return dist.new_group(list(range(placement.world_size)))
+
+
 def make_transport(
     placement: Placement, io: StageIO, rank: int, device: torch.device, timeout_s: float, preference: str = "auto"
 ) -> Transport:
@@ -87,10 +108,12 @@ def run_session(
 ) -> None:
     train_dir = run_dir / "train"
     stage_id, replica_id = placement.of(env.rank)
+    resolve_steps(cfg)  # train.epochs -> train.steps, as the launcher did
     heartbeat.beat(0, "init_process_group")
     device, backend = pick_device(cfg, env.local_rank)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
     groups = replica_groups(placement)
+    clip_group = global_clip_group(cfg, placement)
     if device.type == "cpu":
         cores = host_cores()
         torch.set_num_threads(cfg.train.threads_per_worker or max(1, cores // env.local_world_size))
@@ -105,9 +128,8 @@ def run_session(
     io = StageIO.from_manifest(manifest, stage_id)
     num_stages, m = placement.num_stages, cfg.schedule.num_microbatches
     resume_step = checkpoint.read_resume_step(train_dir)  # None: a fresh run
-    drains = drain_points(cfg.train.steps, cfg.train.checkpoint_every, extra=[resume_step or 0])
-    spec = ScheduleSpec.make(cfg.schedule.name, num_stages, m, cfg.train.steps, placement.replicas,
-                             cfg.schedule.vertical_sync, drains, cfg.schedule.split_backward_on)
+    evaluation = plan_evaluation(cfg)
+    spec = run_spec(cfg, placement, evaluation, resume_step)
     is_last = stage_id == num_stages - 1
     writer_rank = placement.rank(num_stages - 1, 0)
     timeline = Timeline(env.rank, stage_id, replica_id)
@@ -118,7 +140,8 @@ def run_session(
             num_microbatches=m, num_minibatches=cfg.train.steps, log_every=cfg.train.log_every,
             batch_size=cfg.data.batch_size,
             own_per_minibatch=lambda t: sum(1 for mb in range(t * m, (t + 1) * m) if replica_for(mb, r) == replica_id),
-            writer=MetricsLog(train_dir / "metrics.jsonl", append=resume_step is not None) if env.rank == writer_rank else None,
+            writer=MetricsLog(train_dir / "metrics.jsonl", append=resume_step is not None,
+                              tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard)) if env.rank == writer_rank else None,
         )
     transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport)
     # eager sends: the next stage gets its input before this one waits (see sends_first)
@@ -134,8 +157,15 @@ def run_session(
         recompute=cfg.train.recompute, replica_group=groups.get(stage_id), heartbeat=heartbeat,
         record_loss=tracker.record if tracker else None, is_classifier=loss_name == "cross_entropy",
         tied=tied,
+        update_rule=UpdateRule.make(cfg.optim, spec, stage_id, cfg.data.batch_size, replica_id, clip_group),
+        eval_data=evaluation.source, record_eval=tracker.record_eval if tracker else None,
     )
     executor = Executor(ctx, actions)
+    if tracker is not None:  # the rate of the update that applies the line's last minibatch
+        rule = ctx.update_rule
+        assert rule is not None
+        tracker.extra = lambda t: {"lr": rule.lr(spec.step_of(stage_id, (t + 1) * m - 1))}
+        tracker.excluded_s = lambda: executor.eval_s
     logger.info("stage %d replica %d: %d actions, %s, device %s", stage_id, replica_id, len(actions), cfg.schedule.name, device)
 
     checkpoints = Checkpointer(cfg, train_dir, spec, placement, env.rank, entry, module, ctx.optimizer, tracker, heartbeat, logger)
@@ -145,8 +175,10 @@ def run_session(
         if steps_done % cfg.train.log_every == 0:
             st = timeline.stats
             logger.info(
-                "optimizer step %d: compute %.1f ms, comm %.1f ms, idle %.1f ms so far, %d weight versions held",
-                steps_done, st.compute_ms, st.comm_ms, st.idle_ms, executor.weights.max_versions_held,
+                "optimizer step %d: compute %.1f ms, comm %.1f ms, idle %.1f ms so far, %d weight versions held, "
+                "lr %.4g, gradient norm before clipping %s", steps_done, st.compute_ms, st.comm_ms, st.idle_ms,
+                executor.weights.max_versions_held, executor.last_lr,
+                "-" if executor.last_grad_norm is None else f"{executor.last_grad_norm:.4g}",
             )
         checkpoints.after_step(executor)  # at drain points (train.checkpoint_every): a consistent cut
 
@@ -154,18 +186,20 @@ def run_session(
         tracker.restart_clock()
     start_s = time.perf_counter()
     executor.run(on_step)
-    loop_s = time.perf_counter() - start_s
-    logger.info("training loop done in %.3f s (%d optimizer steps)", loop_s, executor.steps_done)
+    loop_s = time.perf_counter() - start_s - executor.eval_s  # training only: samples/s and pd report's times
+    logger.info("training loop done in %.3f s (%d optimizer steps), evaluations %.3f s", loop_s, executor.steps_done,
+                executor.eval_s)
     checkpoints.save(cfg.train.steps, executor)
 
     heartbeat.beat(executor.steps_done, "report")
     stats = timeline.finish()
+    stats.wall_ms -= executor.eval_s * S_TO_MS
     stats.num_weight_versions_max = executor.weights.max_versions_held
     report = {"stats": stats, "losses": tracker.records if tracker else {}}
     gathered: list[Any] | None = [None] * placement.world_size if env.rank == writer_rank else None
     dist.gather_object(report, gathered, dst=writer_rank)
     if gathered is not None:
-        write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=resume_step or 0)
+        write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=resume_step or 0, eval_s=executor.eval_s)
     dist.barrier()
     if isinstance(transport, SocketTransport):
         transport.close()
@@ -173,7 +207,8 @@ def run_session(
 
 
 def write_reports(
-    train_dir: Path, cfg: "Config", gathered: list[dict[str, Any]], loop_s: float, tracker: LossTracker | None, first_step: int = 0
+    train_dir: Path, cfg: "Config", gathered: list[dict[str, Any]], loop_s: float, tracker: LossTracker | None, first_step: int = 0,
+    eval_s: float = 0.0,
 ) -> None:
     """Chrome trace, summary.json, and the final metrics lines (exact over all last-stage replicas)."""
     all_stats: list[RankStats] = [g["stats"] for g in gathered]
@@ -186,14 +221,18 @@ def write_reports(
     losses = minibatch_losses(records, m)
     samples_per_s = cfg.data.batch_size * (cfg.train.steps - first_step) / max(loop_s, 1e-9)  # this launch's
     final = summarize(records, m, [cfg.train.steps - 1])
+    evals = tracker.evals if tracker is not None else []
+    end_eval = {k: v for e in evals if e["step"] == cfg.train.steps for k, v in e.items() if k in EVAL_KEYS}
     summary = {
         "final_loss": final["loss"], "final_accuracy": final.get("accuracy"), "samples_per_s": samples_per_s,
         "loop_s": loop_s, "steps": cfg.train.steps, "schedule": cfg.schedule.name, "stages": stages,
         "minibatch_losses": losses, "microbatch_losses": {str(k): v[0] for k, v in sorted(records.items())},
-        "checkpoint": str(checkpoint.checkpoint_dir(train_dir, cfg.train.steps)),
+        "checkpoint": str(checkpoint.checkpoint_dir(train_dir, cfg.train.steps)), **end_eval, "evals": evals,
+        "eval_s": eval_s,
     }
     atomic_write_json(train_dir / SUMMARY_FILE, summary)
-    final_line = {**final, "step": cfg.train.steps, "final": True, "samples_per_s": samples_per_s, "stages": stages}
+    final_line = {**final, "step": cfg.train.steps, "final": True, "samples_per_s": samples_per_s, "stages": stages,
+                  **end_eval}
     if tracker is not None and tracker.writer is not None and len(gathered) and _last_stage_replicas(all_stats) == 1:
         tracker.writer.write(final_line)  # the live lines are exact: append the final one
         tracker.writer.close()
@@ -201,11 +240,15 @@ def write_reports(
     # A replicated last stage: live lines saw replica 0's share only; rewrite them from all records.
     if tracker is not None and tracker.writer is not None:
         tracker.writer.close()
-    log = MetricsLog(train_dir / "metrics.jsonl")
+    log = MetricsLog(train_dir / "metrics.jsonl", tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard, fresh=True))
     every, steps = cfg.train.log_every, cfg.train.steps
+    lines = []
     for start in range(0, steps, every):
         end = min(start + every, steps)
-        line = {**summarize(records, m, list(range(start, end))), "step": end, "samples_per_s": samples_per_s}
+        lines.append({**summarize(records, m, list(range(start, end))), "step": end, "samples_per_s": samples_per_s,
+                      **(tracker.extra(end - 1) if tracker is not None else {})})
+    lines += [e for e in evals if e["step"] < steps]  # each after the training line of its step, as live
+    for line in sorted(lines, key=lambda line: (line["step"], "eval_loss" in line)):
         log.write(line)
     log.write(final_line)
     log.close()

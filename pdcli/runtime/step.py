@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,16 +15,18 @@ from typing import Any
 from tabulate import tabulate
 
 from pdcli.config.schema import Config
+from pdcli.data.registry import resolve_steps
 from pdcli.errors import UserError
 from pdcli.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
 from pdcli.runtime import checkpoint
 from pdcli.runtime.launcher import Hosts, TrainingFailed, TrainingInterrupted, check_devices, launch_workers
-from pdcli.runtime.metrics import read_metrics
+from pdcli.runtime.metrics import TENSORBOARD_DIR, add_scalars, open_tensorboard, read_metrics
 from pdcli.runtime.placement import Placement
-from pdcli.runtime.schedule import ScheduleSpec, build_schedule, drain_points
+from pdcli.runtime.evaluation import EVAL_KEYS, eval_metrics_text, is_eval_line, plan_evaluation
+from pdcli.runtime.schedule import build_for, eval_points
 from pdcli.runtime.stageio import StageIO
+from pdcli.runtime.session import SUMMARY_FILE, run_spec
 from pdcli.runtime.tied import check_schedule
-from pdcli.runtime.session import SUMMARY_FILE
 from pdcli.runtime.sockets import transport_from_env
 from pdcli.runtime.worker import LAUNCH_FILE
 
@@ -44,6 +47,8 @@ class TrainResult:
     stages: list[dict[str, Any]]
     """Per stage: stage_id, replicas, compute_ms, comm_ms, idle_ms, wall_ms, weight_versions_max."""
     minibatch_losses: list[float]
+    eval_metrics: dict[str, float]
+    """The evaluation at the end on the held-out split (`pdcli.runtime.evaluation.EVAL_KEYS`); empty: none."""
     checkpoint_dir: Path
     metrics_path: Path
     trace_path: Path
@@ -54,7 +59,8 @@ class TrainResult:
         return TrainResult(
             final_loss=float(s["final_loss"]), final_accuracy=s.get("final_accuracy"),
             samples_per_s=float(s["samples_per_s"]), steps=int(s["steps"]), stages=list(s["stages"]),
-            minibatch_losses=[float(x) for x in s["minibatch_losses"]], checkpoint_dir=Path(s["checkpoint"]),
+            minibatch_losses=[float(x) for x in s["minibatch_losses"]],
+            eval_metrics={k: float(s[k]) for k in EVAL_KEYS if s.get(k) is not None}, checkpoint_dir=Path(s["checkpoint"]),
             metrics_path=train_dir / "metrics.jsonl", trace_path=train_dir / "trace.json",
         )
 
@@ -62,7 +68,7 @@ class TrainResult:
 PREVIOUS_CHECKPOINTS = "checkpoints.previous"
 
 
-def _clean_previous(train_dir: Path, resume_step: int | None) -> None:
+def _clean_previous(cfg: Config, train_dir: Path, resume_step: int | None) -> None:
     """Stale status/error files would blame the wrong rank; old metrics would mislead. A
     fresh run moves old checkpoints to `checkpoints.previous/` (one generation) so that a
     later --resume never picks a checkpoint of an earlier run; a resumed run keeps the
@@ -74,12 +80,19 @@ def _clean_previous(train_dir: Path, resume_step: int | None) -> None:
     metrics = train_dir / "metrics.jsonl"
     if resume_step is None:
         metrics.unlink(missing_ok=True)
+        shutil.rmtree(train_dir / TENSORBOARD_DIR, ignore_errors=True)
         if (train_dir / "checkpoints").exists():
             shutil.rmtree(train_dir / PREVIOUS_CHECKPOINTS, ignore_errors=True)
             (train_dir / "checkpoints").rename(train_dir / PREVIOUS_CHECKPOINTS)
         return
-    kept = [line for line in read_metrics(metrics) if not line.get("final") and int(line.get("step", 0)) <= resume_step]
+    kept = [line for line in read_metrics(metrics) if not line.get("final") and int(line.get("step", 0)) <= resume_step
+            and not (is_eval_line(line) and int(line["step"]) == resume_step)]  # that evaluation runs again
     atomic_write_text(metrics, "".join(json.dumps(line, sort_keys=True) + "\n" for line in kept))
+    tensorboard = open_tensorboard(train_dir, cfg.train.tensorboard, fresh=True)  # the kept lines only, as metrics.jsonl
+    if tensorboard is not None:
+        for line in kept:
+            add_scalars(tensorboard, line)
+        tensorboard.close()
 
 
 def resume_point(cfg: Config, run: RunDir, manifest: dict[str, Any], placement: Placement) -> int:
@@ -152,16 +165,14 @@ def check_inputs(cfg: Config, plan_json: dict[str, Any], manifest: dict[str, Any
     check_schedule(manifest, cfg.schedule.name)
     # Pure: a bad schedule fails here, not in 4 workers. The lists of a long run take seconds to
     # build (~1 s per 100k actions); a few minibatches with the run's drain pattern show the same errors.
-    steps = min(cfg.train.steps, 2 * max(cfg.train.checkpoint_every, 1) + SCHEDULE_CHECK_MINIBATCHES)
-    ScheduleSpec.make(cfg.schedule.name, placement.num_stages, cfg.schedule.num_microbatches, cfg.train.steps,
-                      placement.replicas, cfg.schedule.vertical_sync, drain_points(cfg.train.steps, cfg.train.checkpoint_every),
-                      cfg.schedule.split_backward_on)
+    evaluation = plan_evaluation(cfg)
+    run_spec(cfg, placement, evaluation)
+    steps = min(cfg.train.steps, 2 * max(cfg.train.checkpoint_every, cfg.train.eval_every, 1) + SCHEDULE_CHECK_MINIBATCHES)
+    short = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+    spec = run_spec(short, placement, dataclasses.replace(evaluation, points=eval_points(
+        steps, cfg.train.eval_every, cfg.train.eval_at_start) if evaluation.points else ()))
     for stage_id, replicas in enumerate(placement.replicas):
-        build_schedule(
-            cfg.schedule.name, placement.num_stages, stage_id, cfg.schedule.num_microbatches, steps,
-            replicas=list(placement.replicas), replica_id=replicas - 1, vertical_sync=cfg.schedule.vertical_sync,
-            drain_after=drain_points(steps, cfg.train.checkpoint_every), split_backward=cfg.schedule.split_backward_on,
-        )
+        build_for(spec, stage_id, replicas - 1)
     return placement
 
 
@@ -202,6 +213,7 @@ def run_training(
     signal), UserError on inputs that cannot run."""
     if not (run / "config.yaml").exists():
         raise FileNotFoundError(f"{run / 'config.yaml'} missing: the resolved config must be written first")
+    resolve_steps(cfg)  # train.epochs -> train.steps
     placement = check_inputs(cfg, plan_json, manifest)
     hosts = Hosts(nnodes, node_rank, master_addr, master_port)
     check_devices(placement.world_size, hosts, cfg.cluster.device)
@@ -211,7 +223,7 @@ def run_training(
     resume_step = resume_point(cfg, run, manifest, placement) if resume else None
     if resume_step is None and cfg.train.init_from:
         check_init_from(cfg, run, manifest)
-    _clean_previous(train_dir, resume_step)
+    _clean_previous(cfg, train_dir, resume_step)
     atomic_write_json(train_dir / LAUNCH_FILE, {"plan": plan_json, checkpoint.RESUME_KEY: resume_step})
     bar = ProgressBar(train_dir / "metrics.jsonl", cfg.train.steps) if progress else None
     try:
@@ -242,11 +254,16 @@ class ProgressBar:
 
     def _update(self) -> None:
         lines = read_metrics(self.path)
-        if not lines:
+        trained = [line for line in lines if "loss" in line]
+        if not trained:
             return
-        last = lines[-1]
+        last = trained[-1]
         self.bar.n = min(int(last.get("step", 0)), self.bar.total)
-        self.bar.set_postfix(loss=f"{last.get('loss', math.nan):.4f}", samples_per_s=f"{last.get('samples_per_s', 0):.0f}")
+        shown = {"loss": f"{last.get('loss', math.nan):.4f}"}
+        evals = [line for line in lines if "eval_loss" in line]
+        if evals:
+            shown.update(eval_metrics_text(evals[-1]))
+        self.bar.set_postfix(**shown, samples_per_s=f"{last.get('samples_per_s', 0):.0f}")
 
     def close(self) -> None:
         self._stop.set()
@@ -264,8 +281,10 @@ def format_summary(result: TrainResult) -> str:
     ]
     table = tabulate(rows, headers=["stage", "replicas", "compute ms", "comm ms", "idle ms", "weight versions"])
     acc = "" if result.final_accuracy is None else f", accuracy {result.final_accuracy:.3f}"
+    shown = eval_metrics_text(result.eval_metrics)
+    held_out = "" if not shown else "\nheld-out eval: " + ", ".join(f"{k.removeprefix('eval_')} {v}" for k, v in shown.items())
     return (
-        f"{table}\n\nfinal loss {result.final_loss:.4f}{acc} after {result.steps} steps, "
-        f"{result.samples_per_s:.1f} samples/s\nmetrics: {result.metrics_path}\ntrace: {result.trace_path}\n"
+        f"{table}\n\nfinal loss {result.final_loss:.4f}{acc} (training minibatches) after {result.steps} steps, "
+        f"{result.samples_per_s:.1f} samples/s{held_out}\nmetrics: {result.metrics_path}\ntrace: {result.trace_path}\n"
         f"checkpoint: {result.checkpoint_dir}"
     )

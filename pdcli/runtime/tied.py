@@ -53,6 +53,9 @@ class TiedCopy:
     param: nn.Parameter
     group: Any
     share: float
+    in_norm: bool = True
+    """Whether this copy counts in a global gradient norm: on the first holder stage only (the
+    copies hold one weight's gradient once summed)."""
 
 
 def tied_copies(manifest: dict[str, Any], placement: Placement, stage_id: int,
@@ -65,7 +68,7 @@ def tied_copies(manifest: dict[str, Any], placement: Placement, stage_id: int,
         group = dist.new_group(ranks)
         if stage_id in holders:
             param = held_parameter(module, entry, holders[stage_id])
-            copies.append(TiedCopy(param, group, 1.0 / placement.replicas[stage_id]))
+            copies.append(TiedCopy(param, group, 1.0 / placement.replicas[stage_id], stage_id == min(holders)))
     return copies
 
 

@@ -9,6 +9,7 @@ worker dies, the elastic agent stops its siblings and `launch_workers` raises
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import socket
@@ -31,7 +32,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from pdcli.errors import UserError
 from pdcli.host import host_cores
 from pdcli.runtime.placement import Placement
-from pdcli.runtime.watchdog import read_error, read_status
+from pdcli.runtime.watchdog import LAUNCHER_PID_ENV, read_error, read_status
 
 WORKER_MODULE = "pdcli.runtime.worker"
 LOCALHOST = "127.0.0.1"
@@ -210,6 +211,7 @@ def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s:
     log_dir = train_dir / "elastic"
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # TrainingFailed says it better
     args = ("-u", "-m", WORKER_MODULE, "--run-dir", str(run_dir))
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers inherit it: they exit without this process
     try:
         for attempt in range(PORT_ATTEMPTS):
             config = launch_config(placement.world_size, hosts, log_dir, rdzv_timeout_s=max(60.0, timeout_s * 2))
@@ -249,7 +251,7 @@ def diagnose(train_dir: Path, placement: Placement, error: ChildFailedError, log
             if rank not in exit_codes or exit_codes[rank] == -signal.SIGTERM:
                 return (4, 0.0)  # stopped by the agent after another rank failed
             return (0, 0.0)  # died without a word (os._exit, SIGKILL, segfault): the likely cause
-        return ({"error": 1, "hang": 2, "waiting": 3, "peer": 3}.get(report["kind"], 1), report["time_s"])
+        return ({"silent": -1, "error": 1, "hang": 2, "waiting": 3, "peer": 3}.get(report["kind"], 1), report["time_s"])
 
     involved = sorted(set(exit_codes) | {r for r, rep in reports.items() if rep}, key=severity)
     lines = []

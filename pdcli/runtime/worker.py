@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pdcli.runtime.placement import Placement
-from pdcli.runtime.watchdog import Heartbeat, Watchdog, status_path, write_error
+from pdcli.runtime.watchdog import Heartbeat, Watchdog, die_with_parent, status_path, write_error
 
 LAUNCH_FILE = "launch.json"
 
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdcli.runtime.worker")
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
+    die_with_parent()
     env = WorkerEnv.from_env()
     run_dir: Path = args.run_dir
     train_dir = run_dir / "train"
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_resolved(run_dir / "config.yaml")
     heartbeat = Heartbeat(status_path(train_dir, env.rank))
-    watchdog = Watchdog(heartbeat, cfg.train.timeout_s, train_dir, env.rank, who)
+    watchdog = Watchdog(heartbeat, cfg.train.timeout_s, train_dir, env.rank, who, placement.world_size,
+                        describe=lambda r: f"rank {r} (stage {placement.of(r)[0]})")
     watchdog.start()
     try:
         from pdcli.runtime.session import run_session

@@ -1,0 +1,125 @@
+"""Faults a run survives or stops on cleanly: a silent (stopped) rank, a launcher killed
+with -9, a worker killed under `train.max_restarts`, divergence (NaN, a climbing loss).
+
+Pure tests first (the watchdog's liveness reading, the divergence guard), then small
+multi-process runs of the toy pipeline (`pdcli.runtime.toy`), each with a timeout.
+Times are measured and printed (`-s`), never asserted tightly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdcli.runtime.toy import write_toy_run
+from pdcli.runtime.watchdog import Heartbeat, read_life, status_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_reliability import KILL_SCRIPT, worker_pids  # noqa: E402
+from test_runtime import processes_mentioning  # noqa: E402
+from test_transparency import toy_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+GENEROUS_S = 60.0
+"""Bound on times that are measured and reported: loose enough for a loaded machine."""
+
+
+# ---- pure ---------------------------------------------------------------------------------
+
+
+def test_sign_of_life_is_read_back_and_a_finished_rank_is_never_silent(tmp_path: Path) -> None:
+    beat = Heartbeat(status_path(tmp_path, 3))
+    beat.beat(2, "Forward(microbatch_id=5)")
+    life = read_life(tmp_path, 3)
+    assert life is not None and life[0] == os.getpid() and 0 <= life[1] < GENEROUS_S
+    beat.alive(done=True)
+    assert read_life(tmp_path, 3) is None
+    assert read_life(tmp_path, 4) is None  # no status file: not started, not silent
+    beat.close()
+
+
+# ---- real processes -------------------------------------------------------------------------
+
+
+def _start(run_dir: Path) -> subprocess.Popen[str]:
+    """`run_training` of `run_dir` in a child process (its stderr holds the failure)."""
+    return subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(run_dir)], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+
+
+def _wait_training(run_dir: Path, ranks: int) -> dict[int, int]:
+    """rank -> pid once every rank runs Forward/Backward actions."""
+    deadline = time.monotonic() + GENEROUS_S
+    while time.monotonic() < deadline:
+        statuses = [status_path(run_dir / "train", r) for r in range(ranks)]
+        if all(p.exists() and ("Forward" in p.read_bytes().decode(errors="replace")
+                               or "Backward" in p.read_bytes().decode(errors="replace")) for p in statuses):
+            break
+        time.sleep(0.2)
+    pids = worker_pids(run_dir)
+    assert sorted(pids) == list(range(ranks)), pids
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return False
+    return "zombie" not in state
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stopped_rank_is_killed_by_a_peer_and_named_as_silent(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cfg = toy_config(run_dir, "1f1b", steps=5_000, timeout_s=5, log_every=10_000)
+    write_toy_run(run_dir, cfg, [1, 1, 1])
+    proc = _start(run_dir)
+    try:
+        pids = _wait_training(run_dir, 3)
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped_s = time.monotonic()
+        _, stderr = proc.communicate(timeout=GENEROUS_S)
+        elapsed_s = time.monotonic() - stopped_s
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in worker_pids(run_dir).values():
+            os.kill(pid, signal.SIGKILL)
+    print(f"SIGSTOP of rank 1 with train.timeout_s=5: job stopped after {elapsed_s:.1f} s")
+    assert proc.returncode == 1, stderr
+    first_line = stderr.strip().splitlines()[0]
+    assert "rank 1 (stage 1) sent nothing for" in first_line, stderr
+    assert "killed by signal" not in first_line
+    assert processes_mentioning(str(run_dir)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_workers_die_with_their_launcher(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cfg = toy_config(run_dir, "1f1b", steps=5_000, timeout_s=30, log_every=10_000)
+    write_toy_run(run_dir, cfg, [1, 1, 1])
+    proc = _start(run_dir)
+    try:
+        pids = _wait_training(run_dir, 3)
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher only: the workers are in sessions of their own
+        killed_s = time.monotonic()
+        proc.wait(timeout=GENEROUS_S)
+        deadline = killed_s + 5.0
+        while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+            time.sleep(0.05)
+        gone_s = time.monotonic() - killed_s
+        left = [p for p in pids.values() if _alive(p)]
+    finally:
+        for pid in worker_pids(run_dir).values():
+            os.kill(pid, signal.SIGKILL)
+    print(f"kill -9 of the launcher: every worker gone after {gone_s:.2f} s")
+    assert left == [], f"workers {left} outlived their launcher by 5 s"

@@ -123,3 +123,52 @@ def test_workers_die_with_their_launcher(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
     print(f"kill -9 of the launcher: every worker gone after {gone_s:.2f} s")
     assert left == [], f"workers {left} outlived their launcher by 5 s"
+
+
+def _toy_train(run_dir: Path, schedule: str, monkeypatch: pytest.MonkeyPatch, fault: str | None = None, **train: object):
+    from pdcli.rundir import RunDir
+    from pdcli.runtime.step import run_training
+    from pdcli.runtime.watchdog import FAULT_ENV
+
+    cfg = toy_config(run_dir, schedule, **train)
+    plan, manifest = write_toy_run(run_dir, cfg, [1, 1, 1])
+    if fault:
+        monkeypatch.setenv(FAULT_ENV, fault)
+    else:
+        monkeypatch.delenv(FAULT_ENV, raising=False)
+    return run_training(cfg, RunDir(run_dir), plan, manifest)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule,every,fault", [
+    ("1f1b", 1, "1:3:kill"),  # rank 1 SIGKILLs itself after 3 steps: resumes from checkpoint 3
+    ("pipedream", 2, "1:9:kill"),  # pipedream steps per microbatch: after minibatch 4, checkpoint 4
+])
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schedule: str, every: int, fault: str
+) -> None:
+    import json
+
+    import torch
+
+    from pdcli.runtime import checkpoint
+    from pdcli.runtime.restarts import read_events
+
+    steps = 6
+    _toy_train(tmp_path / "whole", schedule, monkeypatch, steps=steps, checkpoint_every=every)
+    healed = _toy_train(tmp_path / "healed", schedule, monkeypatch, fault=fault, steps=steps, checkpoint_every=every,
+                        max_restarts=1)
+    events = read_events(tmp_path / "healed/train")
+    assert [(e["event"], e["rank"], e["stage"], e["cause"]) for e in events] == [("restart", 1, 1, "signal SIGKILL")], events
+    resumed_at = events[0]["resume_step"]
+    assert resumed_at is not None and 0 < resumed_at < steps
+    print(f"{schedule}: rank 1 killed, restarted from checkpoint {resumed_at}")
+    assert healed.steps == steps
+    whole = checkpoint.load_model_state(tmp_path / "whole/train", steps)
+    weights = checkpoint.load_model_state(tmp_path / "healed/train", steps)
+    for name in whole:
+        assert torch.equal(weights[name], whole[name]), name  # bit-exact, as --resume
+    lines = [json.loads(x) for x in (tmp_path / "healed/train/metrics.jsonl").read_text().splitlines()]
+    whole_lines = [json.loads(x) for x in (tmp_path / "whole/train/metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["loss"]) for m in lines] == [(m["step"], m["loss"]) for m in whole_lines]

@@ -142,6 +142,9 @@ class TrainConfig:
     """Seed of the model's random init."""
     timeout_s: float = 30.0
     """A worker silent for this long stops the job."""
+    max_restarts: int = 0
+    """After a worker dies or goes silent, restart every worker from the newest complete
+    checkpoint up to this many times (torch's elastic agent); 0 = stop at the first failure."""
     threads_per_worker: Optional[int] = None
     """torch threads per CPU worker; null = cores / workers."""
     init_from: Optional[str] = None
@@ -223,6 +226,7 @@ def check_values(cfg: Config) -> list[str]:
     positive("train.checkpoint_every", cfg.train.checkpoint_every, allow_zero=True)
     positive("train.keep_checkpoints", cfg.train.keep_checkpoints)
     positive("train.timeout_s", cfg.train.timeout_s)
+    positive("train.max_restarts", cfg.train.max_restarts, allow_zero=True)
     positive("train.threads_per_worker", cfg.train.threads_per_worker)
     positive("train.spin_wait_ms", cfg.train.spin_wait_ms, allow_zero=True)
     if cfg.train.init_from is not None and not str(cfg.train.init_from).strip():

@@ -28,7 +28,7 @@ from pdcli.runtime.resume import Checkpointer
 from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replica_for
 from pdcli.runtime.sockets import SocketTransport, socket_transport_possible, transport_from_env
 from pdcli.runtime.stageio import StageIO
-from pdcli.runtime.watchdog import Heartbeat
+from pdcli.runtime.watchdog import RESTART_COUNT_ENV, Heartbeat
 
 if TYPE_CHECKING:
     from pdcli.config import Config
@@ -61,6 +61,19 @@ def pick_device(cfg: "Config", local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def attempt_store(env: "WorkerEnv", timeout: timedelta) -> dist.Store | None:
+    """The process group's store under torch's elastic agent: its store, with a prefix per
+    attempt of the job. torch keys nothing by attempt (it expects a new store per rendezvous),
+    but a static rendezvous keeps one store across restarts (`train.max_restarts`), where the
+    gloo addresses of the previous attempt's processes would still be found. None (the
+    `env://` defaults) outside the agent."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"pd/attempt_{os.environ.get(RESTART_COUNT_ENV, '0')}", store)
+
+
 def replica_groups(placement: Placement) -> dict[int, Any]:
     """A process group per replicated stage; every rank creates every group, in stage order."""
     return {k: dist.new_group(list(ranks)) for k, ranks in enumerate(placement.stage_ranks) if len(ranks) > 1}
@@ -88,7 +101,8 @@ def run_session(
     stage_id, replica_id = placement.of(env.rank)
     heartbeat.beat(0, "init_process_group")
     device, backend = pick_device(cfg, env.local_rank)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
+    timeout = timedelta(seconds=cfg.train.timeout_s)
+    dist.init_process_group(backend, timeout=timeout, store=attempt_store(env, timeout), rank=env.rank, world_size=env.world_size)
     groups = replica_groups(placement)
     if device.type == "cpu":
         cores = host_cores()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -15,11 +14,12 @@ from tabulate import tabulate
 
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
-from pdcli.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
+from pdcli.rundir import RunDir, atomic_write_json, read_json
 from pdcli.runtime import checkpoint
 from pdcli.runtime.launcher import Hosts, TrainingFailed, TrainingInterrupted, check_devices, launch_workers
 from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.placement import Placement
+from pdcli.runtime.restarts import EVENTS_FILE, keep_metrics_through, reset_attempt
 from pdcli.runtime.schedule import ScheduleSpec, build_schedule, drain_points
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.session import SUMMARY_FILE
@@ -62,23 +62,18 @@ PREVIOUS_CHECKPOINTS = "checkpoints.previous"
 
 
 def _clean_previous(train_dir: Path, resume_step: int | None) -> None:
-    """Stale status/error files would blame the wrong rank; old metrics would mislead. A
-    fresh run moves old checkpoints to `checkpoints.previous/` (one generation) so that a
-    later --resume never picks a checkpoint of an earlier run; a resumed run keeps the
-    metrics lines up to its checkpoint and appends from there."""
-    shutil.rmtree(train_dir / "status", ignore_errors=True)
+    """Stale status/error files would blame the wrong rank; old metrics and events would
+    mislead. A fresh run moves old checkpoints to `checkpoints.previous/` (one generation) so
+    that a later --resume never picks a checkpoint of an earlier run; a resumed run keeps the
+    metrics lines up to its checkpoint and the events, and appends from there."""
+    reset_attempt(train_dir)
     shutil.rmtree(train_dir / "elastic", ignore_errors=True)  # worker stdout/stderr of the last launch
-    for name in (SUMMARY_FILE, "trace.json"):
-        (train_dir / name).unlink(missing_ok=True)
-    metrics = train_dir / "metrics.jsonl"
+    keep_metrics_through(train_dir, resume_step)
     if resume_step is None:
-        metrics.unlink(missing_ok=True)
+        (train_dir / EVENTS_FILE).unlink(missing_ok=True)
         if (train_dir / "checkpoints").exists():
             shutil.rmtree(train_dir / PREVIOUS_CHECKPOINTS, ignore_errors=True)
             (train_dir / "checkpoints").rename(train_dir / PREVIOUS_CHECKPOINTS)
-        return
-    kept = [line for line in read_metrics(metrics) if not line.get("final") and int(line.get("step", 0)) <= resume_step]
-    atomic_write_text(metrics, "".join(json.dumps(line, sort_keys=True) + "\n" for line in kept))
 
 
 def resume_point(cfg: Config, run: RunDir, manifest: dict[str, Any], placement: Placement) -> int:
@@ -213,7 +208,7 @@ def run_training(
     atomic_write_json(train_dir / LAUNCH_FILE, {"plan": plan_json, checkpoint.RESUME_KEY: resume_step})
     bar = ProgressBar(train_dir / "metrics.jsonl", cfg.train.steps) if progress else None
     try:
-        launch_workers(run.path, placement, hosts, cfg.train.timeout_s)
+        launch_workers(run.path, placement, hosts, cfg.train.timeout_s, cfg.train.max_restarts, cfg.train.steps)
     finally:
         if bar is not None:
             bar.close()

@@ -44,8 +44,11 @@ LAUNCHER_PID_ENV = "PD_LAUNCHER_PID"
 """The process that started the workers (`pd train`): a worker whose parent is another one exits."""
 PR_SET_PDEATHSIG = 1
 FAULT_ENV = "PD_TEST_FAULT"
-"""Tests only: `<rank>:<step>:exit|hang` makes that rank exit (code 3) or hang in its first
-Forward/Backward once it has taken `step` optimizer steps."""
+"""Tests only: `<rank>:<step>:exit|hang|kill` makes that rank exit (code 3), hang, or SIGKILL
+itself in its first Forward/Backward once it has taken `step` optimizer steps, in the first
+attempt of the job only (a restarted job, `train.max_restarts`, runs clean)."""
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""Set by torch's elastic agent in each worker: how many times the job was restarted."""
 CHECKPOINT_FAULT_ENV = "PD_TEST_CHECKPOINT_FAULT"
 """Tests only: `<rank>:<step>:written|complete` makes that rank exit (code 3) while taking the
 checkpoint of minibatch `step`: right after writing its stage file (`written`: the checkpoint
@@ -239,14 +242,17 @@ def parse_fault(spec: str | None, rank: int) -> tuple[int, str] | None:
     if not spec:
         return None
     fault_rank, step, mode = spec.split(":")
-    if mode not in ("exit", "hang"):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: mode must be exit or hang")
-    return (int(step), mode) if int(fault_rank) == rank else None
+    if mode not in ("exit", "hang", "kill"):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: mode must be exit, hang or kill")
+    first_attempt = os.environ.get(RESTART_COUNT_ENV, "0") == "0"
+    return (int(step), mode) if int(fault_rank) == rank and first_attempt else None
 
 
 def inject_fault(mode: str) -> None:
     if mode == "exit":
         os._exit(3)
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     while True:  # "hang": the watchdog must end this process
         time.sleep(3600)
 

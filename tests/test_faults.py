@@ -44,6 +44,41 @@ def test_sign_of_life_is_read_back_and_a_finished_rank_is_never_silent(tmp_path:
     beat.close()
 
 
+def test_loss_guard_stops_a_climbing_loss_and_names_what_to_try() -> None:
+    from pdcli.runtime.divergence import GUARD_WARMUP_MINIBATCHES, Diverged, LossGuard, remedies
+
+    falling = LossGuard(3.0, 3, remedies("pipedream", False, 0.05))
+    for t in range(200):  # a normal run: falling with noise, spikes included
+        falling.update(t, 2.3 / (1 + t / 20) + (1.5 if t % 37 == 0 else 0.0))
+    climbing = LossGuard(3.0, 3, remedies("pipedream", False, 0.05))
+    with pytest.raises(Diverged) as e:
+        for t in range(200):
+            climbing.update(t, 2.3 * 1.05 ** t)
+    message = str(e.value)
+    assert "stage 3" in message and "train.divergence=3" in message
+    assert "1f1b or 2bw" in message and "vertical_sync=true" in message and "optim.lr (e.g. 0.005)" in message
+    stopped_at = int(message.split("at minibatch ")[1].split()[0])
+    assert GUARD_WARMUP_MINIBATCHES < stopped_at < 100
+    assert "vertical_sync" not in remedies("2bw", False, 0.1) and "1f1b" in remedies("2bw", False, 0.1)
+
+
+def test_a_non_finite_checkpoint_is_never_written(tmp_path: Path) -> None:
+    import torch
+    from torch import nn
+
+    from pdcli.runtime import checkpoint
+    from pdcli.runtime.divergence import Diverged
+
+    module = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    with torch.no_grad():
+        module.weight[0, 1] = float("inf")
+    with pytest.raises(Diverged, match="stage 1: model.weight is not finite after minibatch 4; its checkpoint was not written"):
+        checkpoint.save_stage(tmp_path, 4, 1, module, {}, optimizer, 4, {})
+    assert not checkpoint.stage_file(tmp_path, 4, 1).exists()
+    assert list(tmp_path.rglob("*.tmp")) == []
+
+
 # ---- real processes -------------------------------------------------------------------------
 
 
@@ -172,3 +207,46 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(
     lines = [json.loads(x) for x in (tmp_path / "healed/train/metrics.jsonl").read_text().splitlines()]
     whole_lines = [json.loads(x) for x in (tmp_path / "whole/train/metrics.jsonl").read_text().splitlines()]
     assert [(m["step"], m["loss"]) for m in lines] == [(m["step"], m["loss"]) for m in whole_lines]
+
+
+def _nan_data_set(path: Path, cfg, nan_minibatch: int) -> None:  # type: ignore[no-untyped-def]
+    """48 toy examples (inputs 1x4x4, 4 classes) for `cfg.data`, the data switched to this
+    tensor_file; the example that lands first in minibatch `nan_minibatch` holds a NaN."""
+    import torch
+
+    from pdcli.data import build_data
+
+    rows = torch.arange(48, dtype=torch.float32)
+    torch.save({"inputs": rows.view(48, 1, 1, 1).repeat(1, 1, 4, 4) / 100, "target": torch.arange(48) % 4}, path)
+    cfg.data.name, cfg.data.kwargs = "tensor_file", {"path": str(path)}
+    row = int(round(float(build_data(cfg.data, cfg.data.batch_size).batch(nan_minibatch).inputs[0][0, 0, 0, 0]) * 100))
+    inputs = rows.view(48, 1, 1, 1).repeat(1, 1, 4, 4) / 100
+    inputs[row, 0, 2, 1] = float("nan")
+    torch.save({"inputs": inputs, "target": torch.arange(48) % 4}, path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_nan_in_the_data_stops_the_run_naming_stage_minibatch_and_last_good_checkpoint(tmp_path: Path) -> None:
+    import torch
+
+    from pdcli.rundir import RunDir
+    from pdcli.runtime import checkpoint
+    from pdcli.runtime.restarts import read_events
+    from pdcli.runtime.step import TrainingFailed, run_training
+
+    run_dir = tmp_path / "run"
+    cfg = toy_config(run_dir, "1f1b", steps=6, checkpoint_every=1, max_restarts=1)
+    _nan_data_set(tmp_path / "set.pt", cfg, nan_minibatch=3)
+    plan, manifest = write_toy_run(run_dir, cfg, [1, 1, 1])
+    with pytest.raises(TrainingFailed) as e:
+        run_training(cfg, RunDir(run_dir), plan, manifest)
+    first_line = str(e.value).splitlines()[0]
+    good = checkpoint.checkpoint_dir(run_dir / "train", 3)
+    assert first_line == (f"rank 2 (stage 2, replica 0) diverged: stage 2: the loss is nan at minibatch 3 (microbatch 6); "
+                          f"last good checkpoint: {good}"), str(e.value)
+    assert checkpoint.latest_step(run_dir / "train") == 3
+    for name, tensor in checkpoint.load_model_state(run_dir / "train", 3).items():
+        assert torch.isfinite(tensor).all(), name
+    events = read_events(run_dir / "train")
+    assert [(x["event"], x["cause"]) for x in events] == [("failure", "diverged")]  # max_restarts=1 left unused

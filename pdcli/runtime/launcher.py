@@ -297,7 +297,7 @@ def failure_causes(train_dir: Path, placement: Placement, exit_codes: Mapping[in
             if rank not in exit_codes or exit_codes[rank] == -signal.SIGTERM:
                 return (4, 0.0)  # stopped by the agent after another rank failed
             return (0, 0.0)  # died without a word (os._exit, SIGKILL, segfault): the likely cause
-        return ({"silent": -1, "error": 1, "hang": 2, "waiting": 3, "peer": 3}.get(report["kind"], 1), report["time_s"])
+        return ({"silent": -1, "diverged": 1, "error": 1, "hang": 2, "waiting": 3, "peer": 3}.get(report["kind"], 1), report["time_s"])
 
     causes = []
     for rank in sorted(set(exit_codes) | {r for r, rep in reports.items() if rep}, key=severity):

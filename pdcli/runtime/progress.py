@@ -29,6 +29,9 @@ class LossTracker:
     """How many microbatches of minibatch t this rank runs."""
     writer: MetricsLog | None = None
     extra: Callable[[], dict[str, Any]] = lambda: {}
+    guard: Callable[[int, float], None] | None = None
+    """Called with (t, this rank's mean loss of minibatch t) as each minibatch completes
+    (the divergence guard); raises to stop the run."""
     records: dict[int, LossRecord] = field(default_factory=dict)
     _seen: dict[int, int] = field(default_factory=dict)
     _interval: list[int] = field(default_factory=list)
@@ -43,6 +46,9 @@ class LossTracker:
         last metrics line (they belong to the next line, as in the uninterrupted run)."""
         self.records.update({int(k): tuple(v) for k, v in records.items()})  # type: ignore[misc]
         self._interval = list(range(next_minibatch - next_minibatch % self.log_every, next_minibatch))
+        if self.guard is not None:  # the guard sees the same losses as in the uninterrupted run
+            for t, loss in enumerate(minibatch_losses(self.records, self.num_microbatches)[:next_minibatch]):
+                self.guard(t, loss)
 
     def record(self, microbatch_id: int, loss: float, correct: int, num_samples: int) -> None:
         self.records[microbatch_id] = (loss, correct, num_samples)
@@ -52,6 +58,8 @@ class LossTracker:
             self._interval.append(t)
             if (t + 1) % self.log_every == 0 or t + 1 == self.num_minibatches:
                 self._log(t)
+            if self.guard is not None:
+                self.guard(t, summarize(self.records, self.num_microbatches, [t])["loss"])
 
     def _log(self, t: int) -> None:
         now_s = time.perf_counter()

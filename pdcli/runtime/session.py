@@ -7,7 +7,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from pdcli.models import build_loss
 from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
 from pdcli.runtime.comm import Mailbox, TorchDistTransport, Transport
+from pdcli.runtime.divergence import LossGuard, remedies
 from pdcli.runtime.executor import Executor, StageContext
 from pdcli.runtime.metrics import MetricsLog, RankStats, Timeline, chrome_trace, per_stage
 from pdcli.runtime.optim import build_optimizer
@@ -59,6 +60,14 @@ def pick_device(cfg: "Config", local_rank: int) -> tuple[torch.device, str]:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
+
+
+def loss_guard(cfg: "Config", stage_id: int) -> Callable[[int, float], None] | None:
+    """The divergence guard of the last stage (`train.divergence`; null: none)."""
+    if cfg.train.divergence is None:
+        return None
+    advice = remedies(cfg.schedule.name, cfg.schedule.vertical_sync, cfg.optim.lr)
+    return LossGuard(cfg.train.divergence, stage_id, advice).update
 
 
 def attempt_store(env: "WorkerEnv", timeout: timedelta) -> dist.Store | None:
@@ -131,6 +140,7 @@ def run_session(
             batch_size=cfg.data.batch_size,
             own_per_minibatch=lambda t: sum(1 for mb in range(t * m, (t + 1) * m) if replica_for(mb, r) == replica_id),
             writer=MetricsLog(train_dir / "metrics.jsonl", append=resume_step is not None) if env.rank == writer_rank else None,
+            guard=loss_guard(cfg, stage_id),
         )
     transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport)
     # eager sends: the next stage gets its input before this one waits (see sends_first)

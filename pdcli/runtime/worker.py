@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pdcli.runtime.checkpoint import last_good
+from pdcli.runtime.divergence import Diverged
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.watchdog import Heartbeat, Watchdog, die_with_parent, status_path, write_error
 
@@ -101,8 +103,11 @@ def main(argv: list[str] | None = None) -> int:
 
         run_session(cfg, run_dir, placement, env, heartbeat, logger)
     except BaseException as e:  # noqa: BLE001 - report, then re-raise with the traceback
-        kind = "peer" if is_comm_error(e) else "error"
-        message = f"{who} failed in {heartbeat.action} at step {heartbeat.step}: {type(e).__name__}: {e}"
+        if isinstance(e, Diverged):
+            kind, message = "diverged", f"{who} diverged: {e}; last good checkpoint: {last_good(train_dir)}"
+        else:
+            kind = "peer" if is_comm_error(e) else "error"
+            message = f"{who} failed in {heartbeat.action} at step {heartbeat.step}: {type(e).__name__}: {e}"
         write_error(train_dir, env.rank, kind, message)
         logger.error(message)
         raise

@@ -79,6 +79,34 @@ def test_a_non_finite_checkpoint_is_never_written(tmp_path: Path) -> None:
     assert list(tmp_path.rglob("*.tmp")) == []
 
 
+def test_pd_plan_prints_the_staleness_of_its_schedule() -> None:
+    from pdcli.planner.render import staleness_line
+    from pdcli.runtime.schedule import ScheduleSpec
+
+    delays = {name: [ScheduleSpec.make(name, 4, 4, 20).update_delay(k) for k in range(4)]
+              for name in ("pipedream", "2bw", "1f1b", "gpipe")}
+    assert delays == {"pipedream": [3, 2, 1, 0], "2bw": [1, 1, 1, 1], "1f1b": [0, 0, 0, 0], "gpipe": [0, 0, 0, 0]}
+    assert [ScheduleSpec.make("pipedream", 4, 4, 20, vertical_sync=True).update_delay(k) for k in range(4)] == [3, 3, 3, 3]
+    plan = {"inputs": {"schedule": "pipedream", "num_microbatches": 4},
+            "stages": [{"stage_id": k, "replicas": 1} for k in range(3)]}
+    assert staleness_line(plan) == "staleness: weights lag 2, 1, 0 optimizer steps behind (stages 0..2, pipedream)"
+
+
+def test_pd_report_lists_the_restarts_with_their_causes() -> None:
+    from pdcli.report.render import event_lines
+
+    events = ({"event": "restart", "rank": 1, "stage": 1, "cause": "signal SIGKILL", "resume_step": 3},
+              {"event": "restart", "rank": 2, "stage": 1, "cause": "silent", "resume_step": None},
+              {"event": "failure", "rank": 0, "stage": 0, "cause": "exit code 1"})
+    assert event_lines(events) == [
+        "restarts: 2",
+        "  restart: rank 1 (stage 1), signal SIGKILL; restarted from checkpoint step 3",
+        "  restart: rank 2 (stage 1), silent; restarted from the start",
+        "  failure: rank 0 (stage 0), exit code 1; the job stopped",
+    ]
+    assert event_lines(()) == []
+
+
 # ---- real processes -------------------------------------------------------------------------
 
 
@@ -188,7 +216,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(
     import torch
 
     from pdcli.runtime import checkpoint
-    from pdcli.runtime.restarts import read_events
+    from pdcli.runtime.events import read_events
 
     steps = 6
     _toy_train(tmp_path / "whole", schedule, monkeypatch, steps=steps, checkpoint_every=every)
@@ -232,7 +260,7 @@ def test_nan_in_the_data_stops_the_run_naming_stage_minibatch_and_last_good_chec
 
     from pdcli.rundir import RunDir
     from pdcli.runtime import checkpoint
-    from pdcli.runtime.restarts import read_events
+    from pdcli.runtime.events import read_events
     from pdcli.runtime.step import TrainingFailed, run_training
 
     run_dir = tmp_path / "run"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pdcli.errors import UserError
+from pdcli.runtime.events import read_events
 
 TRAIN_DIR = "train"
 SUMMARY_FILE = "summary.json"  # pdcli.runtime.session.SUMMARY_FILE
@@ -132,6 +133,8 @@ class Measured:
     metrics: tuple[dict[str, Any], ...]
     """The live metrics.jsonl lines (the `final` line excluded)."""
     ranks: dict[int, RankTrace]
+    events: tuple[dict[str, Any], ...] = ()
+    """`train/events.jsonl`: the restarts (and failures) of the run (`pdcli.runtime.events`)."""
 
 
 def _read_json(path: Path, next_step: str) -> Any:
@@ -216,5 +219,6 @@ def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage
         final_accuracy=None if accuracy is None else float(accuracy),
         minibatch_losses=tuple(float(x) for x in summary.get("minibatch_losses", ())),
         metrics=tuple(line for line in lines if not line.get("final")), ranks=ranks,
+        events=tuple(read_events(train_dir)),
     )
 

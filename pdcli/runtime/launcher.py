@@ -32,7 +32,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from pdcli.errors import UserError
 from pdcli.host import host_cores
 from pdcli.runtime.placement import Placement
-from pdcli.runtime.restarts import NO_RESTART_KINDS, append_event, prepare_restart, restarting_agent
+from pdcli.runtime.events import append_event
+from pdcli.runtime.restarts import NO_RESTART_KINDS, prepare_restart, restarting_agent
 from pdcli.runtime.watchdog import LAUNCHER_PID_ENV, read_error, read_status
 
 WORKER_MODULE = "pdcli.runtime.worker"

@@ -1,12 +1,13 @@
-"""Restarts of a failed job (`train.max_restarts`) and the run's event log `train/events.jsonl`.
+"""Restarts of a failed job (`train.max_restarts`): torch's elastic agent, pd's bookkeeping around it.
 
 torch's elastic agent does the restarting: when a worker dies (or a peer's watchdog kills a
 silent one) it stops every worker and starts them all again, up to `max_restarts` times.
-`RestartingAgent` adds what pd needs around that machinery: before each restart it writes
-the cause (rank, stage, signal / exit code / silence) into `events.jsonl` and points the
-launch at the newest complete checkpoint (`launch.json`'s resume step), so the new workers
-resume as `pd train --resume` would; a diverged run is never restarted (it would diverge
-again). The same train-directory resets serve a fresh launch and a resume (`reset_attempt`,
+`RestartingAgent` adds two hooks to that machinery: each failure goes to `on_failure` (the
+launcher logs its cause in `train/events.jsonl`, and refuses a restart for a diverged run,
+which would diverge again), and `before_restart` runs between stopping and starting the
+workers (`prepare_restart`: `launch.json`'s resume step becomes the newest complete
+checkpoint, so the new workers resume as `pd train --resume` would). The same
+train-directory resets serve a fresh launch and a resume (`reset_attempt`,
 `keep_metrics_through`).
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,29 +30,8 @@ from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.session import SUMMARY_FILE
 from pdcli.runtime.worker import LAUNCH_FILE
 
-EVENTS_FILE = "events.jsonl"
 NO_RESTART_KINDS = ("diverged",)
 """Error-report kinds a restart cannot cure: the job stops with its restarts unused."""
-
-
-def append_event(train_dir: Path, event: dict[str, Any]) -> None:
-    """One line of `train/events.jsonl` (appended: an event log is never rewritten)."""
-    train_dir.mkdir(parents=True, exist_ok=True)
-    with open(train_dir / EVENTS_FILE, "a") as f:
-        f.write(json.dumps({"time_s": round(time.time(), 3), **event}, sort_keys=True) + "\n")
-
-
-def read_events(train_dir: Path) -> list[dict[str, Any]]:
-    path = train_dir / EVENTS_FILE
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-    return out
 
 
 def reset_attempt(train_dir: Path) -> None:

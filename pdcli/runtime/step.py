@@ -19,7 +19,8 @@ from pdcli.runtime import checkpoint
 from pdcli.runtime.launcher import Hosts, TrainingFailed, TrainingInterrupted, check_devices, launch_workers
 from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.placement import Placement
-from pdcli.runtime.restarts import EVENTS_FILE, keep_metrics_through, reset_attempt
+from pdcli.runtime.events import EVENTS_FILE
+from pdcli.runtime.restarts import keep_metrics_through, reset_attempt
 from pdcli.runtime.schedule import ScheduleSpec, build_schedule, drain_points
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.session import SUMMARY_FILE

@@ -110,6 +110,14 @@ def test_pd_report_lists_the_restarts_with_their_causes() -> None:
 # ---- real processes -------------------------------------------------------------------------
 
 
+def _long_toy_config(run_dir: Path, **train: object):  # type: ignore[no-untyped-def]
+    """The toy pipeline for a run that lasts until a fault ends it: a learning rate it
+    survives (its default lr 0.2 with momentum reaches NaN by minibatch ~70)."""
+    cfg = toy_config(run_dir, "1f1b", steps=5_000, log_every=10_000, **train)
+    cfg.optim.lr, cfg.optim.momentum = 0.01, 0.0
+    return cfg
+
+
 def _start(run_dir: Path) -> subprocess.Popen[str]:
     """`run_training` of `run_dir` in a child process (its stderr holds the failure)."""
     return subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(run_dir)], cwd=REPO, stderr=subprocess.PIPE, text=True,
@@ -142,7 +150,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(120)
 def test_a_stopped_rank_is_killed_by_a_peer_and_named_as_silent(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cfg = toy_config(run_dir, "1f1b", steps=5_000, timeout_s=5, log_every=10_000)
+    cfg = _long_toy_config(run_dir, timeout_s=5)
     write_toy_run(run_dir, cfg, [1, 1, 1])
     proc = _start(run_dir)
     try:
@@ -168,7 +176,7 @@ def test_a_stopped_rank_is_killed_by_a_peer_and_named_as_silent(tmp_path: Path) 
 @pytest.mark.timeout(120)
 def test_workers_die_with_their_launcher(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cfg = toy_config(run_dir, "1f1b", steps=5_000, timeout_s=30, log_every=10_000)
+    cfg = _long_toy_config(run_dir, timeout_s=30)
     write_toy_run(run_dir, cfg, [1, 1, 1])
     proc = _start(run_dir)
     try:
@@ -226,7 +234,8 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(
     assert [(e["event"], e["rank"], e["stage"], e["cause"]) for e in events] == [("restart", 1, 1, "signal SIGKILL")], events
     resumed_at = events[0]["resume_step"]
     assert resumed_at is not None and 0 < resumed_at < steps
-    print(f"{schedule}: rank 1 killed, restarted from checkpoint {resumed_at}")
+    print(f"{schedule}: rank 1 killed, restarted from checkpoint {resumed_at}; "
+          f"run done {time.time() - events[0]['time_s']:.1f} s after the restart")
     assert healed.steps == steps
     whole = checkpoint.load_model_state(tmp_path / "whole/train", steps)
     weights = checkpoint.load_model_state(tmp_path / "healed/train", steps)

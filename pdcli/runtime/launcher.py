@@ -34,7 +34,7 @@ from pdcli.host import host_cores
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.events import append_event
 from pdcli.runtime.restarts import NO_RESTART_KINDS, prepare_restart, restarting_agent
-from pdcli.runtime.watchdog import LAUNCHER_PID_ENV, read_error, read_status
+from pdcli.runtime.watchdog import read_error, read_status
 
 WORKER_MODULE = "pdcli.runtime.worker"
 LOCALHOST = "127.0.0.1"
@@ -215,8 +215,8 @@ def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s:
     train_dir = run_dir / "train"
     log_dir = train_dir / "elastic"
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # TrainingFailed says it better
-    args = ("-u", "-m", WORKER_MODULE, "--run-dir", str(run_dir))
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers inherit it: they exit without this process
+    # --launcher-pid: a worker whose parent is no longer this process exits (see die_with_parent)
+    args = ("-u", "-m", WORKER_MODULE, "--run-dir", str(run_dir), "--launcher-pid", str(os.getpid()))
     try:
         for attempt in range(PORT_ATTEMPTS):
             config = launch_config(placement.world_size, hosts, log_dir, rdzv_timeout_s=max(60.0, timeout_s * 2),

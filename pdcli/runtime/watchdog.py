@@ -40,8 +40,6 @@ ORPHAN_EXIT_CODE = 125
 FROZEN_S = 3.0
 """A rank whose own wait timed out blames a local peer whose sign of life is this old (the
 watchdog thread of a running process writes it every <= 1 s): the peer is the cause."""
-LAUNCHER_PID_ENV = "PD_LAUNCHER_PID"
-"""The process that started the workers (`pd train`): a worker whose parent is another one exits."""
 PR_SET_PDEATHSIG = 1
 FAULT_ENV = "PD_TEST_FAULT"
 """Tests only: `<rank>:<step>:exit|hang|kill` makes that rank exit (code 3), hang, or SIGKILL
@@ -134,17 +132,17 @@ def kill_process_group(pid: int) -> None:
         pass
 
 
-def die_with_parent() -> None:
+def die_with_parent(launcher_pid: int | None) -> None:
     """Ask Linux to SIGKILL this process when its parent (the launcher) dies, and exit now if
-    the launcher is already gone. Elsewhere the watchdog's parent check does the job."""
+    the launcher (`launcher_pid`, when known) is already gone. Elsewhere the watchdog's parent
+    check does the job."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             pass
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher and launcher.isdigit() and os.getppid() != int(launcher):
+    if launcher_pid is not None and os.getppid() != launcher_pid:
         os._exit(ORPHAN_EXIT_CODE)  # the launcher died before the signal was armed
 
 

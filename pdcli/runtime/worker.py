@@ -79,8 +79,10 @@ def is_comm_error(error: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdcli.runtime.worker")
     parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--launcher-pid", type=int, default=None,
+                        help="the process that started this worker (pd train): exit if it is gone")
     args = parser.parse_args(argv)
-    die_with_parent()
+    die_with_parent(args.launcher_pid)
     env = WorkerEnv.from_env()
     run_dir: Path = args.run_dir
     train_dir = run_dir / "train"

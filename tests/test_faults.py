@@ -212,12 +212,13 @@ def _toy_train(run_dir: Path, schedule: str, monkeypatch: pytest.MonkeyPatch, fa
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule,every,fault", [
-    ("1f1b", 1, "1:3:kill"),  # rank 1 SIGKILLs itself after 3 steps: resumes from checkpoint 3
-    ("pipedream", 2, "1:9:kill"),  # pipedream steps per microbatch: after minibatch 4, checkpoint 4
+@pytest.mark.parametrize("schedule,every,fault,cause", [
+    ("1f1b", 1, "1:3:kill", "signal SIGKILL"),  # rank 1 SIGKILLs itself after 3 steps: resumes from checkpoint 3
+    ("pipedream", 2, "1:9:kill", "signal SIGKILL"),  # pipedream steps per microbatch: after minibatch 4, checkpoint 4
+    ("1f1b", 1, "1:3:stop", "silent"),  # SIGSTOP: a peer's watchdog kills it, then the same restart
 ])
 def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schedule: str, every: int, fault: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schedule: str, every: int, fault: str, cause: str
 ) -> None:
     import json
 
@@ -229,9 +230,9 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(
     steps = 6
     _toy_train(tmp_path / "whole", schedule, monkeypatch, steps=steps, checkpoint_every=every)
     healed = _toy_train(tmp_path / "healed", schedule, monkeypatch, fault=fault, steps=steps, checkpoint_every=every,
-                        max_restarts=1)
+                        max_restarts=1, timeout_s=10)
     events = read_events(tmp_path / "healed/train")
-    assert [(e["event"], e["rank"], e["stage"], e["cause"]) for e in events] == [("restart", 1, 1, "signal SIGKILL")], events
+    assert [(e["event"], e["rank"], e["stage"], e["cause"]) for e in events] == [("restart", 1, 1, cause)], events
     resumed_at = events[0]["resume_step"]
     assert resumed_at is not None and 0 < resumed_at < steps
     print(f"{schedule}: rank 1 killed, restarted from checkpoint {resumed_at}; "

@@ -1,9 +1,10 @@
 """Start the workers through PyTorch's elastic launcher (the engine behind torchrun).
 
 One process per device of the plan on this host (or `nproc = world / nnodes` per host
-with a static rendezvous on `master_addr:master_port`). `max_restarts=0`: when one
-worker dies, the elastic agent stops its siblings and `launch_workers` raises
-`TrainingFailed` with a message naming the rank, its stage and its last action.
+with a static rendezvous on `master_addr:master_port`). When one worker dies, the elastic
+agent stops its siblings and `launch_workers` raises `TrainingFailed` with a message naming
+the rank, its stage and its last action; with `max_restarts=N` the agent first restarts
+them all up to N times (`pdcli.runtime.restarts`), each failure an event of the run.
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ FROZEN_S = 3.0
 watchdog thread of a running process writes it every <= 1 s): the peer is the cause."""
 PR_SET_PDEATHSIG = 1
 FAULT_ENV = "PD_TEST_FAULT"
-"""Tests only: `<rank>:<step>:exit|hang|kill` makes that rank exit (code 3), hang, or SIGKILL
-itself in its first Forward/Backward once it has taken `step` optimizer steps, in the first
+"""Tests only: `<rank>:<step>:exit|hang|kill|stop` makes that rank exit (code 3), hang, SIGKILL
+or SIGSTOP itself in its first Forward/Backward once it has taken `step` optimizer steps, in the first
 attempt of the job only (a restarted job, `train.max_restarts`, runs clean)."""
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 """Set by torch's elastic agent in each worker: how many times the job was restarted."""
@@ -240,8 +240,8 @@ def parse_fault(spec: str | None, rank: int) -> tuple[int, str] | None:
     if not spec:
         return None
     fault_rank, step, mode = spec.split(":")
-    if mode not in ("exit", "hang", "kill"):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: mode must be exit, hang or kill")
+    if mode not in ("exit", "hang", "kill", "stop"):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: mode must be exit, hang, kill or stop")
     first_attempt = os.environ.get(RESTART_COUNT_ENV, "0") == "0"
     return (int(step), mode) if int(fault_rank) == rank and first_attempt else None
 
@@ -249,8 +249,8 @@ def parse_fault(spec: str | None, rank: int) -> tuple[int, str] | None:
 def inject_fault(mode: str) -> None:
     if mode == "exit":
         os._exit(3)
-    if mode == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if mode in ("kill", "stop"):
+        os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
     while True:  # "hang": the watchdog must end this process
         time.sleep(3600)
 

@@ -8,11 +8,13 @@ Times are measured and printed (`-s`), never asserted tightly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -146,24 +148,30 @@ def _alive(pid: int) -> bool:
     return "zombie" not in state
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_a_stopped_rank_is_killed_by_a_peer_and_named_as_silent(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    cfg = _long_toy_config(run_dir, timeout_s=5)
-    write_toy_run(run_dir, cfg, [1, 1, 1])
+@contextlib.contextmanager
+def _training(run_dir: Path, timeout_s: float) -> Iterator[tuple[subprocess.Popen[str], dict[int, int]]]:
+    """A long toy run started in a child process: (its process, rank -> worker pid) once every
+    rank trains; whatever is left of it is SIGKILLed on the way out."""
+    write_toy_run(run_dir, _long_toy_config(run_dir, timeout_s=timeout_s), [1, 1, 1])
     proc = _start(run_dir)
     try:
-        pids = _wait_training(run_dir, 3)
-        os.kill(pids[1], signal.SIGSTOP)
-        stopped_s = time.monotonic()
-        _, stderr = proc.communicate(timeout=GENEROUS_S)
-        elapsed_s = time.monotonic() - stopped_s
+        yield proc, _wait_training(run_dir, 3)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         for pid in worker_pids(run_dir).values():
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stopped_rank_is_killed_by_a_peer_and_named_as_silent(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with _training(run_dir, timeout_s=5) as (proc, pids):
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped_s = time.monotonic()
+        _, stderr = proc.communicate(timeout=GENEROUS_S)
+        elapsed_s = time.monotonic() - stopped_s
     print(f"SIGSTOP of rank 1 with train.timeout_s=5: job stopped after {elapsed_s:.1f} s")
     assert proc.returncode == 1, stderr
     first_line = stderr.strip().splitlines()[0]
@@ -175,12 +183,7 @@ def test_a_stopped_rank_is_killed_by_a_peer_and_named_as_silent(tmp_path: Path) 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_workers_die_with_their_launcher(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    cfg = _long_toy_config(run_dir, timeout_s=30)
-    write_toy_run(run_dir, cfg, [1, 1, 1])
-    proc = _start(run_dir)
-    try:
-        pids = _wait_training(run_dir, 3)
+    with _training(tmp_path / "run", timeout_s=30) as (proc, pids):
         os.kill(proc.pid, signal.SIGKILL)  # the launcher only: the workers are in sessions of their own
         killed_s = time.monotonic()
         proc.wait(timeout=GENEROUS_S)
@@ -189,9 +192,6 @@ def test_workers_die_with_their_launcher(tmp_path: Path) -> None:
             time.sleep(0.05)
         gone_s = time.monotonic() - killed_s
         left = [p for p in pids.values() if _alive(p)]
-    finally:
-        for pid in worker_pids(run_dir).values():
-            os.kill(pid, signal.SIGKILL)
     print(f"kill -9 of the launcher: every worker gone after {gone_s:.2f} s")
     assert left == [], f"workers {left} outlived their launcher by 5 s"
 

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdcli.runtime.metrics import read_metrics
+
 EVENTS_FILE = "events.jsonl"
 
 
@@ -25,13 +27,5 @@ def append_event(train_dir: Path, event: dict[str, Any]) -> None:
 
 
 def read_events(train_dir: Path) -> list[dict[str, Any]]:
-    path = train_dir / EVENTS_FILE
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-    return out
+    """The run's events, oldest first (a line cut by a crash is skipped)."""
+    return read_metrics(train_dir / EVENTS_FILE)

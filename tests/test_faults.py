@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pdcli.runtime.toy import write_toy_run
-from pdcli.runtime.watchdog import Heartbeat, read_life, status_path
+from pdcli.runtime.watchdog import Heartbeat, exists, read_life, status_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_reliability import KILL_SCRIPT, worker_pids  # noqa: E402
@@ -44,6 +44,14 @@ def test_sign_of_life_is_read_back_and_a_finished_rank_is_never_silent(tmp_path:
     assert read_life(tmp_path, 3) is None
     assert read_life(tmp_path, 4) is None  # no status file: not started, not silent
     beat.close()
+    assert exists(os.getpid())
+    ended = subprocess.Popen(["true"])
+    deadline = time.monotonic() + GENEROUS_S
+    while exists(ended.pid) and time.monotonic() < deadline:  # a zombie until waited for: it ended
+        time.sleep(0.01)
+    assert not exists(ended.pid)
+    ended.wait()
+    assert not exists(ended.pid)  # a dead rank is never called silent: the launcher says how it died
 
 
 def test_loss_guard_stops_a_climbing_loss_and_names_what_to_try() -> None:

@@ -38,8 +38,9 @@ DONE = "done"
 WATCHDOG_EXIT_CODE = 124  # like timeout(1)
 ORPHAN_EXIT_CODE = 125
 FROZEN_S = 3.0
-"""A rank whose own wait timed out blames a local peer whose sign of life is this old (the
-watchdog thread of a running process writes it every <= 1 s): the peer is the cause."""
+"""A rank whose own wait timed out (its watchdog, or a receive's timeout) blames a local peer
+whose sign of life is this old (the watchdog thread of a running process writes it every
+<= 1 s): the peer is the cause."""
 PR_SET_PDEATHSIG = 1
 FAULT_ENV = "PD_TEST_FAULT"
 """Tests only: `<rank>:<step>:exit|hang|kill|stop` makes that rank exit (code 3), hang, SIGKILL
@@ -120,6 +121,20 @@ def read_life(train_dir: Path, rank: int) -> tuple[int, float] | None:
         return None
 
 
+def exists(pid: int) -> bool:
+    """`pid` is a process that has not ended (a zombie has: it died, it is not silent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): os.kill said it exists
+
+
 def kill_process_group(pid: int) -> None:
     """SIGKILL `pid`'s process group when it leads one (the elastic agent starts each worker
     in its own session), else the process alone."""
@@ -193,8 +208,8 @@ class Watchdog(threading.Thread):
         killed = False
         for peer in range(self.world_size):
             life = read_life(self.train_dir, peer) if peer != self.rank and peer not in self.killed else None
-            if life is None or life[1] <= silent_s:
-                continue
+            if life is None or life[1] <= silent_s or not exists(life[0]):
+                continue  # alive, finished, or dead (then the launcher names how it died)
             pid, quiet_s = life
             message = (f"{self.describe(peer)} sent nothing for {quiet_s:.1f} s (no sign of life: stopped or frozen; "
                        f"train.timeout_s={self.timeout_s:g}); rank {self.rank} killed it (SIGKILL); "

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pdcli.runtime.checkpoint import last_good
 from pdcli.runtime.divergence import Diverged
 from pdcli.runtime.placement import Placement
-from pdcli.runtime.watchdog import Heartbeat, Watchdog, die_with_parent, status_path, write_error
+from pdcli.runtime.watchdog import FROZEN_S, Heartbeat, Watchdog, die_with_parent, status_path, write_error
 
 LAUNCH_FILE = "launch.json"
 
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             kind = "peer" if is_comm_error(e) else "error"
             message = f"{who} failed in {heartbeat.action} at step {heartbeat.step}: {type(e).__name__}: {e}"
+            if kind == "peer":  # a receive that timed out on a stopped peer: name and kill the cause first
+                watchdog.stop_silent_peers(FROZEN_S)
         write_error(train_dir, env.rank, kind, message)
         logger.error(message)
         raise

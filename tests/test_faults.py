@@ -296,3 +296,16 @@ def test_nan_in_the_data_stops_the_run_naming_stage_minibatch_and_last_good_chec
         assert torch.isfinite(tensor).all(), name
     events = read_events(run_dir / "train")
     assert [(x["event"], x["cause"]) for x in events] == [("failure", "diverged")]  # max_restarts=1 left unused
+
+
+def test_restart_and_guard_settings_are_checked() -> None:
+    from pdcli.config.schema import Config, check_values
+
+    cfg = Config()
+    assert cfg.train.max_restarts == 0 and cfg.train.divergence == 3.0  # no restarts, the guard on
+    cfg.train.max_restarts, cfg.train.divergence = -1, 0.5
+    problems = check_values(cfg)
+    assert any(p.startswith("train.max_restarts: must be a finite number >= 0") for p in problems), problems
+    assert any(p.startswith("train.divergence: 0.5 would stop a run") for p in problems), problems
+    cfg.train.max_restarts, cfg.train.divergence = 2, None
+    assert not [p for p in check_values(cfg) if p.startswith(("train.max_restarts", "train.divergence"))]

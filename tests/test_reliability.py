@@ -278,6 +278,7 @@ def worker_pids(run_dir: Path) -> dict[int, int]:
 def test_worker_killed_from_outside_stops_the_job_fast(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cfg = toy_config(run_dir, "1f1b", steps=10_000, timeout_s=10, log_every=1000)
+    cfg.optim.lr, cfg.optim.momentum = 0.01, 0.0  # the toy's lr 0.2 with momentum reaches NaN by minibatch ~70
     write_toy_run(run_dir, cfg, [1, 1, 1])
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(run_dir)], cwd=REPO, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})

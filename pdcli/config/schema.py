@@ -214,6 +214,13 @@ class TrainConfig:
     """Seed of the model's random init."""
     timeout_s: float = 30.0
     """A worker silent for this long stops the job."""
+    divergence: Optional[float] = 3.0
+    """Stop the run when its smoothed loss (moving average over ~10 minibatches) climbs above
+    this many times its start (the mean of the first 10 minibatches); null = no guard. A
+    non-finite loss or gradient always stops it."""
+    max_restarts: int = 0
+    """After a worker dies or goes silent, restart every worker from the newest complete
+    checkpoint up to this many times (torch's elastic agent); 0 = stop at the first failure."""
     threads_per_worker: Optional[int] = None
     """torch threads per CPU worker; null = cores / workers."""
     init_from: Optional[str] = None
@@ -311,6 +318,11 @@ def check_values(cfg: Config) -> list[str]:
     positive("train.checkpoint_every", cfg.train.checkpoint_every, allow_zero=True)
     positive("train.keep_checkpoints", cfg.train.keep_checkpoints)
     positive("train.timeout_s", cfg.train.timeout_s)
+    positive("train.max_restarts", cfg.train.max_restarts, allow_zero=True)
+    positive("train.divergence", cfg.train.divergence)
+    if cfg.train.divergence is not None and math.isfinite(cfg.train.divergence) and 0 < cfg.train.divergence <= 1:
+        problems.append(f"train.divergence: {cfg.train.divergence} would stop a run whose loss does not fall; "
+                        "give a factor > 1 (e.g. 3) or null to turn the guard off")
     positive("train.threads_per_worker", cfg.train.threads_per_worker)
     positive("train.spin_wait_ms", cfg.train.spin_wait_ms, allow_zero=True)
     if cfg.train.init_from is not None and not str(cfg.train.init_from).strip():

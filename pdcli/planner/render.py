@@ -7,9 +7,11 @@ from typing import Any
 from tabulate import tabulate
 
 from pdcli.planner.plan import Plan
+from pdcli.errors import UserError
 from pdcli.profiler.chain import Chain
 from pdcli.profiler.summary import format_bytes
 from pdcli.rundir import canonical_json
+from pdcli.runtime.schedule import SCHEDULES, ScheduleSpec
 
 FORMATS = ("text", "markdown", "json")
 TABLE_STYLE = {"text": "simple", "markdown": "github"}
@@ -104,4 +106,21 @@ def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "te
     head = (f"plan: {len(rows)} stages, schedule {inputs.get('schedule', '?')}{split}, "
             f"cost model {inputs.get('cost_model', '?')} ({BOTTLENECK_MARK} = bottleneck)")
     lines = [summary_line(plan_json["pipeline"]), *plan_notes(plan_json)]
-    return f"{head}\n\n{table}\n\n" + "\n".join(lines)
+    stale = staleness_line(plan_json)
+    return f"{head}\n\n{table}\n\n" + "\n".join(lines + ([stale] if stale else []))
+
+
+def staleness_line(plan_json: dict[str, Any]) -> str | None:
+    """The update delay of each stage under the plan's schedule (without vertical sync), or
+    None when the plan does not say its schedule."""
+    inputs, stages = plan_json.get("inputs", {}), sorted(plan_json["stages"], key=lambda s: s["stage_id"])
+    if inputs.get("schedule") not in SCHEDULES or not stages:
+        return None
+    replicas = [int(s["replicas"]) for s in stages]
+    steps = 2 * sum(replicas) + 2  # the spec's last microbatch is in steady state
+    try:
+        spec = ScheduleSpec.make(inputs["schedule"], len(stages), int(inputs.get("num_microbatches", 1)), steps, replicas)
+    except UserError:  # a plan the runtime refuses (e.g. replicas not dividing the microbatches)
+        return None
+    delays = ", ".join(str(spec.update_delay(k)) for k in range(len(stages)))
+    return f"staleness: weights lag {delays} optimizer steps behind (stages 0..{len(stages) - 1}, {inputs['schedule']})"

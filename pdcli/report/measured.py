@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from pdcli.errors import UserError
 from pdcli.runtime.evaluation import EVAL_KEYS, is_eval_line
+from pdcli.runtime.events import read_events
 
 TRAIN_DIR = "train"
 SUMMARY_FILE = "summary.json"  # pdcli.runtime.session.SUMMARY_FILE
@@ -137,6 +138,8 @@ class Measured:
     """Every evaluation on the held-out split: {"step": minibatches before it, "eval_loss": ...}."""
     eval_metrics: dict[str, float] = field(default_factory=dict)
     """The evaluation at the end (`pdcli.runtime.evaluation.EVAL_KEYS`); empty: none."""
+    events: tuple[dict[str, Any], ...] = ()
+    """`train/events.jsonl`: the restarts (and failures) of the run (`pdcli.runtime.events`)."""
 
 
 def _read_json(path: Path, next_step: str) -> Any:
@@ -223,5 +226,6 @@ def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage
         metrics=tuple(line for line in lines if not line.get("final") and not is_eval_line(line)), ranks=ranks,
         evals=tuple(summary.get("evals", ())),
         eval_metrics={k: float(summary[k]) for k in EVAL_KEYS if summary.get(k) is not None},
+        events=tuple(read_events(train_dir)),
     )
 

@@ -99,6 +99,7 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
         + " (training minibatches)" + ("" if not m.eval_metrics else "; held-out eval: " + ", ".join(
             f"{k.removeprefix('eval_')} {v}" for k, v in eval_metrics_text(m.eval_metrics).items()))
     )
+    lines.extend(event_lines(m.events))
     lines.append("")
     lines.append("per stage, predicted / measured, ms per minibatch (of one replica; stage time = compute + comm):")
     lines.append(tabulate(stage_rows(c), headers=STAGE_HEADERS, tablefmt=table_fmt, disable_numparse=True))
@@ -138,6 +139,20 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     return "\n".join(lines)
 
 
+def event_lines(events: tuple[dict[str, Any], ...]) -> list[str]:
+    """The run's restarts (`train.max_restarts`) and failures, one line each, root cause named."""
+    restarts = [e for e in events if e.get("event") == "restart"]
+    if not events:
+        return []
+    lines = [f"restarts: {len(restarts)}"]
+    for e in events:
+        where = f"rank {e.get('rank')} (stage {e.get('stage')})"
+        then = (f"restarted from checkpoint step {e['resume_step']}" if e.get("resume_step") is not None
+                else "restarted from the start" if e.get("event") == "restart" else "the job stopped")
+        lines.append(f"  {e.get('event')}: {where}, {e.get('cause')}; {then}")
+    return lines
+
+
 def _measured_bubble(c: Comparison) -> float:
     idle = sum(s.measured.idle_ms * s.measured.replicas for s in c.stages)
     wall = sum(s.measured.wall_ms * s.measured.replicas for s in c.stages)
@@ -169,7 +184,8 @@ def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, 
             "measured": {"time_per_minibatch_ms": m.time_per_minibatch_ms,
                          "steady_time_per_minibatch_ms": m.steady_time_per_minibatch_ms,
                          "samples_per_s": m.samples_per_s, "bubble_fraction": _measured_bubble(c),
-                         "final_loss": m.final_loss, "final_accuracy": m.final_accuracy, **m.eval_metrics},
+                         "final_loss": m.final_loss, "final_accuracy": m.final_accuracy, **m.eval_metrics,
+                         "events": list(m.events)},
             "time_per_minibatch_ratio": c.time_per_minibatch_ratio,
         },
         "drift_threshold_pct": c.threshold_pct,

@@ -23,6 +23,7 @@ from torch import nn
 from pdcli.compiler.load import MANIFEST_NAME, read_manifest, with_tied_names
 from pdcli.errors import UserError
 from pdcli.rundir import atomic_save, atomic_write_json
+from pdcli.runtime.divergence import check_finite_state
 
 COMPLETE = "COMPLETE"
 RESUME_KEY = "resume_step"
@@ -68,6 +69,7 @@ def save_stage(
         "weight_version": weight_version,
         **extra,
     }
+    check_finite_state(payload, stage_id, step)  # a NaN checkpoint must never exist, let alone rotate good ones out
     atomic_save(path, lambda name: torch.save(payload, name))
     return path
 
@@ -107,6 +109,12 @@ def latest_step(train_dir: Path) -> int | None:
     """The newest complete checkpoint's step, or None."""
     steps = complete_steps(train_dir)
     return steps[-1] if steps else None
+
+
+def last_good(train_dir: Path) -> str:
+    """The newest complete checkpoint's directory, or "none" (for messages)."""
+    step = latest_step(train_dir)
+    return "none" if step is None else str(checkpoint_dir(train_dir, step))
 
 
 def read_resume_step(train_dir: Path) -> int | None:

@@ -30,6 +30,7 @@ from pdcli.models.loss import num_correct
 from pdcli.runtime import schedule as S
 from pdcli.runtime.comm import Mailbox
 from pdcli.runtime.evaluation import EvalSums
+from pdcli.runtime.divergence import check_gradients, check_loss
 from pdcli.runtime.memory import MemoryTracker, tensor_bytes
 from pdcli.runtime.metrics import Timeline, action_category
 from pdcli.runtime.optim import step_out_of_place, supports_out_of_place
@@ -158,6 +159,7 @@ class Executor:
         """The learning rate of the last update."""
         self.last_grad_norm: float | None = None
         """The norm the last update was clipped by (before clipping); None without clipping."""
+        self.last_backward_mb = 0  # the minibatch an optimizer step's gradients come from (for errors)
         self.loss_scale = FP16_LOSS_SCALE if ctx.precision == "fp16" else 1.0
         self._recv_positions = [i for i, a in enumerate(actions) if isinstance(a, (S.RecvActivations, S.RecvGrads))]
         self._next_recv = 0
@@ -270,9 +272,12 @@ class Executor:
         target = self._microbatch(mb).target.to(self.ctx.device)
         logits = outputs[name].float()
         loss = self.ctx.loss_fn(logits, target)
-        if record and self.ctx.record_loss is not None:
-            correct = num_correct(logits, target) if self.ctx.is_classifier else -1
-            self.ctx.record_loss(mb, float(loss.detach()), correct, int(target.numel()))
+        if record:
+            value = float(loss.detach())
+            check_loss(value, self.ctx.stage_id, mb, self.ctx.num_microbatches)
+            if self.ctx.record_loss is not None:
+                correct = num_correct(logits, target) if self.ctx.is_classifier else -1
+                self.ctx.record_loss(mb, value, correct, int(target.numel()))
         return loss
 
     def _weights_of(self, leaves: dict[str, Tensor] | None) -> list[Tensor]:
@@ -305,6 +310,7 @@ class Executor:
 
     def backward(self, a: S.Backward) -> None:
         mb = a.microbatch_id
+        self.last_backward_mb = mb
         inputs = self.saved_inputs.pop(mb)
         if self.ctx.recompute:
             leaves = self.weights.leaves(a.weight_version)
@@ -451,6 +457,8 @@ class Executor:
                         f"stage {self.ctx.stage_id}: non-finite fp16 gradients at step {a.step} "
                         f"(static loss scale {self.loss_scale:g}); use train.precision=bf16 or fp32"
                     )
+        check_gradients({name: p.grad for name, p in self.weights.live.items()}, self.ctx.stage_id,
+                        self.last_backward_mb // self.ctx.num_microbatches)
         self._apply_update_rule(a.step)
         if self.weights.must_update_out_of_place:
             step_out_of_place(self.ctx.optimizer)  # a stash holds the old storage: no copy

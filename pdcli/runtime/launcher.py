@@ -1,14 +1,16 @@
 """Start the workers through PyTorch's elastic launcher (the engine behind torchrun).
 
 One process per device of the plan on this host (or `nproc = world / nnodes` per host
-with a static rendezvous on `master_addr:master_port`). `max_restarts=0`: when one
-worker dies, the elastic agent stops its siblings and `launch_workers` raises
-`TrainingFailed` with a message naming the rank, its stage and its last action.
+with a static rendezvous on `master_addr:master_port`). When one worker dies, the elastic
+agent stops its siblings and `launch_workers` raises `TrainingFailed` with a message naming
+the rank, its stage and its last action; with `max_restarts=N` the agent first restarts
+them all up to N times (`pdcli.runtime.restarts`), each failure an event of the run.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import socket
@@ -31,6 +33,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from pdcli.errors import UserError
 from pdcli.host import host_cores
 from pdcli.runtime.placement import Placement
+from pdcli.runtime.events import append_event
+from pdcli.runtime.restarts import NO_RESTART_KINDS, prepare_restart, restarting_agent
 from pdcli.runtime.watchdog import read_error, read_status
 
 WORKER_MODULE = "pdcli.runtime.worker"
@@ -180,7 +184,7 @@ def _create_local_rendezvous(params: RendezvousParameters) -> RendezvousHandler:
 rendezvous_handler_registry.register(LOCAL_RDZV_BACKEND, _create_local_rendezvous)
 
 
-def launch_config(world_size: int, hosts: Hosts, log_dir: Path, rdzv_timeout_s: float) -> LaunchConfig:
+def launch_config(world_size: int, hosts: Hosts, log_dir: Path, rdzv_timeout_s: float, max_restarts: int = 0) -> LaunchConfig:
     """One host: the store listens on LOCALHOST only (`LocalRendezvous`); several hosts:
     torch's static rendezvous on `master_addr:master_port`, as torchrun does."""
     if world_size % hosts.nnodes:
@@ -197,24 +201,31 @@ def launch_config(world_size: int, hosts: Hosts, log_dir: Path, rdzv_timeout_s: 
         # static: node_rank fixes the global ranks (node_rank * nproc + local_rank), as torchrun does.
         rdzv_backend=LOCAL_RDZV_BACKEND if local else "static",
         rdzv_configs={"rank": hosts.node_rank, "timeout": int(rdzv_timeout_s)},
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),  # worker output: train/elastic/
     )
 
 
-def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s: float) -> None:
-    """Run `python -m pdcli.runtime.worker --run-dir run_dir` on every rank of this host."""
+def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s: float, max_restarts: int = 0,
+                   num_steps: int = 0) -> None:
+    """Run `python -m pdcli.runtime.worker --run-dir run_dir` on every rank of this host;
+    after a failure, restart them all from the newest complete checkpoint of the run's
+    `num_steps` up to `max_restarts` times (each failure logged in `train/events.jsonl`)."""
     train_dir = run_dir / "train"
     log_dir = train_dir / "elastic"
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # TrainingFailed says it better
-    args = ("-u", "-m", WORKER_MODULE, "--run-dir", str(run_dir))
+    # --launcher-pid: a worker whose parent is no longer this process exits (see die_with_parent)
+    args = ("-u", "-m", WORKER_MODULE, "--run-dir", str(run_dir), "--launcher-pid", str(os.getpid()))
     try:
         for attempt in range(PORT_ATTEMPTS):
-            config = launch_config(placement.world_size, hosts, log_dir, rdzv_timeout_s=max(60.0, timeout_s * 2))
+            config = launch_config(placement.world_size, hosts, log_dir, rdzv_timeout_s=max(60.0, timeout_s * 2),
+                                   max_restarts=max_restarts)
+            events = FailureEvents(train_dir, placement, num_steps)
             try:
-                elastic_launch(config, sys.executable)(*args)
+                with restarting_agent(events.on_failure, events.before_restart):
+                    elastic_launch(config, sys.executable)(*args)
                 return
             except DistNetworkError as e:
                 # The free port we picked was taken before the agent bound it (another job); pick again.
@@ -233,14 +244,53 @@ def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s:
         raise TrainingInterrupted(f"interrupted by {e.sigval.name}; all workers were stopped", int(e.sigval)) from None
 
 
+@dataclass
+class FailureEvents:
+    """Each failure of the job as an event of `train/events.jsonl` (`restart` when the agent
+    restarts the workers, with the checkpoint step they resume from; `failure` when the job
+    stops), named by its root cause: rank, stage and how (signal, exit code, silence...)."""
+
+    train_dir: Path
+    placement: Placement
+    num_steps: int
+    pending: dict | None = None
+
+    def on_failure(self, exit_codes: Mapping[int, int], restarts_left: int) -> bool:
+        causes = failure_causes(self.train_dir, self.placement, exit_codes)
+        root = causes[0] if causes else Cause(-1, "unknown", "a worker failed")
+        event = {"rank": root.rank, "stage": self.placement.of(root.rank)[0] if root.rank >= 0 else None,
+                 "cause": root.how, "message": root.line}
+        curable = root.how not in NO_RESTART_KINDS
+        if curable and restarts_left > 0:
+            self.pending = {"event": "restart", **event, "restarts_left": restarts_left - 1}
+        else:
+            append_event(self.train_dir, {"event": "failure", **event})
+        return curable
+
+    def before_restart(self) -> None:
+        step = prepare_restart(self.train_dir, self.num_steps)
+        append_event(self.train_dir, {**(self.pending or {"event": "restart"}), "resume_step": step})
+        self.pending = None
+
+
 def describe_rank(placement: Placement, rank: int) -> str:
     stage_id, replica_id = placement.of(rank)
     return f"rank {rank} (stage {stage_id}, replica {replica_id})"
 
 
-def diagnose(train_dir: Path, placement: Placement, error: ChildFailedError, log_dir: Path) -> str:
-    """The root cause first: a rank that died without a report, or hung, or raised."""
-    exit_codes = {int(r): f.exitcode for r, f in error.failures.items()}
+@dataclass(frozen=True)
+class Cause:
+    """One failed rank as the diagnosis sees it: `how` is its error report's kind (`silent`,
+    `diverged`, `error`, `hang`, ...) or, without a report, `signal <NAME>` / `exit code <n>`."""
+
+    rank: int
+    how: str
+    line: str
+
+
+def failure_causes(train_dir: Path, placement: Placement, exit_codes: Mapping[int, int]) -> list[Cause]:
+    """The failed ranks, root cause first: a rank that went silent, one that died without a
+    report, one that raised, one that hung, then those that waited on a peer."""
     reports = {r: read_error(train_dir, r) for r in range(placement.world_size)}
 
     def severity(rank: int) -> tuple[int, float]:
@@ -249,22 +299,37 @@ def diagnose(train_dir: Path, placement: Placement, error: ChildFailedError, log
             if rank not in exit_codes or exit_codes[rank] == -signal.SIGTERM:
                 return (4, 0.0)  # stopped by the agent after another rank failed
             return (0, 0.0)  # died without a word (os._exit, SIGKILL, segfault): the likely cause
-        return ({"error": 1, "hang": 2, "waiting": 3, "peer": 3}.get(report["kind"], 1), report["time_s"])
+        return ({"silent": -1, "diverged": 1, "error": 1, "hang": 2, "waiting": 3, "peer": 3}.get(report["kind"], 1), report["time_s"])
 
-    involved = sorted(set(exit_codes) | {r for r, rep in reports.items() if rep}, key=severity)
-    lines = []
-    for rank in involved:
+    causes = []
+    for rank in sorted(set(exit_codes) | {r for r, rep in reports.items() if rep}, key=severity):
         report = reports[rank]
-        status = read_status(train_dir, rank) or "no action started"
         if report is not None:
-            lines.append(report["message"] if not lines else _shorten(report["message"]))
+            causes.append(Cause(rank, str(report["kind"]), report["message"] if not causes else _shorten(report["message"])))
+            continue
+        code = exit_codes.get(rank)
+        if code is not None and code < 0:
+            how, said = f"signal {_signal_name(-code)}", f"was killed by signal {-code}"
         else:
-            code = exit_codes.get(rank)
-            how = f"died with exit code {code}" if code is None or code >= 0 else f"was killed by signal {-code}"
-            lines.append(f"{describe_rank(placement, rank)} {how}; last: {status}")
+            how, said = f"exit code {code}", f"died with exit code {code}"
+        status = read_status(train_dir, rank) or "no action started"
+        causes.append(Cause(rank, how, f"{describe_rank(placement, rank)} {said}; last: {status}"))
+    return causes
+
+
+def diagnose(train_dir: Path, placement: Placement, error: ChildFailedError, log_dir: Path) -> str:
+    """The root cause first: a rank that went silent, died without a report, raised or hung."""
+    lines = [c.line for c in failure_causes(train_dir, placement, {int(r): f.exitcode for r, f in error.failures.items()})]
     head = lines[0] if lines else str(error)
     rest = "".join(f"\n  then: {line}" for line in lines[1:])
     return f"{head}{rest}\n  worker logs: {train_dir}/rank<r>.log and {log_dir}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 def _shorten(text: str, max_chars: int = 240) -> str:

@@ -33,6 +33,9 @@ class LossTracker:
     writer: MetricsLog | None = None
     extra: Callable[[int], dict[str, Any]] = lambda t: {}
     """More fields of the line that ends with minibatch t (e.g. the learning rate of its update)."""
+    guard: Callable[[int, float], None] | None = None
+    """Called with (t, this rank's mean loss of minibatch t) as each minibatch completes
+    (the divergence guard); raises to stop the run."""
     records: dict[int, LossRecord] = field(default_factory=dict)
     evals: list[dict[str, Any]] = field(default_factory=list)
     """Every evaluation so far: {"step": minibatches trained before it, eval metrics}."""
@@ -53,6 +56,9 @@ class LossTracker:
         self.records.update({int(k): tuple(v) for k, v in records.items()})  # type: ignore[misc]
         self.evals = [dict(e) for e in evals if int(e["step"]) < next_minibatch]  # the one at the cut runs again
         self._interval = list(range(next_minibatch - next_minibatch % self.log_every, next_minibatch))
+        if self.guard is not None:  # the guard sees the same losses as in the uninterrupted run
+            for t, loss in enumerate(minibatch_losses(self.records, self.num_microbatches)[:next_minibatch]):
+                self.guard(t, loss)
 
     def record(self, microbatch_id: int, loss: float, correct: int, num_samples: int) -> None:
         self.records[microbatch_id] = (loss, correct, num_samples)
@@ -62,6 +68,8 @@ class LossTracker:
             self._interval.append(t)
             if (t + 1) % self.log_every == 0 or t + 1 == self.num_minibatches:
                 self._log(t)
+            if self.guard is not None:
+                self.guard(t, summarize(self.records, self.num_microbatches, [t])["loss"])
 
     def record_eval(self, after_minibatches: int, metrics: dict[str, Any]) -> None:
         """An evaluation after `after_minibatches` minibatches; a metrics line unless it is the end's."""

@@ -282,6 +282,14 @@ class ScheduleSpec:
             return first_stage * self.replicas[0] // self.replicas[stage_id]
         return self._pipedream_version(stage_id, microbatch_id)
 
+    def update_delay(self, stage_id: int) -> int:
+        """Staleness: how many of its own optimizer steps the weights a microbatch of
+        `stage_id` runs on lack, in steady state (the last microbatch of the spec: give it
+        enough steps). 0 for gpipe/1f1b, 1 for 2bw, S - s - 1 for pipedream on a straight
+        pipeline."""
+        microbatch_id = self.total_microbatches - 1
+        return self.step_of(stage_id, microbatch_id) - self.weight_version(stage_id, microbatch_id)
+
     def _pipedream_version(self, stage_id: int, microbatch_id: int) -> int:
         r = self.replicas[stage_id]
         first = self.segment_start(microbatch_id // self.num_microbatches) * self.num_microbatches

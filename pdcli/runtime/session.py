@@ -7,7 +7,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
 from pdcli.runtime.comm import Mailbox, TorchDistTransport, Transport
 from pdcli.runtime.evaluation import EVAL_KEYS, EvalPlan, plan_evaluation
+from pdcli.runtime.divergence import LossGuard, remedies
 from pdcli.runtime.executor import Executor, StageContext
 from pdcli.runtime.metrics import S_TO_MS, MetricsLog, RankStats, Timeline, chrome_trace, open_tensorboard, per_stage
 from pdcli.runtime.optim import build_optimizer
@@ -32,7 +33,7 @@ from pdcli.runtime.sockets import SocketTransport, socket_transport_possible, tr
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import tied_copies
 from pdcli.runtime.update import UpdateRule, clips_per_stage
-from pdcli.runtime.watchdog import Heartbeat
+from pdcli.runtime.watchdog import RESTART_COUNT_ENV, Heartbeat
 
 if TYPE_CHECKING:
     from pdcli.config import Config
@@ -63,6 +64,27 @@ def pick_device(cfg: "Config", local_rank: int) -> tuple[torch.device, str]:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
+
+
+def loss_guard(cfg: "Config", stage_id: int) -> Callable[[int, float], None] | None:
+    """The divergence guard of the last stage (`train.divergence`; null: none)."""
+    if cfg.train.divergence is None:
+        return None
+    advice = remedies(cfg.schedule.name, cfg.schedule.vertical_sync, cfg.optim.lr)
+    return LossGuard(cfg.train.divergence, stage_id, advice).update
+
+
+def attempt_store(env: "WorkerEnv", timeout: timedelta) -> dist.Store | None:
+    """The process group's store under torch's elastic agent: its store, with a prefix per
+    attempt of the job. torch keys nothing by attempt (it expects a new store per rendezvous),
+    but a static rendezvous keeps one store across restarts (`train.max_restarts`), where the
+    gloo addresses of the previous attempt's processes would still be found. None (the
+    `env://` defaults) outside the agent."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"pd/attempt_{os.environ.get(RESTART_COUNT_ENV, '0')}", store)
 
 
 def replica_groups(placement: Placement) -> dict[int, Any]:
@@ -111,7 +133,8 @@ def run_session(
     resolve_steps(cfg)  # train.epochs -> train.steps, as the launcher did
     heartbeat.beat(0, "init_process_group")
     device, backend = pick_device(cfg, env.local_rank)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
+    timeout = timedelta(seconds=cfg.train.timeout_s)
+    dist.init_process_group(backend, timeout=timeout, store=attempt_store(env, timeout), rank=env.rank, world_size=env.world_size)
     groups = replica_groups(placement)
     clip_group = global_clip_group(cfg, placement)
     if device.type == "cpu":
@@ -142,6 +165,7 @@ def run_session(
             own_per_minibatch=lambda t: sum(1 for mb in range(t * m, (t + 1) * m) if replica_for(mb, r) == replica_id),
             writer=MetricsLog(train_dir / "metrics.jsonl", append=resume_step is not None,
                               tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard)) if env.rank == writer_rank else None,
+            guard=loss_guard(cfg, stage_id),
         )
     transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport)
     # eager sends: the next stage gets its input before this one waits (see sends_first)

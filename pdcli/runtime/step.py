@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -17,17 +16,19 @@ from tabulate import tabulate
 from pdcli.config.schema import Config
 from pdcli.data.registry import resolve_steps
 from pdcli.errors import UserError
-from pdcli.rundir import RunDir, atomic_write_json, atomic_write_text, read_json
+from pdcli.rundir import RunDir, atomic_write_json, read_json
 from pdcli.runtime import checkpoint
 from pdcli.runtime.launcher import Hosts, TrainingFailed, TrainingInterrupted, check_devices, launch_workers
-from pdcli.runtime.metrics import TENSORBOARD_DIR, add_scalars, open_tensorboard, read_metrics
+from pdcli.runtime.evaluation import EVAL_KEYS, eval_metrics_text, plan_evaluation
+from pdcli.runtime.events import EVENTS_FILE
+from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.placement import Placement
-from pdcli.runtime.evaluation import EVAL_KEYS, eval_metrics_text, is_eval_line, plan_evaluation
+from pdcli.runtime.restarts import keep_metrics_through, reset_attempt
 from pdcli.runtime.schedule import build_for, eval_points
-from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.session import SUMMARY_FILE, run_spec
-from pdcli.runtime.tied import check_schedule
 from pdcli.runtime.sockets import transport_from_env
+from pdcli.runtime.stageio import StageIO
+from pdcli.runtime.tied import check_schedule
 from pdcli.runtime.worker import LAUNCH_FILE
 
 __all__ = ["TrainResult", "TrainingFailed", "TrainingInterrupted", "format_summary", "run_training"]
@@ -69,30 +70,18 @@ PREVIOUS_CHECKPOINTS = "checkpoints.previous"
 
 
 def _clean_previous(cfg: Config, train_dir: Path, resume_step: int | None) -> None:
-    """Stale status/error files would blame the wrong rank; old metrics would mislead. A
-    fresh run moves old checkpoints to `checkpoints.previous/` (one generation) so that a
-    later --resume never picks a checkpoint of an earlier run; a resumed run keeps the
-    metrics lines up to its checkpoint and appends from there."""
-    shutil.rmtree(train_dir / "status", ignore_errors=True)
+    """Stale status/error files would blame the wrong rank; old metrics and events would
+    mislead. A fresh run moves old checkpoints to `checkpoints.previous/` (one generation) so
+    that a later --resume never picks a checkpoint of an earlier run; a resumed run keeps the
+    metrics lines up to its checkpoint and the events, and appends from there."""
+    reset_attempt(train_dir)
     shutil.rmtree(train_dir / "elastic", ignore_errors=True)  # worker stdout/stderr of the last launch
-    for name in (SUMMARY_FILE, "trace.json"):
-        (train_dir / name).unlink(missing_ok=True)
-    metrics = train_dir / "metrics.jsonl"
+    keep_metrics_through(train_dir, resume_step, cfg.train.tensorboard)
     if resume_step is None:
-        metrics.unlink(missing_ok=True)
-        shutil.rmtree(train_dir / TENSORBOARD_DIR, ignore_errors=True)
+        (train_dir / EVENTS_FILE).unlink(missing_ok=True)
         if (train_dir / "checkpoints").exists():
             shutil.rmtree(train_dir / PREVIOUS_CHECKPOINTS, ignore_errors=True)
             (train_dir / "checkpoints").rename(train_dir / PREVIOUS_CHECKPOINTS)
-        return
-    kept = [line for line in read_metrics(metrics) if not line.get("final") and int(line.get("step", 0)) <= resume_step
-            and not (is_eval_line(line) and int(line["step"]) == resume_step)]  # that evaluation runs again
-    atomic_write_text(metrics, "".join(json.dumps(line, sort_keys=True) + "\n" for line in kept))
-    tensorboard = open_tensorboard(train_dir, cfg.train.tensorboard, fresh=True)  # the kept lines only, as metrics.jsonl
-    if tensorboard is not None:
-        for line in kept:
-            add_scalars(tensorboard, line)
-        tensorboard.close()
 
 
 def resume_point(cfg: Config, run: RunDir, manifest: dict[str, Any], placement: Placement) -> int:
@@ -227,7 +216,7 @@ def run_training(
     atomic_write_json(train_dir / LAUNCH_FILE, {"plan": plan_json, checkpoint.RESUME_KEY: resume_step})
     bar = ProgressBar(train_dir / "metrics.jsonl", cfg.train.steps) if progress else None
     try:
-        launch_workers(run.path, placement, hosts, cfg.train.timeout_s)
+        launch_workers(run.path, placement, hosts, cfg.train.timeout_s, cfg.train.max_restarts, cfg.train.steps)
     finally:
         if bar is not None:
             bar.close()

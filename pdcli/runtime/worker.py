@@ -18,8 +18,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pdcli.runtime.checkpoint import last_good
+from pdcli.runtime.divergence import Diverged
 from pdcli.runtime.placement import Placement
-from pdcli.runtime.watchdog import Heartbeat, Watchdog, status_path, write_error
+from pdcli.runtime.watchdog import FROZEN_S, Heartbeat, Watchdog, die_with_parent, status_path, write_error
 
 LAUNCH_FILE = "launch.json"
 
@@ -77,7 +79,10 @@ def is_comm_error(error: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdcli.runtime.worker")
     parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--launcher-pid", type=int, default=None,
+                        help="the process that started this worker (pd train): exit if it is gone")
     args = parser.parse_args(argv)
+    die_with_parent(args.launcher_pid)
     env = WorkerEnv.from_env()
     run_dir: Path = args.run_dir
     train_dir = run_dir / "train"
@@ -92,15 +97,21 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_resolved(run_dir / "config.yaml")
     heartbeat = Heartbeat(status_path(train_dir, env.rank))
-    watchdog = Watchdog(heartbeat, cfg.train.timeout_s, train_dir, env.rank, who)
+    watchdog = Watchdog(heartbeat, cfg.train.timeout_s, train_dir, env.rank, who, placement.world_size,
+                        describe=lambda r: f"rank {r} (stage {placement.of(r)[0]})")
     watchdog.start()
     try:
         from pdcli.runtime.session import run_session
 
         run_session(cfg, run_dir, placement, env, heartbeat, logger)
     except BaseException as e:  # noqa: BLE001 - report, then re-raise with the traceback
-        kind = "peer" if is_comm_error(e) else "error"
-        message = f"{who} failed in {heartbeat.action} at step {heartbeat.step}: {type(e).__name__}: {e}"
+        if isinstance(e, Diverged):
+            kind, message = "diverged", f"{who} diverged: {e}; last good checkpoint: {last_good(train_dir)}"
+        else:
+            kind = "peer" if is_comm_error(e) else "error"
+            message = f"{who} failed in {heartbeat.action} at step {heartbeat.step}: {type(e).__name__}: {e}"
+            if kind == "peer":  # a receive that timed out on a stopped peer: name and kill the cause first
+                watchdog.stop_silent_peers(FROZEN_S)
         write_error(train_dir, env.rank, kind, message)
         logger.error(message)
         raise

@@ -1,0 +1,111 @@
+"""Divergence is a failure: non-finite numbers and a climbing loss stop the run.
+
+- A non-finite loss (last stage, at each forward) or gradient (every stage, before each
+  optimizer step: `check_gradients`) raises `Diverged` naming the stage and the minibatch.
+- A stage file holding a non-finite tensor is never written (`check_finite_state`, before
+  the atomic write), so rotation can never push good checkpoints out for a bad one.
+- `LossGuard` (`train.divergence`, on by default) watches the last stage's minibatch
+  losses: after `GUARD_WARMUP_MINIBATCHES`, the start is their mean; the smoothed loss
+  (an exponential moving average, weight `GUARD_SMOOTHING` per minibatch) climbing above
+  `train.divergence` times the start stops the run with the schedule or learning rate to try.
+
+The worker reports a `Diverged` as an error of kind `diverged` with the last good
+checkpoint; the launcher does not restart such a run (it would diverge again).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+GUARD_WARMUP_MINIBATCHES = 10
+"""Minibatches whose mean loss is the start the guard compares with (none checked before)."""
+GUARD_SMOOTHING = 0.1
+"""Weight of each new minibatch loss in the smoothed loss (about a 10-minibatch window)."""
+
+
+class Diverged(RuntimeError):
+    """The run's numbers diverged; the message names the stage and the minibatch."""
+
+
+def check_loss(value: float, stage_id: int, microbatch_id: int, num_microbatches: int) -> None:
+    if not math.isfinite(value):
+        raise Diverged(f"stage {stage_id}: the loss is {value} at minibatch {microbatch_id // num_microbatches} "
+                       f"(microbatch {microbatch_id})")
+
+
+def check_gradients(named: Mapping[str, torch.Tensor | None], stage_id: int, minibatch: int) -> None:
+    """Every gradient of the optimizer step after `minibatch` is finite (one synchronization
+    for all of them)."""
+    grads = [(name, g) for name, g in named.items() if g is not None and g.numel() > 0]
+    if not grads or bool(torch.stack([torch.isfinite(g).all() for _, g in grads]).all()):
+        return
+    name = next(n for n, g in grads if not bool(torch.isfinite(g).all()))
+    raise Diverged(f"stage {stage_id}: non-finite gradient of {name} at minibatch {minibatch}")
+
+
+def first_non_finite(tensors: Iterable[tuple[str, object]]) -> str | None:
+    """The name of the first floating-point tensor holding NaN or Inf (nested dicts/lists
+    followed, e.g. an optimizer state), else None."""
+    for name, value in tensors:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                return name
+        elif isinstance(value, Mapping):
+            found = first_non_finite((f"{name}.{k}", v) for k, v in value.items())
+            if found:
+                return found
+        elif isinstance(value, (list, tuple)):
+            found = first_non_finite((f"{name}.{i}", v) for i, v in enumerate(value))
+            if found:
+                return found
+    return None
+
+
+def check_finite_state(payload: Mapping[str, object], stage_id: int, step: int) -> None:
+    """A stage checkpoint's weights and optimizer state are finite, else `Diverged`."""
+    bad = first_non_finite((k, payload[k]) for k in ("model", "optimizer") if k in payload)
+    if bad:
+        raise Diverged(f"stage {stage_id}: {bad} is not finite after minibatch {step}; "
+                       f"its checkpoint was not written")
+
+
+def remedies(schedule: str, vertical_sync: bool, lr: float) -> str:
+    """What to try when `schedule` diverged at learning rate `lr` (stale updates first)."""
+    lower = f"a lower optim.lr (e.g. {lr / 10:g})"
+    if schedule == "pipedream":
+        sync = "" if vertical_sync else ", schedule.vertical_sync=true"
+        return f"try schedule.name=1f1b or 2bw (less stale weights){sync}, or {lower}"
+    if schedule == "2bw":
+        return f"try schedule.name=1f1b (no stale weights) or {lower}"
+    return f"try {lower}"
+
+
+@dataclass
+class LossGuard:
+    """Stops a run whose smoothed loss climbs above `factor` times its start."""
+
+    factor: float
+    stage_id: int
+    advice: str
+    start: float | None = None
+    smoothed: float | None = None
+    _first: list[float] = field(default_factory=list)
+
+    def update(self, minibatch: int, loss: float) -> None:
+        if self.start is None:
+            self._first.append(loss)
+            if len(self._first) == GUARD_WARMUP_MINIBATCHES:
+                self.start = self.smoothed = sum(self._first) / len(self._first)
+            return
+        assert self.smoothed is not None
+        self.smoothed += GUARD_SMOOTHING * (loss - self.smoothed)
+        if self.start > 0 and self.smoothed > self.factor * self.start:
+            raise Diverged(
+                f"stage {self.stage_id}: the smoothed loss {self.smoothed:.4g} at minibatch {minibatch} is "
+                f"{self.smoothed / self.start:.1f}x its start {self.start:.4g} (train.divergence={self.factor:g}); "
+                f"{self.advice}"
+            )

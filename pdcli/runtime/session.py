@@ -135,7 +135,8 @@ def run_session(
     executor = Executor(ctx, actions)
     logger.info("stage %d replica %d: %d actions, %s, device %s", stage_id, replica_id, len(actions), cfg.schedule.name, device)
 
-    checkpoints = Checkpointer(cfg, train_dir, spec, placement, env.rank, entry, module, ctx.optimizer, tracker, heartbeat, logger)
+    checkpoints = Checkpointer(cfg, train_dir, spec, placement, env.rank, entry, module, ctx.optimizer, tracker, heartbeat, logger,
+                               nnodes=env.world_size // env.local_world_size)
     checkpoints.start(executor, resume_step)
 
     def on_step(steps_done: int) -> None:

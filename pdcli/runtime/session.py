@@ -7,14 +7,14 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from pdcli.compiler import load_stage, read_manifest
 from pdcli.data import build_data
-from pdcli.host import host_cores
+from pdcli.host import host_cores, network_host_id, reach_address
 from pdcli.models import build_loss
 from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
@@ -26,7 +26,7 @@ from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
 from pdcli.runtime.resume import Checkpointer
 from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replica_for
-from pdcli.runtime.sockets import SocketTransport, socket_transport_possible, transport_from_env
+from pdcli.runtime.sockets import Place, SocketTransport, socket_transport_possible, transport_from_env
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.watchdog import Heartbeat
 
@@ -67,17 +67,22 @@ def replica_groups(placement: Placement) -> dict[int, Any]:
 
 
 def make_transport(
-    placement: Placement, io: StageIO, rank: int, device: torch.device, timeout_s: float, preference: str = "auto"
+    placement: Placement, io: StageIO, rank: int, device: torch.device, timeout_s: float, preference: str = "auto",
+    log: Callable[[str], None] = lambda _: None,
 ) -> Transport:
-    """Sockets between same-host CPU ranks (one message ~15 us instead of gloo's ~1.5 ms), else
-    torch.distributed (gloo / NCCL). `train.transport` picks one; the `PD_TRANSPORT=gloo|socket`
-    environment variable overrides it; every rank makes the same choice."""
+    """The socket transport between CPU ranks (one message ~15 us on one host instead of gloo's
+    ~1.5 ms): an abstract Unix socket to a rank of this host, TCP to a rank of another host,
+    each connection proven with the job's secret; else torch.distributed (gloo / NCCL).
+    `train.transport` picks one; the `PD_TRANSPORT=gloo|socket` environment variable overrides
+    it; every rank makes the same choice. `log` gets every refused connection."""
     default = "socket" if device.type == "cpu" and socket_transport_possible() else "gloo"
     choice = transport_from_env(os.environ) or (default if preference == "auto" else preference)
     if choice == "socket":
         peers = {r for k in (*io.acts_in, *io.acts_out) for r in placement.stage_ranks[k]}
         expected = {r: sizes for k, sizes in io.recv_bytes().items() for r in placement.stage_ranks[k]}
-        return SocketTransport.connect(rank, placement.world_size, peers, timeout_s, expected)
+        place = Place(network_host_id(), reach_address(os.environ["MASTER_ADDR"]))
+        store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store, as the process group has it
+        return SocketTransport.connect(rank, peers, timeout_s, expected, store, place, log)
     return TorchDistTransport()
 
 
@@ -118,7 +123,8 @@ def run_session(
             own_per_minibatch=lambda t: sum(1 for mb in range(t * m, (t + 1) * m) if replica_for(mb, r) == replica_id),
             writer=MetricsLog(train_dir / "metrics.jsonl", append=resume_step is not None) if env.rank == writer_rank else None,
         )
-    transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport)
+    heartbeat.beat(0, "connect")
+    transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport, logger.warning)
     # eager sends: the next stage gets its input before this one waits (see sends_first)
     actions = build_for(spec, stage_id, replica_id, start_minibatch=resume_step or 0,
                         eager_sends=not transport.stream_ordered)

@@ -8,8 +8,14 @@ network namespaces joined by a veth pair (root only), and strangers racing the s
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +188,240 @@ def test_a_listener_without_the_secret_is_not_trusted() -> None:
     b.close()
     store = HashStore()
     assert handshake.job_secret(store) == handshake.job_secret(store)  # the first worker's, for everyone
+
+
+# ---- real jobs: two nodes, two network namespaces, strangers --------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+PD = Path(sys.executable).parent / "pd"
+RECIPE = str(REPO / "recipes" / "quickstart.yaml")
+STEPS = 12
+ARGS = [f"train.steps={STEPS}", "train.log_every=4", "train.threads_per_worker=1", "run.name=mh"]
+JOB_TIMEOUT_S = 300
+
+
+def pd(*args: str, ns: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """`pd ARGS` in a process of its own (in network namespace `ns` when given)."""
+    prefix = ["ip", "netns", "exec", ns] if ns else []
+    return subprocess.Popen([*prefix, str(PD), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+def finish(*procs: subprocess.Popen[str]) -> list[tuple[int, str]]:
+    """(exit status, stderr) of each, killing what is left after JOB_TIMEOUT_S."""
+    out = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=JOB_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        out.append((proc.returncode, err))
+    return out
+
+
+def final_weights(root: Path, stage_ids: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    step_dir = root / "mh" / "train" / "checkpoints" / f"step_{STEPS}"
+    return {k: torch.load(step_dir / f"stage_{k}.pt", weights_only=True)["model"] for k in stage_ids}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """run.root of the quickstart profiled, planned (2 stages, 2 ranks) and compiled once."""
+    root = tmp_path_factory.mktemp("compiled")
+    (code, err), = finish(pd("compile", RECIPE, f"run.root={root}", *ARGS))
+    assert code == 0, err
+    return root
+
+
+@pytest.fixture(scope="module")
+def one_node(compiled: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, torch.Tensor]]:
+    """The final weights per stage of that plan trained on one node."""
+    root = tmp_path_factory.mktemp("one") / "root"
+    shutil.copytree(compiled, root)
+    (code, err), = finish(pd("train", RECIPE, f"run.root={root}", *ARGS))
+    assert code == 0, err
+    return final_weights(root, [0, 1])
+
+
+def assert_same_weights(got: dict[int, dict[str, torch.Tensor]], want: dict[int, dict[str, torch.Tensor]]) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert sorted(got[k]) == sorted(want[k])
+        for name in want[k]:
+            torch.testing.assert_close(got[k][name], want[k][name])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+def test_two_nodes_with_their_own_run_directories_train_like_one(
+    compiled: Path, one_node: dict[int, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Node 1's directory holds another profile: it trains node 0's plan, to the same weights."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(compiled, a)
+    shutil.copytree(compiled, b)
+    theirs = RunDir(b / "mh")
+    profile = json.loads((b / "mh" / "profile.json").read_text())
+    profile.setdefault("meta", {})["measured_elsewhere"] = True
+    theirs.write_json("profile.json", profile, theirs.verify("profile.json").inputs_hash)
+    port = str(free_port())
+    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port)
+    (code0, err0), (code1, err1) = finish(pd("train", RECIPE, f"run.root={a}", *ARGS, *nodes, "--node-rank", "0"),
+                                         pd("train", RECIPE, f"run.root={b}", *ARGS, *nodes, "--node-rank", "1"))
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert f"job pd-port{port} at 127.0.0.1:{port}" in err0 and "waiting for node 0's plan" in err1
+    assert (b / "mh" / "profile.json").read_bytes() == (a / "mh" / "profile.json").read_bytes()
+    assert_same_weights(final_weights(a, [0]) | final_weights(b, [1]), one_node)
+    assert (b / "mh" / "train" / "summary.json").exists() and not (a / "mh" / "train" / "summary.json").exists()
+    assert "the last stage ran on another node" in err0
+
+
+@pytest.fixture
+def two_namespaces() -> Any:
+    """Two network namespaces joined by a veth pair: ((ns0, addr0), (ns1, addr1)); removed after."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces (ip netns)")
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's `ip`")
+    tag = f"pd{os.getpid() % 100000}"
+    ns, veth = (f"{tag}n0", f"{tag}n1"), (f"{tag}v0", f"{tag}v1")
+    addrs = (f"10.213.{os.getpid() % 250}.1", f"10.213.{os.getpid() % 250}.2")
+
+    def ip(*args: str, check: bool = True) -> None:
+        subprocess.run(["ip", *args], check=check, timeout=20, capture_output=True)
+
+    try:
+        for name in ns:
+            ip("netns", "add", name)
+        ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
+        for name, dev, addr in zip(ns, veth, addrs):
+            ip("link", "set", dev, "netns", name)
+            ip("-n", name, "addr", "add", f"{addr}/30", "dev", dev)
+            ip("-n", name, "link", "set", dev, "up")
+            ip("-n", name, "link", "set", "lo", "up")
+        yield tuple(zip(ns, addrs))
+    finally:
+        ip("link", "del", veth[0], check=False)  # still here if the set-up failed before moving it
+        for name in ns:
+            ip("netns", "del", name, check=False)  # takes its end of the veth pair with it
+        assert not any(name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout for name in ns)
+
+
+def worker_pids(run_dir: Path) -> dict[int, int]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_reliability import worker_pids as pids
+
+    return pids(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S)
+def test_two_network_namespaces_run_one_job_and_a_killed_worker_stops_both(
+    two_namespaces: Any, compiled: Path, one_node: dict[int, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Each node sees only its namespace's address; node 1 starts with an empty directory;
+    the default port (29500) is free in a namespace of its own."""
+    (ns0, addr0), (ns1, addr1) = two_namespaces
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(compiled, a)
+
+    def nodes(*extra: str) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+        common = ("--nnodes", "2", "--master-addr", addr0, *extra)
+        return (pd("train", RECIPE, f"run.root={a}", *ARGS, *common, "--node-rank", "0", ns=ns0),
+                pd("train", RECIPE, f"run.root={b}", *ARGS, *common, "--node-rank", "1", ns=ns1))
+
+    (code0, err0), (code1, err1) = finish(*nodes())
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert_same_weights(final_weights(a, [0]) | final_weights(b, [1]), one_node)
+    assert f"rank 1 ({addr1}) over TCP" in (a / "mh" / "train" / "rank0.log").read_text()
+    assert f"rank 0 ({addr0}) over TCP" in (b / "mh" / "train" / "rank1.log").read_text()
+
+    # kill -9 a worker in namespace 1 while both train: both nodes stop, naming it
+    node0, node1 = nodes("train.steps=100000", "train.timeout_s=20")
+    status = b / "mh" / "train" / "status" / "rank1.txt"
+    deadline_s = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline_s and not ("Forward" in (status.read_text() if status.exists() else "")):
+        time.sleep(0.2)
+    pid = worker_pids(b)[1]
+    os.kill(pid, signal.SIGKILL)
+    killed_s = time.monotonic()
+    (code0, err0), (code1, err1) = finish(node0, node1)
+    elapsed_s = time.monotonic() - killed_s
+    assert code0 != 0 and code1 != 0
+    assert "rank 1 (stage 1, replica 0) was killed by signal 9" in err1.strip().splitlines()[0], err1
+    assert f"rank 1 ({addr1})" in err0, err0  # node 0 names the rank and where it ran
+    assert elapsed_s < 20 + 30, elapsed_s  # bounded by train.timeout_s, not by the run
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+def processes_mentioning(text: str) -> list[int]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_runtime import processes_mentioning as find
+
+    return find(text)
+
+
+def listening_unix_names(pids: list[int]) -> list[str]:
+    """Abstract names (`pd-...`) of the Unix sockets listening in processes `pids` (/proc)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:["):-1])
+        except OSError:
+            continue
+    names = []
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and int(fields[3], 16) & 0x10000 and fields[6] in inodes and fields[7].startswith("@pd-"):
+            names.append(fields[7][1:])  # 0x10000: __SO_ACCEPTCON, a listening socket
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+def test_strangers_racing_the_set_up_are_refused_and_the_numbers_unchanged(
+    compiled: Path, one_node: dict[int, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """A stranger on the host watches /proc for the workers' listeners and connects to each
+    the moment it exists, twice: claiming rank 0, and announcing a 1 EiB message. The workers
+    hold their listeners unpublished until it has (PD_TEST_LISTEN_GATE), so it is first."""
+    root, gate = tmp_path / "root", tmp_path / "gate"
+    shutil.copytree(compiled, root)
+    proc = pd("train", RECIPE, f"run.root={root}", *ARGS, env={sockets.LISTEN_GATE_ENV: str(gate)})
+    strangers: list[socket.socket] = []
+    try:
+        deadline_s = time.monotonic() + JOB_TIMEOUT_S
+        names: list[str] = []
+        while not names and time.monotonic() < deadline_s and proc.poll() is None:
+            names = listening_unix_names(list(worker_pids(root / "mh").values()))
+            time.sleep(0.01)
+        assert len(names) == 1, names  # 2 ranks: rank 1 listens for rank 0
+        for claim in (_stranger_hello, _stranger_huge_header):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\0" + names[0])
+            claim(s)
+            strangers.append(s)
+    finally:
+        gate.touch()
+    (code, err), = finish(proc)
+    assert code == 0, err
+    for s in strangers:
+        s.settimeout(JOB_TIMEOUT_S)
+        assert s.recv(handshake.CHALLENGE.size, socket.MSG_WAITALL).startswith(handshake.MAGIC)
+        assert s.recv(1) == b""  # refused: closed without a proof
+        s.close()
+    log = (root / "mh" / "train" / "rank1.log").read_text()
+    assert log.count(f"refused a connection from pid {os.getpid()} ") == 2, log
+    assert "claimed rank 0 without this job's proof" in log and "closed during the handshake" in log
+    assert_same_weights(final_weights(root, [0, 1]), one_node)

@@ -61,6 +61,11 @@ def pick_device(cfg: "Config", local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def job_store() -> Any:
+    """The job's rendezvous store, as the default process group holds it."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def replica_groups(placement: Placement) -> dict[int, Any]:
     """A process group per replicated stage; every rank creates every group, in stage order."""
     return {k: dist.new_group(list(ranks)) for k, ranks in enumerate(placement.stage_ranks) if len(ranks) > 1}
@@ -81,9 +86,28 @@ def make_transport(
         peers = {r for k in (*io.acts_in, *io.acts_out) for r in placement.stage_ranks[k]}
         expected = {r: sizes for k, sizes in io.recv_bytes().items() for r in placement.stage_ranks[k]}
         place = Place(network_host_id(), reach_address(os.environ["MASTER_ADDR"]))
-        store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store, as the process group has it
-        return SocketTransport.connect(rank, peers, timeout_s, expected, store, place, log)
+        return SocketTransport.connect(rank, peers, timeout_s, expected, job_store(), place, log)
     return TorchDistTransport()
+
+
+PLAN_KEY = "pd/job/plan"
+
+
+def check_same_plan(store: Any, run_dir: Path, rank: int) -> None:
+    """Every rank runs rank 0's plan and stages. `pd train --nnodes` gives the other hosts
+    node 0's (`pdcli.share`); workers started by torchrun on several hosts read whatever run
+    directory each host has, so they compare the plan and the stages' recorded hash here."""
+    from pdcli.rundir import RunDir, hash_obj
+    from pdcli.runtime.worker import read_plan
+
+    run = RunDir(run_dir)
+    record = run.record("stages")
+    digest = hash_obj({"plan": read_plan(run_dir), "stages": record.sha256 if record else run.content_hash("stages")})
+    if rank == 0:
+        store.set(PLAN_KEY, digest)
+    elif store.get(PLAN_KEY).decode() != digest:
+        raise RuntimeError(f"{run_dir}: plan.json or stages/ differ from rank 0's; copy node 0's run directory to this host "
+                           f"(rsync -a NODE0:{run_dir}/ {run_dir}/), or start every node with `pd train --nnodes`, which shares it")
 
 
 def run_session(
@@ -94,6 +118,7 @@ def run_session(
     heartbeat.beat(0, "init_process_group")
     device, backend = pick_device(cfg, env.local_rank)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
+    check_same_plan(job_store(), run_dir, env.rank)
     groups = replica_groups(placement)
     if device.type == "cpu":
         cores = host_cores()
@@ -125,6 +150,7 @@ def run_session(
         )
     heartbeat.beat(0, "connect")
     transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport, logger.warning)
+    logger.info("transport: %s", transport.describe() if isinstance(transport, SocketTransport) else "torch.distributed")
     # eager sends: the next stage gets its input before this one waits (see sends_first)
     actions = build_for(spec, stage_id, replica_id, start_minibatch=resume_step or 0,
                         eager_sends=not transport.stream_ordered)

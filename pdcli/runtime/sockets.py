@@ -483,6 +483,11 @@ class SocketTransport:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         return SocketTransport(peers, timeout_s, acceptor.refusals)
 
+    def describe(self) -> str:
+        """`rank 1 over a Unix socket, rank 2 (10.0.0.2) over TCP`: who is reached how."""
+        return ", ".join(f"{p.name} over {'a Unix socket' if p.sock.family == socket.AF_UNIX else 'TCP'}"
+                         for _, p in sorted(self.peers.items()))
+
     def _peer(self, rank: int) -> _Peer:
         if rank not in self.peers:
             raise KeyError(f"no socket to rank {rank}; connected: {sorted(self.peers)}")

@@ -38,3 +38,30 @@ def reach_address(peer_host: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect(sockaddr)
         return str(s.getsockname()[0])
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface holding `address` (None when none does)."""
+    import fcntl
+    import ipaddress
+    import socket
+    import struct
+    from pathlib import Path
+
+    ip = ipaddress.ip_address(address)
+    if ip.version == 6:
+        table = Path("/proc/net/if_inet6")
+        for line in table.read_text().splitlines() if table.exists() else []:
+            fields = line.split()
+            if ipaddress.ip_address(bytes.fromhex(fields[0])) == ip:
+                return fields[-1]
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue  # an interface without an IPv4 address
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None

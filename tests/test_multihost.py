@@ -345,10 +345,12 @@ def test_two_network_namespaces_run_one_job_and_a_killed_worker_stops_both(
     assert f"rank 0 ({addr0}) over TCP" in (b / "mh" / "train" / "rank1.log").read_text()
 
     # kill -9 a worker in namespace 1 while both train: both nodes stop, naming it
-    node0, node1 = nodes("train.steps=100000", "train.timeout_s=20")
     status = b / "mh" / "train" / "status" / "rank1.txt"
+    status.unlink()  # the first run's: it said Forward already
+    node0, node1 = nodes("train.steps=100000", "train.timeout_s=20")
     deadline_s = time.monotonic() + JOB_TIMEOUT_S
-    while time.monotonic() < deadline_s and not ("Forward" in (status.read_text() if status.exists() else "")):
+    while time.monotonic() < deadline_s and not ("Forward" in (status.read_text() if status.exists() else "")
+                                                 and 1 in worker_pids(b)):
         time.sleep(0.2)
     pid = worker_pids(b)[1]
     os.kill(pid, signal.SIGKILL)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from pdcli.compiler import load_stage, read_manifest
 from pdcli.data import build_data
-from pdcli.host import host_cores, network_host_id, reach_address
+from pdcli.host import host_cores, interface_of, network_host_id, reach_address
 from pdcli.models import build_loss
 from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
@@ -59,6 +59,18 @@ def pick_device(cfg: "Config", local_rank: int) -> tuple[torch.device, str]:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
+
+
+def collectives_on_the_peers_interface() -> None:
+    """gloo and NCCL listen on the interface of this host's name, which often resolves to
+    loopback; a job on several hosts has them use the interface that reaches the rendezvous
+    host instead (unless `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME` say otherwise)."""
+    if os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):
+        return  # one host: loopback reaches every peer
+    name = interface_of(reach_address(os.environ["MASTER_ADDR"]))
+    if name is not None:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(var, name)
 
 
 def job_store() -> Any:
@@ -117,6 +129,7 @@ def run_session(
     stage_id, replica_id = placement.of(env.rank)
     heartbeat.beat(0, "init_process_group")
     device, backend = pick_device(cfg, env.local_rank)
+    collectives_on_the_peers_interface()
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
     check_same_plan(job_store(), run_dir, env.rank)
     groups = replica_groups(placement)

@@ -55,20 +55,11 @@ def config_items(cfg: Config) -> dict[str, str]:
     return flat
 
 
-def artifact_files(run: RunDir, name: str) -> dict[str, Path]:
-    """Relative path -> file of artifact `name` (a file, or every file of a directory the
-    way `RunDir.content_hash` counts them)."""
-    target = run / name
-    if target.is_dir():
-        return {str(p.relative_to(run.path)): p for p in sorted(target.rglob("*")) if p.is_file() and not p.name.startswith(".")}
-    return {name: target} if target.is_file() else {}
-
-
 def publish(store: Store, run: RunDir, cfg: Config) -> None:
     """Node 0: the config and the artifacts of `run` for the other nodes (the listing last,
     so a node that sees it finds every file it names)."""
     artifacts: dict[str, Any] = {}
-    files = {name: artifact_files(run, name) for name in SHARED}
+    files = {name: run.artifact_files(name) for name in SHARED}
     total_bytes = sum(p.stat().st_size for fs in files.values() for p in fs.values())
     sent = total_bytes <= MAX_SENT_BYTES
     for name in SHARED:
@@ -89,8 +80,8 @@ def receive(store: Store, run: RunDir, cfg: Config, node0: str, timeout_s: float
     Returns the artifacts whose bytes were written (the others already matched)."""
     try:
         store.wait([LISTING_KEY], timedelta(seconds=timeout_s))
-    except RuntimeError:
-        raise UserError(f"node 0 ({node0}) did not share its plan within {timeout_s:g} s",
+    except RuntimeError as e:  # DistStoreError (timed out) or DistNetworkError (node 0 went away)
+        raise UserError(f"node 0 ({node0}) did not share its plan within {timeout_s:g} s ({type(e).__name__})",
                         hint="see node 0's output: it profiles, plans and compiles before the other nodes can start") from None
     listing = json.loads(store.get(LISTING_KEY))
     _check_config(config_items(cfg), listing["config"], run, node0)

@@ -30,8 +30,8 @@ DEFAULT_MASTER_PORT = 29500
 JOIN_TIMEOUT_S = 600.0
 """How long a node waits for node 0: its store, then its plan (node 0 may be profiling)."""
 NODES_RDZV_BACKEND = "pd-nodes"
-JOB_KEY = "pd-job-id"
-"""Unprefixed key in node 0's store naming its rendezvous id (a node with another id is told)."""
+JOB_KEY = "pd-job"
+"""Unprefixed key in node 0's store: its rendezvous id and number of nodes (a node of another job is told)."""
 RDZV_ID_ENV = ("PET_RDZV_ID", "SLURM_JOB_ID")
 
 _stores: dict[str, Store] = {}
@@ -70,12 +70,14 @@ def listen_store(addr: str, port: int, timeout_s: float, what: str) -> TCPStore:
                     multi_tenant=True, master_listen_fd=listener.detach())  # the store owns the socket now
 
 
-def open_job_store(run_id: str, master_addr: str, master_port: int, node_rank: int) -> Store:
+def open_job_store(run_id: str, master_addr: str, master_port: int, node_rank: int, nnodes: int) -> Store:
     """Node 0: serve the job's store on `master_addr:master_port`; other nodes: connect to it
-    (waiting up to JOIN_TIMEOUT_S for node 0). Kept for the agent's rendezvous of `run_id`."""
+    (waiting up to JOIN_TIMEOUT_S for node 0) and check they are in the same job of as many
+    nodes. Kept for the agent's rendezvous of `run_id`."""
+    job = f"{run_id} of {nnodes} nodes"
     if node_rank == 0:
         store: Store = listen_store(master_addr, master_port, JOIN_TIMEOUT_S, "--master-addr")
-        store.set(JOB_KEY, run_id)
+        store.set(JOB_KEY, job)
     else:
         try:
             store = TCPStore(master_addr, master_port, None, False, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
@@ -84,9 +86,9 @@ def open_job_store(run_id: str, master_addr: str, master_port: int, node_rank: i
             raise UserError(f"node 0's rendezvous at {master_addr}:{master_port} did not answer within {JOIN_TIMEOUT_S:g} s ({type(e).__name__})",
                             hint="start `pd train ... --node-rank 0` there, with the same --master-addr/--master-port") from None
         theirs = store.get(JOB_KEY).decode()
-        if theirs != run_id:
-            raise UserError(f"node 0 at {master_addr}:{master_port} runs rendezvous id {theirs!r}, this node {run_id!r}",
-                            hint="pass the same --rdzv-id (or none) on every node")
+        if theirs != job:
+            raise UserError(f"node 0 at {master_addr}:{master_port} runs job {theirs}, this node {job}",
+                            hint="pass the same --nnodes and --rdzv-id (or none) on every node")
     _stores[run_id] = store
     return store
 

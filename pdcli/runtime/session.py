@@ -61,12 +61,12 @@ def pick_device(cfg: "Config", local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def collectives_on_the_peers_interface() -> None:
+def collectives_on_the_peers_interface(one_host: bool) -> None:
     """gloo and NCCL listen on the interface of this host's name, which often resolves to
     loopback; a job on several hosts has them use the interface that reaches the rendezvous
     host instead (unless `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME` say otherwise)."""
-    if os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):
-        return  # one host: loopback reaches every peer
+    if one_host:
+        return  # loopback reaches every peer
     name = interface_of(reach_address(os.environ["MASTER_ADDR"]))
     if name is not None:
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -129,7 +129,7 @@ def run_session(
     stage_id, replica_id = placement.of(env.rank)
     heartbeat.beat(0, "init_process_group")
     device, backend = pick_device(cfg, env.local_rank)
-    collectives_on_the_peers_interface()
+    collectives_on_the_peers_interface(env.world_size == env.local_world_size)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
     check_same_plan(job_store(), run_dir, env.rank)
     groups = replica_groups(placement)

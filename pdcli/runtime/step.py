@@ -264,7 +264,7 @@ def join_job(hosts: Hosts, env: Mapping[str, str]) -> Job:
     addr, port = job_endpoint(hosts)
     hosts = dataclasses.replace(hosts, master_addr=addr, master_port=port)
     run_id = rendezvous_id(hosts.rdzv_id, port, env)
-    return Job(hosts, run_id, open_job_store(run_id, addr, port, hosts.node_rank))
+    return Job(hosts, run_id, open_job_store(run_id, addr, port, hosts.node_rank, hosts.nnodes))
 
 
 class ProgressBar:

@@ -40,6 +40,11 @@ class Store(Protocol):
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...
 
 
+def copy_command(run_dir: Path) -> str:
+    """The command that copies node 0's run directory to this host."""
+    return f"rsync -a NODE0:{run_dir}/ {run_dir}/"
+
+
 def config_items(cfg: Config) -> dict[str, str]:
     """The resolved config as `key -> value` lines, `run.*` left out (a directory per host)."""
     flat: dict[str, str] = {}
@@ -95,7 +100,7 @@ def receive(store: Store, run: RunDir, cfg: Config, node0: str, timeout_s: float
             raise UserError(
                 f"{run / name} differs from node 0's ({node0}), and node 0's artifacts ({listing['bytes']} bytes) "
                 f"are too large to send through the rendezvous store",
-                hint=f"copy node 0's run directory here first: rsync -a NODE0:{run.path}/ {run.path}/")
+                hint=f"copy node 0's run directory here first: {copy_command(run.path)}")
         _write(store, run, name, theirs)
         written.append(name)
     return written

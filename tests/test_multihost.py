@@ -103,6 +103,22 @@ def test_a_node_with_another_config_or_too_large_artifacts_is_told_what_to_do(tm
         share.receive(HashStore(), RunDir(tmp_path / "d"), cfg, "n0:1", 0.1)
 
 
+def test_workers_started_by_torchrun_check_they_run_rank_0s_plan(tmp_path: Path) -> None:
+    """torchrun copies nothing: a host whose run directory differs stops at start-up, saying how to copy it."""
+    from pdcli.runtime.session import check_same_plan
+
+    store = HashStore()
+    node0, _ = _fake_run(tmp_path / "node0")
+    same, _ = _fake_run(tmp_path / "same")
+    other, _ = _fake_run(tmp_path / "other")
+    (other / "stages" / "sub" / "stage_0.pt").write_bytes(b"other weights")
+    other.register("stages", "in-stages")
+    check_same_plan(store, node0.path, rank=0)
+    check_same_plan(store, same.path, rank=1)
+    with pytest.raises(RuntimeError, match=rf"plan.json or stages/ differ from rank 0's; .*rsync -a NODE0:{other.path}/ {other.path}/"):
+        check_same_plan(store, other.path, rank=1)
+
+
 # ---- peers that prove themselves -------------------------------------------------------
 
 

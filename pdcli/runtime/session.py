@@ -111,6 +111,7 @@ def check_same_plan(store: Any, run_dir: Path, rank: int) -> None:
     directory each host has, so they compare the plan and the stages' recorded hash here."""
     from pdcli.rundir import RunDir, hash_obj
     from pdcli.runtime.worker import read_plan
+    from pdcli.share import copy_command
 
     run = RunDir(run_dir)
     record = run.record("stages")
@@ -119,7 +120,7 @@ def check_same_plan(store: Any, run_dir: Path, rank: int) -> None:
         store.set(PLAN_KEY, digest)
     elif store.get(PLAN_KEY).decode() != digest:
         raise RuntimeError(f"{run_dir}: plan.json or stages/ differ from rank 0's; copy node 0's run directory to this host "
-                           f"(rsync -a NODE0:{run_dir}/ {run_dir}/), or start every node with `pd train --nnodes`, which shares it")
+                           f"({copy_command(run_dir)}), or start every node with `pd train --nnodes`, which shares it")
 
 
 def run_session(

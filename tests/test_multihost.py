@@ -300,6 +300,38 @@ def test_two_nodes_with_their_own_run_directories_train_like_one(
     assert "the last stage ran on another node" in err0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S)
+def test_slurm_environment_and_torchrun_start_the_same_job(
+    compiled: Path, one_node: dict[int, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """`srun pd train` (SLURM's variables, node 1 empty), then torchrun running the worker as
+    is on copies of node 0's run directory: both train the one-node weights."""
+    a, b = tmp_path / "slurm_a", tmp_path / "slurm_b"
+    shutil.copytree(compiled, a)
+    port = str(free_port())
+    slurm = {"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": f"t{port}"}
+    (code0, err0), (code1, err1) = finish(
+        pd("train", RECIPE, f"run.root={a}", *ARGS, "--master-port", port, env={**slurm, "SLURM_NODEID": "0"}),
+        pd("train", RECIPE, f"run.root={b}", *ARGS, "--master-port", port, env={**slurm, "SLURM_NODEID": "1"}))
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert f"node 0 of 2, job pd-t{port} at localhost:{port}" in err0
+    assert_same_weights(final_weights(a, [0]) | final_weights(b, [1]), one_node)
+
+    roots = [tmp_path / "torchrun_a", tmp_path / "torchrun_b"]
+    port = str(free_port())
+    procs = []
+    for node, root in enumerate(roots):
+        shutil.copytree(compiled, root)  # torchrun copies nothing: node 0's run directory on each
+        procs.append(subprocess.Popen(
+            [str(PD.parent / "torchrun"), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+             "--master-addr", "127.0.0.1", "--master-port", port, "-m", "pdcli.runtime.worker", "--run-dir", str(root / "mh")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}))
+    (code0, err0), (code1, err1) = finish(*procs)
+    assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
+    assert_same_weights(final_weights(roots[0], [0]) | final_weights(roots[1], [1]), one_node)
+
+
 @pytest.fixture
 def two_namespaces() -> Any:
     """Two network namespaces joined by a veth pair: ((ns0, addr0), (ns1, addr1)); removed after."""

@@ -80,15 +80,26 @@ def publish(store: Store, run: RunDir, cfg: Config) -> None:
     store.set(LISTING_KEY, json.dumps(listing))
 
 
+def publish_failure(store: Store, message: str) -> None:
+    """Node 0 could not make the artifacts: the other nodes stop with its message."""
+    store.set(LISTING_KEY, json.dumps({"failed": message}))
+
+
 def receive(store: Store, run: RunDir, cfg: Config, node0: str, timeout_s: float) -> list[str]:
     """Another node: check the config against node 0's, then make `run`'s artifacts node 0's.
     Returns the artifacts whose bytes were written (the others already matched)."""
+    hint = "see node 0's output: it profiles, plans and compiles before the other nodes can start"
     try:
         store.wait([LISTING_KEY], timedelta(seconds=timeout_s))
     except RuntimeError as e:  # DistStoreError (timed out) or DistNetworkError (node 0 went away)
-        raise UserError(f"node 0 ({node0}) did not share its plan within {timeout_s:g} s ({type(e).__name__})",
-                        hint="see node 0's output: it profiles, plans and compiles before the other nodes can start") from None
+        went_away = type(e).__name__ == "DistNetworkError"
+        raise UserError(f"node 0 ({node0}) " + ("went away before sharing its plan" if went_away else
+                                                 f"did not share its plan within {timeout_s:g} s ({type(e).__name__})"),
+                        hint=hint) from None
     listing = json.loads(store.get(LISTING_KEY))
+    if "failed" in listing:
+        raise UserError(f"node 0 ({node0}) stopped before sharing its plan: {listing['failed']}",
+                        hint="fix that on node 0, then start every node again")
     _check_config(config_items(cfg), listing["config"], run, node0)
     written = []
     for name in SHARED:

@@ -101,6 +101,10 @@ def test_a_node_with_another_config_or_too_large_artifacts_is_told_what_to_do(tm
     assert f"rsync -a NODE0:{tmp_path / 'c'}/ {tmp_path / 'c'}/" in (e.value.hint or "")
     with pytest.raises(UserError, match=r"node 0 \(n0:1\) did not share its plan within 0.1 s \(DistStoreError\)"):
         share.receive(HashStore(), RunDir(tmp_path / "d"), cfg, "n0:1", 0.1)
+    failed = HashStore()
+    share.publish_failure(failed, "plan: infeasible")
+    with pytest.raises(UserError, match=r"node 0 \(n0:1\) stopped before sharing its plan: plan: infeasible"):
+        share.receive(failed, RunDir(tmp_path / "e"), cfg, "n0:1", 5)
 
 
 def test_workers_started_by_torchrun_check_they_run_rank_0s_plan(tmp_path: Path) -> None:

@@ -42,7 +42,12 @@ def train(
     job = join_job(hosts, os.environ) if hosts.nnodes > 1 else None  # node 0 serves the store from here on
     try:
         if job is None or hosts.node_rank == 0:
-            _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err, progress=is_tty())
+            try:
+                _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err, progress=is_tty())
+            except BaseException as e:
+                if job is not None:
+                    job.fail(e)
+                raise
         if job is not None:
             echo_err(f"nodes:   node {hosts.node_rank} of {hosts.nnodes}, job {job.run_id} at {job.node0}"
                      + ("" if hosts.node_rank == 0 else ": waiting for node 0's plan"))

@@ -257,6 +257,13 @@ class Job:
             share.receive(store, run, cfg, self.node0, JOIN_TIMEOUT_S)
         return run.read_json("plan.json"), read_manifest(run / "stages")
 
+    def fail(self, error: BaseException) -> None:
+        """Node 0 stops before sharing: the other nodes stop too, with its message."""
+        from pdcli import share
+
+        if self.hosts.node_rank == 0:
+            share.publish_failure(job_prefix(self.store, self.run_id), str(error) or type(error).__name__)
+
 
 def join_job(hosts: Hosts, env: Mapping[str, str]) -> Job:
     """Several hosts: node 0 opens the job's store (before profiling: the others wait there),

@@ -156,7 +156,8 @@ class LocalRendezvous(StaticTCPRendezvous):
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self._store is None:
-            store = listen_store(LOCALHOST, self.master_port, self.timeout.total_seconds(), "--master-addr")
+            store = listen_store(LOCALHOST, self.master_port, self.timeout.total_seconds(),
+                                 "pick another port, or leave --master-port out to get a free one")
             self.master_addr, self.master_port, self._store = LOCALHOST, store.port, store
         return super().next_rendezvous()
 

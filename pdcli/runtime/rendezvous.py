@@ -49,21 +49,20 @@ def rendezvous_id(explicit: str | None, master_port: int, env: Mapping[str, str]
     return f"pd-{chosen}"
 
 
-def listen_store(addr: str, port: int, timeout_s: float, what: str) -> TCPStore:
+def listen_store(addr: str, port: int, timeout_s: float, hint: str) -> TCPStore:
     """A store server whose socket listens on `addr:port` only (port 0: one the OS picks).
-    `what` names the option that chose the address in the error a busy port gives."""
+    `hint`: what to do when it cannot listen there."""
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
-        raise UserError(f"{what} {addr}: not a known host ({e.strerror})", hint="pass this host's address or name") from None
+        raise UserError(f"--master-addr {addr}: not a known host ({e.strerror})", hint="pass node 0's address or name") from None
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(sockaddr)
     except OSError as e:
         listener.close()
-        raise UserError(f"--master-port {port}: cannot listen on {addr}:{port} ({e.strerror or e})",
-                        hint=f"pick another port, or check that {what} names this host") from None
+        raise UserError(f"--master-port {port}: cannot listen on {addr}:{port} ({e.strerror or e})", hint=hint) from None
     listener.listen(socket.SOMAXCONN)
     bound = int(listener.getsockname()[1])
     return TCPStore(addr, bound, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
@@ -76,7 +75,8 @@ def open_job_store(run_id: str, master_addr: str, master_port: int, node_rank: i
     nodes. Kept for the agent's rendezvous of `run_id`."""
     job = f"{run_id} of {nnodes} nodes"
     if node_rank == 0:
-        store: Store = listen_store(master_addr, master_port, JOIN_TIMEOUT_S, "--master-addr")
+        store: Store = listen_store(master_addr, master_port, JOIN_TIMEOUT_S,
+                                    "pick another port, or check that --master-addr is this host's (node 0's) address")
         store.set(JOB_KEY, job)
     else:
         try:

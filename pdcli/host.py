@@ -1,4 +1,5 @@
-"""What this host offers its workers: the CPU cores this process may run on."""
+"""What this host offers its workers: the CPU cores this process may run on, and where it
+sits on the network (which peers share its namespace, the address that reaches them)."""
 
 from __future__ import annotations
 
@@ -10,3 +11,57 @@ def host_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def network_host_id() -> str:
+    """Which workers can reach each other through an abstract Unix socket: those of one
+    kernel (its boot id) in one network namespace (its inode). Hostnames alone do not tell:
+    two network namespaces of one machine share it."""
+    import socket
+    from pathlib import Path
+
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    kernel = boot.read_text().strip() if boot.exists() else ""
+    try:
+        namespace = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        namespace = 0
+    return f"{socket.gethostname()}/{kernel}/{namespace}"
+
+
+def reach_address(peer_host: str) -> str:
+    """This host's address on the interface that routes to `peer_host` (asks the kernel's
+    routing table through an unconnected UDP socket; no packet is sent)."""
+    import socket
+
+    family, _, _, _, sockaddr = socket.getaddrinfo(peer_host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(sockaddr)
+        return str(s.getsockname()[0])
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface holding `address` (None when none does)."""
+    import fcntl
+    import ipaddress
+    import socket
+    import struct
+    from pathlib import Path
+
+    ip = ipaddress.ip_address(address)
+    if ip.version == 6:
+        table = Path("/proc/net/if_inet6")
+        for line in table.read_text().splitlines() if table.exists() else []:
+            fields = line.split()
+            if ipaddress.ip_address(bytes.fromhex(fields[0])) == ip:
+                return fields[-1]
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue  # an interface without an IPv4 address
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None

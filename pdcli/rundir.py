@@ -219,11 +219,20 @@ class RunDir:
         atomic_write_json(self.path / MANIFEST, manifest)
         return rec
 
+    def artifact_files(self, name: str) -> dict[str, Path]:
+        """Path relative to the run directory -> file, of every file artifact `name` is made
+        of: the file itself, or a directory's files (hidden ones, temps, left out)."""
+        target = self.path / name
+        if target.is_dir():
+            return {str(p.relative_to(self.path)): p for p in sorted(target.rglob("*"))
+                    if p.is_file() and not p.name.startswith(".")}
+        return {name: target} if target.is_file() else {}
+
     def content_hash(self, name: str) -> str:
         target = self.path / name
         if target.is_dir():
             h = hashlib.sha256()
-            for f in sorted(p for p in target.rglob("*") if p.is_file() and not p.name.startswith(".")):
+            for f in self.artifact_files(name).values():
                 h.update(str(f.relative_to(target)).encode())
                 h.update(sha256_file(f).encode())
             return h.hexdigest()

@@ -6,6 +6,7 @@ share one compiled quickstart run directory.
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,12 @@ def test_plan_for_more_devices_than_available(compiled: str, monkeypatch: pytest
     monkeypatch.setattr(launcher, "MIN_CPU_PROCESSES", 1)
     fails("train", QUICKSTART, compiled, "cluster.device=cpu", expect=("needs 2 devices", "only 1", "--nnodes"))
     monkeypatch.undo()
-    fails("train", QUICKSTART, compiled, "--nnodes", "3", expect=("2 ranks", "--nnodes 3"))
+    fails("train", QUICKSTART, compiled, "--nnodes", "3", expect=("--nnodes 3", "node 0's address", "--master-addr"))
+    with socket.socket() as s:  # a port free now, for node 0's store
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    fails("train", QUICKSTART, compiled, "--nnodes", "3", "--master-addr", "127.0.0.1", "--master-port", port,
+          expect=("2 ranks", "--nnodes 3"))
 
 
 def test_resume_without_a_checkpoint(compiled: str) -> None:

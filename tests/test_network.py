@@ -16,6 +16,7 @@ from pdcli.errors import UserError
 from pdcli.runtime import sockets
 from pdcli.runtime.comm import message_tag, tag_kind
 from pdcli.runtime.launcher import LOCAL_RDZV_BACKEND, Hosts, launch_config
+from pdcli.runtime.rendezvous import DEFAULT_MASTER_PORT, NODES_RDZV_BACKEND
 from pdcli.runtime.sockets import HEADER, BadMessageError, SocketTransport, _Peer
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.toy import ToyNet, write_toy_stages
@@ -142,6 +143,7 @@ def test_a_one_host_rendezvous_listens_on_localhost_only(tmp_path: Path) -> None
                                   min_nodes=1, max_nodes=1, rank=0, timeout=10)
     with pytest.raises(UserError, match=f"--master-port {port}: cannot listen on 127.0.0.1:{port}"):
         rendezvous_handler_registry.create_handler(params).next_rendezvous()
-    # several hosts: torch's static rendezvous on the given address, as before
-    multi = launch_config(4, Hosts(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500), tmp_path, 10)
-    assert (multi.rdzv_backend, multi.rdzv_endpoint, multi.rdzv_configs["rank"]) == ("static", "10.0.0.1:29500", 1)
+    # several hosts: the store node 0 opened on the given address, under the job's id
+    multi = launch_config(4, Hosts(nnodes=2, node_rank=1, master_addr="10.0.0.1"), tmp_path, 10, run_id="pd-x")
+    assert (multi.rdzv_backend, multi.rdzv_endpoint, multi.rdzv_configs["rank"], multi.run_id) == (
+        NODES_RDZV_BACKEND, f"10.0.0.1:{DEFAULT_MASTER_PORT}", 1, "pd-x")

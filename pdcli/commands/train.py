@@ -24,7 +24,9 @@ def train(
     master_addr: Annotated[Optional[str], typer.Option(
         "--master-addr", help="Rendezvous host (default: $MASTER_ADDR or SLURM's first node, else this host).")] = None,
     master_port: Annotated[Optional[int], typer.Option(
-        "--master-port", help="Rendezvous port (default: $MASTER_PORT, else a free one).")] = None,
+        "--master-port", help="Rendezvous port (default: $MASTER_PORT, else a free one; several hosts: 29500).")] = None,
+    rdzv_id: Annotated[Optional[str], typer.Option(
+        "--rdzv-id", help="Job id, the same on every host (default: $PET_RDZV_ID or $SLURM_JOB_ID, else from the port).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest complete checkpoint.")] = False,
 ) -> None:
     """Train RECIPE: one process per device of the plan, running the schedule's action lists.
@@ -35,26 +37,34 @@ def train(
     from pdcli.runtime.evaluation import plan_evaluation
     from pdcli.pipeline import ensure_all
     from pdcli.runtime.launcher import TrainingFailed, TrainingInterrupted, hosts_from_env
-    from pdcli.runtime.step import format_summary, run_training
+    from pdcli.runtime.step import format_summary, join_job, run_training
 
     cfg = loaded.config
     resolve_steps(cfg)  # train.epochs -> train.steps
     plan_evaluation(cfg)  # a held-out split too small to evaluate fails here, before profiling
-    hosts = hosts_from_env(nnodes, node_rank, master_addr, master_port, os.environ)
+    hosts = hosts_from_env(nnodes, node_rank, master_addr, master_port, os.environ, rdzv_id)
+    job = join_job(hosts, os.environ) if hosts.nnodes > 1 else None  # node 0 serves the store from here on
     try:
-        _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err, progress=is_tty())
+        if job is None or hosts.node_rank == 0:
+            try:
+                _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err, progress=is_tty())
+            except BaseException as e:
+                if job is not None:
+                    job.fail(e)
+                raise
+        if job is not None:
+            echo_err(f"nodes:   node {hosts.node_rank} of {hosts.nnodes}, job {job.run_id} at {job.node0}"
+                     + ("" if hosts.node_rank == 0 else ": waiting for node 0's plan"))
+            plan_json, manifest = job.share(run, cfg)
+            hosts = job.hosts
     except KeyboardInterrupt:  # Ctrl-C before the workers started (profiling, planning, compiling)
         echo_err("interrupted")
         raise typer.Exit(130) from None
     echo_err(f"train:   {cfg.schedule.name}, {len(plan_json['stages'])} stages, {cfg.train.steps} steps -> {run / 'train'}"
              + (" (resuming)" if resume else ""))
     try:
-        result = run_training(
-            cfg, run, plan_json, manifest,
-            nnodes=hosts.nnodes, node_rank=hosts.node_rank, master_addr=hosts.master_addr,
-            master_port=hosts.master_port,
-            progress=is_tty(), resume=resume,
-        )
+        result = run_training(cfg, run, plan_json, manifest, hosts=hosts, progress=is_tty(), resume=resume,
+                              run_id=job.run_id if job else None)
     except TrainingInterrupted as e:
         echo_err(f"interrupted: {e}; resume with `pd train {recipe} --resume` (same overrides)")
         raise typer.Exit(128 + e.signal_number) from None
@@ -64,4 +74,7 @@ def train(
     except KeyboardInterrupt:  # before the launcher took over the signal
         echo_err("interrupted")
         raise typer.Exit(130) from None
+    if result is None:
+        echo_err("train:   done; the last stage ran on another node: its run directory holds summary.json and metrics.jsonl")
+        return
     typer.echo(format_summary(result))

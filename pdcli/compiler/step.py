@@ -87,15 +87,12 @@ def ensure_stages(
     sample = build_data(cfg.data, cfg.data.batch_size).batch(0).split(cfg.schedule.num_microbatches)[0]
     _check_node_names(plan_json, [n.name for n in chain_order(trace_model(model, sample.inputs))])
     run.create()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{STAGES}.", dir=run.path))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; stages/ is an ordinary directory
+    tmp = temp_dir_beside(target)
     try:
         manifest, _ = compile_stages(
             model, sample.inputs, plan_boundaries(plan_json), tmp, loss=cfg.model.loss, seed=cfg.train.seed
         )
-        _replace_dir(tmp, target)
+        replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -103,7 +100,17 @@ def ensure_stages(
     return manifest, False
 
 
-def _replace_dir(new: Path, target: Path) -> None:
+def temp_dir_beside(target: Path) -> Path:
+    """A new empty directory beside `target`, with the permissions of an ordinary directory
+    (mkdtemp makes it owner-only), to fill and then `replace_dir` into place."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def replace_dir(new: Path, target: Path) -> None:
     """Move `new` to `target`, replacing an old `target` (renames only; no partial state)."""
     old = None
     if target.exists():

@@ -230,8 +230,9 @@ class TrainConfig:
     host's workers have a CPU core each (polling keeps an idle vCPU from falling asleep),
     else 0 (blocking at once leaves the core to the workers that share it)."""
     transport: str = "auto"
-    """Activation/gradient transport: `auto` (sockets between CPU ranks on one host, else
-    torch.distributed), `socket`, or `gloo` (torch.distributed with the run's backend)."""
+    """Activation/gradient transport: `auto` (sockets between CPU ranks, per pair: Unix inside
+    a host, TCP between hosts; torch.distributed on GPUs), `socket`, or `gloo` (torch.distributed
+    with the run's backend)."""
 
 
 @dataclass

@@ -6,7 +6,8 @@ Each stage's first replica writes, atomically (temp file + rename), its weights 
 the ORIGINAL model's names (all stage files together form one ordinary state dict of the
 model), its optimizer state, the data position (the next minibatch index, n), the RNG
 state of every replica and, on the last stage, the loss records the metrics continue
-from. After a barrier, rank 0 writes `COMPLETE` last: a directory without it is an
+from. After a barrier, the first rank of each host writes `COMPLETE` last, for the stages
+saved on that host (on one host: rank 0, for all): a directory without it is an
 interrupted checkpoint, never resumed from and never counted among the kept ones.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -74,14 +75,17 @@ def save_stage(
     return path
 
 
-def mark_complete(train_dir: Path, step: int, num_stages: int, keep: int, meta: dict[str, Any] | None = None) -> None:
-    """Write the COMPLETE marker (after every stage file exists), then prune: keep the last
-    `keep` complete checkpoints and drop interrupted ones older than this one."""
+def mark_complete(train_dir: Path, step: int, num_stages: int, keep: int, meta: dict[str, Any] | None = None,
+                  stage_ids: Sequence[int] | None = None) -> None:
+    """Write the COMPLETE marker (after every stage file exists: of `stage_ids`, the stages
+    this host saves, else all), then prune: keep the last `keep` complete checkpoints and
+    drop interrupted ones older than this one."""
     d = checkpoint_dir(train_dir, step)
-    missing = [k for k in range(num_stages) if not stage_file(train_dir, step, k).exists()]
+    stage_ids = range(num_stages) if stage_ids is None else stage_ids
+    missing = [k for k in stage_ids if not stage_file(train_dir, step, k).exists()]
     if missing:
         raise RuntimeError(f"checkpoint {d} lacks stage files {missing}; not marking it complete")
-    atomic_write_json(d / COMPLETE, {"step": step, "num_stages": num_stages, **(meta or {})})
+    atomic_write_json(d / COMPLETE, {"step": step, "num_stages": num_stages, "stage_ids": list(stage_ids), **(meta or {})})
     for old in complete_steps(train_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(checkpoint_dir(train_dir, old), ignore_errors=True)
     for old, complete in _step_dirs(train_dir):

@@ -1,10 +1,10 @@
 """Start the workers through PyTorch's elastic launcher (the engine behind torchrun).
 
-One process per device of the plan on this host (or `nproc = world / nnodes` per host
-with a static rendezvous on `master_addr:master_port`). When one worker dies, the elastic
-agent stops its siblings and `launch_workers` raises `TrainingFailed` with a message naming
-the rank, its stage and its last action; with `max_restarts=N` the agent first restarts
-them all up to N times (`pdcli.runtime.restarts`), each failure an event of the run.
+One process per device of the plan on this host (or `nproc = world / nnodes` per host,
+meeting in the store node 0 serves on `master_addr:master_port`: `rendezvous.py`). When one
+worker dies, the elastic agent stops its siblings and `launch_workers` raises `TrainingFailed`
+with a message naming the rank, its stage and its last action; with `max_restarts=N` the agent
+first restarts them all up to N times (`pdcli.runtime.restarts`), each failure an event of the run.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 import uuid
 from collections.abc import Mapping
@@ -35,6 +34,7 @@ from pdcli.host import host_cores
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.events import append_event
 from pdcli.runtime.restarts import NO_RESTART_KINDS, prepare_restart, restarting_agent
+from pdcli.runtime.rendezvous import DEFAULT_MASTER_PORT, NODES_RDZV_BACKEND, listen_store
 from pdcli.runtime.watchdog import read_error, read_status
 
 WORKER_MODULE = "pdcli.runtime.worker"
@@ -69,6 +69,8 @@ class Hosts:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    rdzv_id: str | None = None
+    """Explicit rendezvous id (`--rdzv-id`); else `rendezvous.rendezvous_id` derives one."""
 
 
 def first_slurm_host(nodelist: str) -> str | None:
@@ -81,7 +83,7 @@ def first_slurm_host(nodelist: str) -> str | None:
 
 
 def hosts_from_env(nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None,
-                   env: Mapping[str, str]) -> Hosts:
+                   env: Mapping[str, str], rdzv_id: str | None = None) -> Hosts:
     """The command line wins; then torchrun's variables (`PET_NNODES`, `PET_NODE_RANK`,
     `MASTER_ADDR`, `MASTER_PORT`), then SLURM's (`SLURM_NNODES`, `SLURM_NODEID`, the first
     host of `SLURM_JOB_NODELIST`); else one host."""
@@ -104,7 +106,16 @@ def hosts_from_env(nnodes: int | None, node_rank: int | None, master_addr: str |
         node_rank=number(node_rank, "PET_NODE_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_NODEID") or 0,
         master_addr=addr or None,
         master_port=number(master_port, "MASTER_PORT", "PET_MASTER_PORT"),
+        rdzv_id=rdzv_id,
     )
+
+
+def job_endpoint(hosts: Hosts) -> tuple[str, int]:
+    """(master address, port) of a job on several hosts: both the same on every node."""
+    if not hosts.master_addr:
+        raise UserError(f"--nnodes {hosts.nnodes}: every node needs node 0's address",
+                        hint="pass --master-addr HOST (node 0's address, the same on every node), or set $MASTER_ADDR")
+    return hosts.master_addr, hosts.master_port or DEFAULT_MASTER_PORT
 
 
 def check_devices(world_size: int, hosts: Hosts, device: str) -> None:
@@ -131,13 +142,6 @@ def check_devices(world_size: int, hosts: Hosts, device: str) -> None:
         )
 
 
-def free_port() -> int:
-    """A TCP port free right now on localhost (the OS picks it; never hard-coded)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOCALHOST, 0))
-        return int(s.getsockname()[1])
-
-
 LOCAL_RDZV_BACKEND = "pd-local"
 """The rendezvous of a one-host run: torch's static TCP rendezvous, listening on LOCALHOST only."""
 
@@ -156,21 +160,9 @@ class LocalRendezvous(StaticTCPRendezvous):
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self._store is None:
-            from datetime import timedelta
-
-            from torch.distributed import TCPStore
-
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                listener.bind((LOCALHOST, self.master_port))
-            except OSError as e:
-                listener.close()
-                raise UserError(f"--master-port {self.master_port}: cannot listen on {LOCALHOST}:{self.master_port} "
-                                f"({e.strerror or e})", hint="pick another port, or leave --master-port out to get a free one") from None
-            listener.listen(socket.SOMAXCONN)
-            self.master_addr, self.master_port = LOCALHOST, int(listener.getsockname()[1])
-            self._store = TCPStore(LOCALHOST, self.master_port, self.world_size, True, timedelta(seconds=self.timeout.total_seconds()),
-                                   multi_tenant=True, master_listen_fd=listener.detach())  # the store owns the socket now
+            store = listen_store(LOCALHOST, self.master_port, self.timeout.total_seconds(),
+                                 "pick another port, or leave --master-port out to get a free one")
+            self.master_addr, self.master_port, self._store = LOCALHOST, store.port, store
         return super().next_rendezvous()
 
 
@@ -184,22 +176,23 @@ def _create_local_rendezvous(params: RendezvousParameters) -> RendezvousHandler:
 rendezvous_handler_registry.register(LOCAL_RDZV_BACKEND, _create_local_rendezvous)
 
 
-def launch_config(world_size: int, hosts: Hosts, log_dir: Path, rdzv_timeout_s: float, max_restarts: int = 0) -> LaunchConfig:
-    """One host: the store listens on LOCALHOST only (`LocalRendezvous`); several hosts:
-    torch's static rendezvous on `master_addr:master_port`, as torchrun does."""
+def launch_config(world_size: int, hosts: Hosts, log_dir: Path, rdzv_timeout_s: float, max_restarts: int = 0,
+                  run_id: str | None = None) -> LaunchConfig:
+    """One host: the store listens on LOCALHOST only (`LocalRendezvous`); several hosts: the
+    store node 0 opened on `master_addr:master_port` (`rendezvous.open_job_store`), under the
+    job's rendezvous id `run_id`, torch's static rendezvous otherwise."""
     if world_size % hosts.nnodes:
         raise ValueError(f"world size {world_size} is not divisible by nnodes={hosts.nnodes}")
     local = hosts.nnodes == 1
-    addr = LOCALHOST if local else hosts.master_addr or LOCALHOST
-    port = hosts.master_port or (0 if local else free_port())
+    addr, port = (LOCALHOST, hosts.master_port or 0) if local else job_endpoint(hosts)
     return LaunchConfig(
         min_nodes=hosts.nnodes,
         max_nodes=hosts.nnodes,
         nproc_per_node=world_size // hosts.nnodes,
-        run_id=f"pd-{uuid.uuid4().hex[:8]}",
+        run_id=run_id or f"pd-{uuid.uuid4().hex[:8]}",
         rdzv_endpoint=f"{addr}:{port}",
         # static: node_rank fixes the global ranks (node_rank * nproc + local_rank), as torchrun does.
-        rdzv_backend=LOCAL_RDZV_BACKEND if local else "static",
+        rdzv_backend=LOCAL_RDZV_BACKEND if local else NODES_RDZV_BACKEND,
         rdzv_configs={"rank": hosts.node_rank, "timeout": int(rdzv_timeout_s)},
         max_restarts=max_restarts,
         monitor_interval=0.1,
@@ -209,10 +202,11 @@ def launch_config(world_size: int, hosts: Hosts, log_dir: Path, rdzv_timeout_s: 
 
 
 def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s: float, max_restarts: int = 0,
-                   num_steps: int = 0) -> None:
-    """Run `python -m pdcli.runtime.worker --run-dir run_dir` on every rank of this host;
-    after a failure, restart them all from the newest complete checkpoint of the run's
-    `num_steps` up to `max_restarts` times (each failure logged in `train/events.jsonl`)."""
+                   num_steps: int = 0, run_id: str | None = None) -> None:
+    """Run `python -m pdcli.runtime.worker --run-dir run_dir` on every rank of this host
+    (several hosts: in the job `run_id` whose store `open_job_store` opened); after a failure,
+    restart them all from the newest complete checkpoint of the run's `num_steps` up to
+    `max_restarts` times (each failure logged in `train/events.jsonl`)."""
     train_dir = run_dir / "train"
     log_dir = train_dir / "elastic"
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # TrainingFailed says it better
@@ -221,7 +215,7 @@ def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s:
     try:
         for attempt in range(PORT_ATTEMPTS):
             config = launch_config(placement.world_size, hosts, log_dir, rdzv_timeout_s=max(60.0, timeout_s * 2),
-                                   max_restarts=max_restarts)
+                                   max_restarts=max_restarts, run_id=run_id)
             events = FailureEvents(train_dir, placement, num_steps)
             try:
                 with restarting_agent(events.on_failure, events.before_restart):

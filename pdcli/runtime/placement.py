@@ -45,3 +45,12 @@ class Placement:
 
     def rank(self, stage_id: int, replica_id: int) -> int:
         return self.stage_ranks[stage_id][replica_id]
+
+    def node_of(self, rank: int, nnodes: int) -> int:
+        """The node (host) running `rank`: ranks fill nodes in blocks of world_size / nnodes,
+        as torch's static rendezvous numbers them (node_rank * nproc + local_rank)."""
+        return rank // (self.world_size // nnodes)
+
+    def stages_saved_on(self, node: int, nnodes: int) -> list[int]:
+        """The stages whose checkpoint files `node` writes (their first replica runs there)."""
+        return [k for k in range(self.num_stages) if self.node_of(self.rank(k, 0), nnodes) == node]

@@ -61,6 +61,8 @@ class Checkpointer:
     tracker: "LossTracker | None"
     heartbeat: Heartbeat
     logger: logging.Logger
+    nnodes: int = 1
+    """Hosts of the job: each host's first rank marks the checkpoint of its stages complete."""
 
     def __post_init__(self) -> None:
         self.stage_id, self.replica_id = self.placement.of(self.rank)
@@ -126,10 +128,12 @@ class Checkpointer:
                                   self.optimizer, executor.weights.version, extra)
         checkpoint_fault(self.rank, step, "written")
         dist.barrier()  # every stage file is written before the marker
-        if self.rank == 0:
+        node = self.placement.node_of(self.rank, self.nnodes)
+        if self.rank == min(r for r in range(self.placement.world_size) if self.placement.node_of(r, self.nnodes) == node):
             meta = {"schedule": self.cfg.schedule.name, "num_microbatches": self.cfg.schedule.num_microbatches,
                     "optimizer": self.cfg.optim.name, "replicas": list(self.placement.replicas)}
-            checkpoint.mark_complete(self.train_dir, step, self.placement.num_stages, self.cfg.train.keep_checkpoints, meta)
+            checkpoint.mark_complete(self.train_dir, step, self.placement.num_stages, self.cfg.train.keep_checkpoints, meta,
+                                     self.placement.stages_saved_on(node, self.nnodes))
         dist.barrier()  # the checkpoint is complete before any rank goes on
         checkpoint_fault(self.rank, step, "complete")
         self.logger.info("checkpoint of step %d written", step)

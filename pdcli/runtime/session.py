@@ -15,7 +15,7 @@ import torch.distributed as dist
 from pdcli.compiler import load_stage, read_manifest
 from pdcli.data import build_data
 from pdcli.data.registry import resolve_steps
-from pdcli.host import host_cores
+from pdcli.host import host_cores, interface_of, network_host_id, reach_address
 from pdcli.models import build_loss
 from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
@@ -29,7 +29,7 @@ from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
 from pdcli.runtime.resume import Checkpointer
 from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replica_for
-from pdcli.runtime.sockets import SocketTransport, socket_transport_possible, transport_from_env
+from pdcli.runtime.sockets import Place, SocketTransport, socket_transport_possible, transport_from_env
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import tied_copies
 from pdcli.runtime.update import UpdateRule, clips_per_stage
@@ -87,6 +87,23 @@ def attempt_store(env: "WorkerEnv", timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"pd/attempt_{os.environ.get(RESTART_COUNT_ENV, '0')}", store)
 
 
+def collectives_on_the_peers_interface(one_host: bool) -> None:
+    """gloo and NCCL listen on the interface of this host's name, which often resolves to
+    loopback; a job on several hosts has them use the interface that reaches the rendezvous
+    host instead (unless `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME` say otherwise)."""
+    if one_host:
+        return  # loopback reaches every peer
+    name = interface_of(reach_address(os.environ["MASTER_ADDR"]))
+    if name is not None:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(var, name)
+
+
+def job_store() -> Any:
+    """The job's rendezvous store, as the default process group holds it."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def replica_groups(placement: Placement) -> dict[int, Any]:
     """A process group per replicated stage; every rank creates every group, in stage order."""
     return {k: dist.new_group(list(ranks)) for k, ranks in enumerate(placement.stage_ranks) if len(ranks) > 1}
@@ -111,18 +128,43 @@ def global_clip_group(cfg: "Config", placement: Placement) -> Any:
 
 
 def make_transport(
-    placement: Placement, io: StageIO, rank: int, device: torch.device, timeout_s: float, preference: str = "auto"
+    placement: Placement, io: StageIO, rank: int, device: torch.device, timeout_s: float, preference: str = "auto",
+    log: Callable[[str], None] = lambda _: None,
 ) -> Transport:
-    """Sockets between same-host CPU ranks (one message ~15 us instead of gloo's ~1.5 ms), else
-    torch.distributed (gloo / NCCL). `train.transport` picks one; the `PD_TRANSPORT=gloo|socket`
-    environment variable overrides it; every rank makes the same choice."""
+    """The socket transport between CPU ranks (one message ~15 us on one host instead of gloo's
+    ~1.5 ms): an abstract Unix socket to a rank of this host, TCP to a rank of another host,
+    each connection proven with the job's secret; else torch.distributed (gloo / NCCL).
+    `train.transport` picks one; the `PD_TRANSPORT=gloo|socket` environment variable overrides
+    it; every rank makes the same choice. `log` gets every refused connection."""
     default = "socket" if device.type == "cpu" and socket_transport_possible() else "gloo"
     choice = transport_from_env(os.environ) or (default if preference == "auto" else preference)
     if choice == "socket":
         peers = {r for k in (*io.acts_in, *io.acts_out) for r in placement.stage_ranks[k]}
         expected = {r: sizes for k, sizes in io.recv_bytes().items() for r in placement.stage_ranks[k]}
-        return SocketTransport.connect(rank, placement.world_size, peers, timeout_s, expected)
+        place = Place(network_host_id(), reach_address(os.environ["MASTER_ADDR"]))
+        return SocketTransport.connect(rank, peers, timeout_s, expected, job_store(), place, log)
     return TorchDistTransport()
+
+
+PLAN_KEY = "pd/job/plan"
+
+
+def check_same_plan(store: Any, run_dir: Path, rank: int) -> None:
+    """Every rank runs rank 0's plan and stages. `pd train --nnodes` gives the other hosts
+    node 0's (`pdcli.share`); workers started by torchrun on several hosts read whatever run
+    directory each host has, so they compare the plan and the stages' recorded hash here."""
+    from pdcli.rundir import RunDir, hash_obj
+    from pdcli.runtime.worker import read_plan
+    from pdcli.share import copy_command
+
+    run = RunDir(run_dir)
+    record = run.record("stages")
+    digest = hash_obj({"plan": read_plan(run_dir), "stages": record.sha256 if record else run.content_hash("stages")})
+    if rank == 0:
+        store.set(PLAN_KEY, digest)
+    elif store.get(PLAN_KEY).decode() != digest:
+        raise RuntimeError(f"{run_dir}: plan.json or stages/ differ from rank 0's; copy node 0's run directory to this host "
+                           f"({copy_command(run_dir)}), or start every node with `pd train --nnodes`, which shares it")
 
 
 def run_session(
@@ -134,7 +176,9 @@ def run_session(
     heartbeat.beat(0, "init_process_group")
     device, backend = pick_device(cfg, env.local_rank)
     timeout = timedelta(seconds=cfg.train.timeout_s)
+    collectives_on_the_peers_interface(env.world_size == env.local_world_size)
     dist.init_process_group(backend, timeout=timeout, store=attempt_store(env, timeout), rank=env.rank, world_size=env.world_size)
+    check_same_plan(job_store(), run_dir, env.rank)
     groups = replica_groups(placement)
     clip_group = global_clip_group(cfg, placement)
     if device.type == "cpu":
@@ -167,7 +211,9 @@ def run_session(
                               tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard)) if env.rank == writer_rank else None,
             guard=loss_guard(cfg, stage_id),
         )
-    transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport)
+    heartbeat.beat(0, "connect")
+    transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport, logger.warning)
+    logger.info("transport: %s", transport.describe() if isinstance(transport, SocketTransport) else "torch.distributed")
     # eager sends: the next stage gets its input before this one waits (see sends_first)
     actions = build_for(spec, stage_id, replica_id, start_minibatch=resume_step or 0,
                         eager_sends=not transport.stream_ordered)
@@ -192,7 +238,8 @@ def run_session(
         tracker.excluded_s = lambda: executor.eval_s
     logger.info("stage %d replica %d: %d actions, %s, device %s", stage_id, replica_id, len(actions), cfg.schedule.name, device)
 
-    checkpoints = Checkpointer(cfg, train_dir, spec, placement, env.rank, entry, module, ctx.optimizer, tracker, heartbeat, logger)
+    checkpoints = Checkpointer(cfg, train_dir, spec, placement, env.rank, entry, module, ctx.optimizer, tracker, heartbeat, logger,
+                               nnodes=env.world_size // env.local_world_size)
     checkpoints.start(executor, resume_step)
 
     def on_step(steps_done: int) -> None:

@@ -1,4 +1,4 @@
-"""A same-host transport: Unix domain sockets between the ranks that talk, behind `Transport`.
+"""The socket transport: a stream socket between each two ranks that talk, behind `Transport`.
 
 Why: on this machine a gloo send/recv costs ~1.5 ms per message while a local socket moves
 32 KiB in ~15 us (see DESIGN.md "Runtime"). Each connected peer gets one reader thread that
@@ -9,34 +9,41 @@ by default; a 256 x 1024 fp32 activation is 1 MB) cannot leave before the peer's
 thread gets a core to drain it; with both cores computing, that blocked the compute
 thread 2.5-4 ms per send on the 2-stage runtime benchmark.
 
-Only for ranks on one host; `socket_transport_possible` says when it applies. The
-connection set-up uses the default process group's barrier, so every rank must call
-`SocketTransport.connect` collectively.
+Between ranks of one host (one network namespace) the socket is an abstract Unix socket;
+between hosts, TCP on the interface that reaches the rendezvous host. Every connection
+starts with a handshake that proves both ends hold the job's secret (`handshake.py`); the
+set-up goes through the job's rendezvous store, so the ranks that talk call
+`SocketTransport.connect` together.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import secrets
+import selectors
 import socket
 import struct
 import sys
 import threading
 import time
-from typing import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from pdcli.config.schema import TRANSPORTS
 from pdcli.errors import UserError
+from pdcli.runtime import handshake
 from pdcli.runtime.comm import tag_kind
 
 HEADER = struct.Struct("<QQ")  # tag, payload bytes
-RANK_HELLO = struct.Struct("<Q")
 GIL_SWITCH_INTERVAL_S = 0.0005
-TRANSPORT_ENV = "PD_TRANSPORT"  # "socket" (default on one host) or "gloo"
+TRANSPORT_ENV = "PD_TRANSPORT"  # "socket" (default on CPU) or "gloo"
+LISTEN_GATE_ENV = "PD_TEST_LISTEN_GATE"
+STORE_PREFIX = "pd/transport"
 
 
 class PeerClosedError(ConnectionError):
@@ -60,14 +67,145 @@ def transport_from_env(env: Mapping[str, str]) -> str | None:
 
 
 def socket_transport_possible() -> bool:
-    """True when every rank runs on this host (torchrun's LOCAL_WORLD_SIZE == WORLD_SIZE)."""
-    return os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE") and os.name == "posix"
+    """True where Linux's abstract Unix sockets exist (between hosts the transport uses TCP)."""
+    return sys.platform.startswith("linux")
 
 
-def _address(rank: int) -> str:
-    # Linux abstract namespace: nothing on disk; unique per job through the rendezvous port.
-    job = f"{os.environ.get('MASTER_PORT', '0')}-{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
-    return f"\0pd-{job}-{rank}"
+@dataclass(frozen=True)
+class Place:
+    """Where a worker is: who shares its network namespace, and its address for other hosts."""
+
+    host_id: str
+    """Equal for workers that reach each other through an abstract Unix socket (`host.network_host_id`)."""
+    address: str
+    """This worker's address on the interface that reaches the rendezvous host (`host.reach_address`)."""
+
+
+def listen_gate(timeout_s: float) -> None:
+    """Tests only: with `LISTEN_GATE_ENV=<path>`, wait (at most `timeout_s`) with the listeners
+    open and not yet published until `<path>` exists, so a test's stranger connects first."""
+    gate = os.environ.get(LISTEN_GATE_ENV)
+    deadline_s = time.monotonic() + timeout_s
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline_s:
+        time.sleep(0.01)
+
+
+def _dial(address: str | tuple[str, int], timeout_s: float) -> socket.socket:
+    """A connection to a listener: an abstract Unix name (this host) or (host, port) over TCP."""
+    if isinstance(address, str):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout_s)
+        s.connect("\0" + address)
+        return s
+    s = socket.create_connection(address, timeout=timeout_s)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a message is one write: send it now
+    return s
+
+
+class _Acceptor:
+    """The listening side of `SocketTransport.connect`: a thread accepts connections, a thread
+    per connection runs the handshake, and the proven ones are kept by rank. A listener per
+    kind of peer awaited: an abstract Unix socket with a random name for this host's, TCP on
+    `address` (port chosen by the OS) for other hosts'."""
+
+    def __init__(self, rank: int, secret: bytes, wanted: set[int], same_host: Mapping[int, bool], address: str,
+                 timeout_s: float, log: Callable[[str], None]) -> None:
+        self.rank, self.secret, self.wanted, self.timeout_s, self.log = rank, secret, set(wanted), timeout_s, log
+        self.listeners: list[socket.socket] = []
+        self.addresses: dict[str, Any] = {"unix": None, "tcp": None}
+        if any(same_host.values()):
+            name = f"pd-{secrets.token_hex(8)}-r{rank}"  # abstract namespace: nothing on disk
+            self.listeners.append(self._listen(socket.AF_UNIX, "\0" + name))
+            self.addresses["unix"] = name
+        if not all(same_host.values()):
+            family = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0][0]
+            tcp = self._listen(family, (address, 0))
+            self.addresses["tcp"] = [address, tcp.getsockname()[1]]
+            self.listeners.append(tcp)
+        self.accepted: dict[int, tuple[socket.socket, str]] = {}
+        self.refusals: list[str] = []
+        self.cond = threading.Condition()
+        self.closed = False
+        self.thread = threading.Thread(target=self._accept, name="pd-accept", daemon=True)
+
+    def _listen(self, family: int, address: Any) -> socket.socket:
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.bind(address)
+        s.listen(socket.SOMAXCONN)
+        return s
+
+    def start(self) -> None:
+        if self.wanted:
+            self.thread.start()
+
+    def _accept(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            for listener in self.listeners:
+                selector.register(listener, selectors.EVENT_READ)
+            while not self.closed:
+                for key, _ in selector.select(timeout=0.1):
+                    try:
+                        conn, peer = key.fileobj.accept()  # type: ignore[union-attr]
+                    except OSError:
+                        continue
+                    threading.Thread(target=self._check, args=(conn, peer), name="pd-handshake", daemon=True).start()
+
+    def _check(self, conn: socket.socket, peer: Any) -> None:
+        where = _describe_connection(conn, peer)
+        try:
+            conn.settimeout(self.timeout_s)
+            with self.cond:
+                awaited = self.wanted - set(self.accepted)
+            other = handshake.check_connector(conn, self.secret, self.rank, awaited)
+            conn.settimeout(None)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except (handshake.Refused, OSError) as e:
+            conn.close()
+            message = f"rank {self.rank}: refused a connection from {where}: {e}"
+            with self.cond:
+                self.refusals.append(message)
+            self.log(message)
+            return
+        with self.cond:
+            if other in self.accepted:  # two proven connections for one rank: keep the first
+                conn.close()
+                return
+            self.accepted[other] = (conn, str(peer[0]) if isinstance(peer, tuple) else "this host")
+            self.cond.notify_all()
+
+    def result(self) -> dict[int, tuple[socket.socket, str]]:
+        """Every awaited rank's connection, once each proved itself (TimeoutError after `timeout_s`)."""
+        deadline_s = time.monotonic() + self.timeout_s
+        with self.cond:
+            while set(self.accepted) != self.wanted:
+                left_s = deadline_s - time.monotonic()
+                if left_s <= 0:
+                    missing = sorted(self.wanted - set(self.accepted))
+                    raise TimeoutError(f"rank {self.rank}: ranks {missing} did not connect within {self.timeout_s:g} s"
+                                       + (f" ({len(self.refusals)} connections refused)" if self.refusals else ""))
+                self.cond.wait(left_s)
+            return dict(self.accepted)
+
+    def close(self) -> None:
+        """Stop listening: later connections are refused by the kernel."""
+        self.closed = True
+        if self.thread.is_alive():
+            self.thread.join()
+        for listener in self.listeners:
+            listener.close()
+
+
+def _describe_connection(conn: socket.socket, peer: Any) -> str:
+    """`10.0.0.7:40112`, or for a Unix socket the process that connected (pid, uid)."""
+    if conn.family == socket.AF_UNIX:
+        creds = struct.Struct("3i")
+        try:
+            pid, uid, _ = creds.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, creds.size))
+            return f"pid {pid} (uid {uid}) on this host"
+        except OSError:
+            return "a process on this host"
+    return f"{peer[0]}:{peer[1]}"
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
@@ -100,8 +238,11 @@ class _Peer:
     the connection is read no further (its byte stream can no longer be framed).
     """
 
-    def __init__(self, rank: int, sock: socket.socket, expected_bytes: Mapping[str, int] | None = None) -> None:
+    def __init__(self, rank: int, sock: socket.socket, expected_bytes: Mapping[str, int] | None = None,
+                 name: str | None = None) -> None:
         self.rank = rank
+        self.name = name or f"rank {rank}"
+        """How messages name the peer: `rank r`, with its address when it is on another host."""
         self.sock = sock
         self.expected_bytes = None if expected_bytes is None else dict(expected_bytes)
         self.posted: dict[int, int] = {}
@@ -133,7 +274,7 @@ class _Peer:
                         for part in parts:
                             self.sock.sendall(part)  # releases the GIL while the kernel waits for the peer
                     except OSError as e:
-                        self.send_error = f"rank {self.rank}: send failed ({e}; that worker probably died)"
+                        self.send_error = f"{self.name}: send failed ({e}; that worker probably died)"
             sent.done(self.send_error)
 
     def _send_now(self, parts: list[memoryview | bytes]) -> list[memoryview | bytes]:
@@ -163,7 +304,7 @@ class _Peer:
                     try:
                         parts = self._send_now(parts)
                     except OSError as e:
-                        self.send_error = f"rank {self.rank}: send failed ({e}; that worker probably died)"
+                        self.send_error = f"{self.name}: send failed ({e}; that worker probably died)"
                         sent.done(self.send_error)
                         return sent
                     if not parts:
@@ -191,7 +332,7 @@ class _Peer:
         what = f"{kind} message" if kind else "message with a tag pd never makes"
         with self.cond:
             if tag in self.inbox:
-                return f"rank {self.rank} sent a second {what} with tag {tag} before the first was taken"
+                return f"{self.name} sent a second {what} with tag {tag} before the first was taken"
             while tag not in self.posted and self.expected_bytes is None:  # nothing else to go by: wait
                 if self.closing:
                     raise PeerClosedError("closing while a message waited for its receive")
@@ -202,11 +343,11 @@ class _Peer:
                 assert self.expected_bytes is not None
                 if kind is None or kind not in self.expected_bytes:
                     sends = ", ".join(f"{k} messages of {n} bytes" for k, n in sorted(self.expected_bytes.items()))
-                    return (f"rank {self.rank} sent a {what} (tag {tag}, {nbytes} bytes); the manifest has it "
+                    return (f"{self.name} sent a {what} (tag {tag}, {nbytes} bytes); the manifest has it "
                             f"send this rank {sends or 'nothing'}")
                 expected, by = self.expected_bytes[kind], "the manifest's layout"
         if nbytes != expected:
-            return f"rank {self.rank} sent a {what} (tag {tag}) of {nbytes} bytes; {by} fixes {expected} bytes"
+            return f"{self.name} sent a {what} (tag {tag}) of {nbytes} bytes; {by} fixes {expected} bytes"
         return None
 
     def _read(self) -> None:
@@ -236,7 +377,7 @@ class _Peer:
             if refusal is not None:
                 self.error, self.refused = f"refused: {refusal} (a stale or foreign stages/ directory, or not a pd worker)", True
             elif not self.closing:
-                self.error = f"rank {self.rank} {reason} (that worker probably died)"
+                self.error = f"{self.name} {reason} (that worker probably died)"
             self.cond.notify_all()
 
     def take(self, tag: int, timeout_s: float) -> Tensor:
@@ -247,7 +388,7 @@ class _Peer:
                     raise (BadMessageError if self.refused else PeerClosedError)(self.error)
                 left_s = deadline_s - time.monotonic()
                 if left_s <= 0:
-                    raise TimeoutError(f"timed out after {timeout_s:g} s waiting for a message from rank {self.rank}")
+                    raise TimeoutError(f"timed out after {timeout_s:g} s waiting for a message from {self.name}")
                 self.cond.wait(left_s)
             self.posted.pop(tag, None)
             return self.inbox.pop(tag)
@@ -294,44 +435,58 @@ class SocketTransport:
 
     stream_ordered = False  # a reader thread per peer files messages by tag, in any order
 
-    def __init__(self, peers: dict[int, _Peer], timeout_s: float) -> None:
+    def __init__(self, peers: dict[int, _Peer], timeout_s: float, refusals: list[str] | None = None) -> None:
         self.peers = peers
         self.timeout_s = timeout_s
+        self.refusals = refusals or []
+        """Connections refused while connecting (strangers), as logged."""
 
     @staticmethod
-    def connect(rank: int, world_size: int, peer_ranks: Iterable[int], timeout_s: float,
-                expected_bytes: Mapping[int, Mapping[str, int]]) -> "SocketTransport":
-        """Collective: listen, barrier, connect to higher peers, accept lower ones.
+    def connect(rank: int, peer_ranks: Iterable[int], timeout_s: float, expected_bytes: Mapping[int, Mapping[str, int]],
+                store: Any, place: Place, log: Callable[[str], None] = lambda _: None) -> "SocketTransport":
+        """Collective over `peer_ranks`, through the job's rendezvous `store`: connect to the
+        higher peers, accept the lower ones, each proving it holds the job's secret.
 
-        `expected_bytes`: peer rank -> message kind -> bytes this rank receives from it (a
-        peer it only sends to is absent: nothing from it is accepted)."""
+        A peer on this host (same `Place.host_id`) is reached through an abstract Unix socket,
+        a peer on another host over TCP at the address of the interface that reaches it
+        (`Place.address`). Listeners have random names and ports, published in the store; a
+        connection that does not prove to be an awaited rank is refused, passed to `log`, and
+        the listener goes on waiting for the real peer. `expected_bytes`: peer rank -> message
+        kind -> bytes this rank receives from it (a peer it only sends to is absent: nothing
+        from it is accepted)."""
+        secret = handshake.job_secret(store)
         wanted = sorted(set(peer_ranks) - {rank})
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(_address(rank))
-        listener.listen(max(1, world_size))
-        dist.barrier()  # every rank listens before anyone connects
+        store.set(f"{STORE_PREFIX}/host/{rank}", place.host_id)
+        hosts = {r: store.get(f"{STORE_PREFIX}/host/{r}").decode() for r in wanted}
+        lower = {r for r in wanted if r < rank}
+        acceptor = _Acceptor(rank, secret, lower, {r: hosts[r] == place.host_id for r in lower}, place.address, timeout_s, log)
+        listen_gate(timeout_s)
+        store.set(f"{STORE_PREFIX}/addr/{rank}", json.dumps(acceptor.addresses))
+        acceptor.start()
         peers: dict[int, _Peer] = {}
-        for other in (r for r in wanted if r > rank):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect(_address(other))
-            s.sendall(RANK_HELLO.pack(rank))
-            peers[other] = _Peer(other, s, expected_bytes.get(other, {}))
-        lower = [r for r in wanted if r < rank]
-        for _ in lower:
-            s, _addr = listener.accept()
-            hello = bytearray(RANK_HELLO.size)
-            _recv_exact(s, memoryview(hello))
-            (other,) = RANK_HELLO.unpack(hello)
-            if other not in lower or other in peers:
-                s.close()
-                raise BadMessageError(f"rank {rank}: a connection introduced itself as rank {other}; "
-                                      f"expected one of {[r for r in lower if r not in peers]}")
-            peers[int(other)] = _Peer(int(other), s, expected_bytes.get(int(other), {}))
-        listener.close()
+        try:
+            for other in (r for r in wanted if r > rank):
+                addresses = json.loads(store.get(f"{STORE_PREFIX}/addr/{other}"))
+                local = hosts[other] == place.host_id
+                s = _dial(addresses["unix"] if local else tuple(addresses["tcp"]), timeout_s)
+                handshake.prove_to_listener(s, secret, rank, other)
+                s.settimeout(None)
+                name = f"rank {other}" if local else f"rank {other} ({addresses['tcp'][0]})"
+                peers[other] = _Peer(other, s, expected_bytes.get(other, {}), name)
+            for other, (s, address) in acceptor.result().items():
+                name = f"rank {other}" if hosts[other] == place.host_id else f"rank {other} ({address})"
+                peers[other] = _Peer(other, s, expected_bytes.get(other, {}), name)
+        finally:
+            acceptor.close()
         # A reader thread needs the GIL to file a message; the default 5 ms switch interval
         # would add up to 5 ms to a receive that arrives while the compute thread runs Python.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        return SocketTransport(peers, timeout_s)
+        return SocketTransport(peers, timeout_s, acceptor.refusals)
+
+    def describe(self) -> str:
+        """`rank 1 over a Unix socket, rank 2 (10.0.0.2) over TCP`: who is reached how."""
+        return ", ".join(f"{p.name} over {'a Unix socket' if p.sock.family == socket.AF_UNIX else 'TCP'}"
+                         for _, p in sorted(self.peers.items()))
 
     def _peer(self, rank: int) -> _Peer:
         if rank not in self.peers:

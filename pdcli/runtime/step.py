@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,12 @@ from pdcli.data.registry import resolve_steps
 from pdcli.errors import UserError
 from pdcli.rundir import RunDir, atomic_write_json, read_json
 from pdcli.runtime import checkpoint
-from pdcli.runtime.launcher import Hosts, TrainingFailed, TrainingInterrupted, check_devices, launch_workers
 from pdcli.runtime.evaluation import EVAL_KEYS, eval_metrics_text, plan_evaluation
 from pdcli.runtime.events import EVENTS_FILE
+from pdcli.runtime.launcher import Hosts, TrainingFailed, TrainingInterrupted, check_devices, job_endpoint, launch_workers
 from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.placement import Placement
+from pdcli.runtime.rendezvous import JOIN_TIMEOUT_S, job_prefix, open_job_store, rendezvous_id
 from pdcli.runtime.restarts import keep_metrics_through, reset_attempt
 from pdcli.runtime.schedule import build_for, eval_points
 from pdcli.runtime.session import SUMMARY_FILE, run_spec
@@ -31,7 +33,7 @@ from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import check_schedule
 from pdcli.runtime.worker import LAUNCH_FILE
 
-__all__ = ["TrainResult", "TrainingFailed", "TrainingInterrupted", "format_summary", "run_training"]
+__all__ = ["Job", "TrainResult", "TrainingFailed", "TrainingInterrupted", "format_summary", "join_job", "run_training"]
 
 PROGRESS_POLL_S = 0.5
 SCHEDULE_CHECK_MINIBATCHES = 8
@@ -84,8 +86,9 @@ def _clean_previous(cfg: Config, train_dir: Path, resume_step: int | None) -> No
             (train_dir / "checkpoints").rename(train_dir / PREVIOUS_CHECKPOINTS)
 
 
-def resume_point(cfg: Config, run: RunDir, manifest: dict[str, Any], placement: Placement) -> int:
-    """The step of the latest complete checkpoint, after checking it fits this run."""
+def resume_point(cfg: Config, run: RunDir, manifest: dict[str, Any], placement: Placement, hosts: Hosts = Hosts()) -> int:
+    """The step of the latest complete checkpoint, after checking it fits this run (the
+    stages this host saves)."""
     train_dir = run / "train"
     step = checkpoint.latest_step(train_dir)
     if step is None:
@@ -103,7 +106,7 @@ def resume_point(cfg: Config, run: RunDir, manifest: dict[str, Any], placement: 
                       ("replicas", list(placement.replicas))):
         if key in info and info[key] != want:
             raise UserError(f"--resume: checkpoint {where} has {key}={info[key]!r}, this run {want!r}", hint=checkpoint.RESUME_HINT)
-    for k in range(int(manifest["num_stages"])):
+    for k in placement.stages_saved_on(hosts.node_rank, hosts.nnodes):
         payload = checkpoint.load_stage_file(train_dir, step, k)
         expected = _stage_weights(run, manifest, k)
         checkpoint.check_weights(payload["model"], expected, f"checkpoint {checkpoint.stage_file(train_dir, step, k)}", checkpoint.RESUME_HINT)
@@ -190,39 +193,87 @@ def run_training(
     run: RunDir,
     plan_json: dict[str, Any],
     manifest: dict[str, Any],
-    nnodes: int = 1,
-    node_rank: int = 0,
-    master_addr: str | None = None,
-    master_port: int | None = None,
+    hosts: Hosts = Hosts(),
     progress: bool = False,
     resume: bool = False,
-) -> TrainResult:
+    run_id: str | None = None,
+) -> TrainResult | None:
     """Train on `run` (config.yaml and stages/ in place); `resume`: continue from the latest
-    complete checkpoint. Raises TrainingFailed if a worker fails (TrainingInterrupted on a
-    signal), UserError on inputs that cannot run."""
+    complete checkpoint; several `hosts`: this node's ranks of the job `run_id` (`join_job`).
+    Returns what the run measured, or None on a node that does not run the last stage (its
+    summary is on that node). Raises TrainingFailed if a worker fails (TrainingInterrupted
+    on a signal), UserError on inputs that cannot run."""
     if not (run / "config.yaml").exists():
         raise FileNotFoundError(f"{run / 'config.yaml'} missing: the resolved config must be written first")
     resolve_steps(cfg)  # train.epochs -> train.steps
     placement = check_inputs(cfg, plan_json, manifest)
-    hosts = Hosts(nnodes, node_rank, master_addr, master_port)
     check_devices(placement.world_size, hosts, cfg.cluster.device)
     transport_from_env(os.environ)  # a bad PD_TRANSPORT fails here, not in every worker
     train_dir = run / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
-    resume_step = resume_point(cfg, run, manifest, placement) if resume else None
+    resume_step = resume_point(cfg, run, manifest, placement, hosts) if resume else None
     if resume_step is None and cfg.train.init_from:
         check_init_from(cfg, run, manifest)
     _clean_previous(cfg, train_dir, resume_step)
     atomic_write_json(train_dir / LAUNCH_FILE, {"plan": plan_json, checkpoint.RESUME_KEY: resume_step})
     bar = ProgressBar(train_dir / "metrics.jsonl", cfg.train.steps) if progress else None
     try:
-        launch_workers(run.path, placement, hosts, cfg.train.timeout_s, cfg.train.max_restarts, cfg.train.steps)
+        launch_workers(run.path, placement, hosts, cfg.train.timeout_s, cfg.train.max_restarts, cfg.train.steps, run_id)
     finally:
         if bar is not None:
             bar.close()
-    if not (train_dir / SUMMARY_FILE).exists() and nnodes > 1:
-        raise TrainingFailed(f"training ended but {train_dir / SUMMARY_FILE} is on the host of the last stage")
+    if summary_node(placement, hosts) != hosts.node_rank:
+        return None
     return TrainResult.from_train_dir(train_dir)
+
+
+def summary_node(placement: Placement, hosts: Hosts) -> int:
+    """The node whose run directory gets the summary and metrics: the last stage's first
+    replica's."""
+    return placement.node_of(placement.rank(placement.num_stages - 1, 0), hosts.nnodes)
+
+
+@dataclass(frozen=True)
+class Job:
+    """This node's view of a job on several hosts: its rendezvous id and node 0's store."""
+
+    hosts: Hosts
+    run_id: str
+    store: Any
+    """torch.distributed Store: node 0's, served by this process on node 0."""
+
+    @property
+    def node0(self) -> str:
+        return f"{self.hosts.master_addr}:{self.hosts.master_port}"
+
+    def share(self, run: RunDir, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Node 0: publish its artifacts (made already). Other nodes: make theirs node 0's.
+        Returns the job's (plan, stages manifest)."""
+        from pdcli import share
+        from pdcli.compiler import read_manifest
+
+        store = job_prefix(self.store, self.run_id)
+        if self.hosts.node_rank == 0:
+            share.publish(store, run, cfg)
+        else:
+            share.receive(store, run, cfg, self.node0, JOIN_TIMEOUT_S)
+        return run.read_json("plan.json"), read_manifest(run / "stages")
+
+    def fail(self, error: BaseException) -> None:
+        """Node 0 stops before sharing: the other nodes stop too, with its message."""
+        from pdcli import share
+
+        if self.hosts.node_rank == 0:
+            share.publish_failure(job_prefix(self.store, self.run_id), str(error) or type(error).__name__)
+
+
+def join_job(hosts: Hosts, env: Mapping[str, str]) -> Job:
+    """Several hosts: node 0 opens the job's store (before profiling: the others wait there),
+    the others connect to it; every node derives the same rendezvous id."""
+    addr, port = job_endpoint(hosts)
+    hosts = dataclasses.replace(hosts, master_addr=addr, master_port=port)
+    run_id = rendezvous_id(hosts.rdzv_id, port, env)
+    return Job(hosts, run_id, open_job_store(run_id, addr, port, hosts.node_rank, hosts.nnodes))
 
 
 class ProgressBar:

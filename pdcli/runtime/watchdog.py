@@ -53,9 +53,9 @@ CHECKPOINT_FAULT_ENV = "PD_TEST_CHECKPOINT_FAULT"
 checkpoint of minibatch `step`: right after writing its stage file (`written`: the checkpoint
 stays incomplete, a crash mid-write) or once the checkpoint is complete (`complete`)."""
 CHECKPOINT_FAULT_POINTS = ("written", "complete")
-WAITING_ACTIONS = ("RecvActivations", "RecvGrads", "AllReduceGrads", "init_process_group", "checkpoint", "report")
+WAITING_ACTIONS = ("RecvActivations", "RecvGrads", "AllReduceGrads", "init_process_group", "connect", "checkpoint", "report")
 """Actions that wait for other ranks: a timeout there points at a peer."""
-STARTUP_ACTIONS = ("init_process_group", "load_stage")
+STARTUP_ACTIONS = ("init_process_group", "load_stage", "connect")
 STARTUP_MIN_TIMEOUT_S = 60.0
 """Start-up (imports, process group, loading the stage) is slow on a loaded host and is not a
 training step: it gets at least this long before the watchdog calls it a hang."""

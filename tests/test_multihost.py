@@ -1,0 +1,482 @@
+"""Several hosts: one rendezvous id, one plan (node 0's), peers that prove themselves.
+
+In-process first (a HashStore stands for the job's rendezvous store, threads for ranks),
+then real jobs (marked slow): two nodes on this host with separate run directories, two
+network namespaces joined by a veth pair (root only), and strangers racing the set-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import HashStore
+
+from pdcli import share
+from pdcli.config.schema import Config
+from pdcli.errors import UserError
+from pdcli.rundir import RunDir
+from pdcli.runtime import handshake, sockets
+from pdcli.runtime.launcher import Hosts, job_endpoint
+from pdcli.runtime.rendezvous import DEFAULT_MASTER_PORT, rendezvous_id
+from pdcli.runtime.sockets import HEADER, Place, SocketTransport
+
+
+# ---- the rendezvous id and the endpoint ------------------------------------------------
+
+
+def test_every_node_derives_the_same_rendezvous_id() -> None:
+    assert rendezvous_id(None, 29611, {}) == rendezvous_id(None, 29611, {"HOSTNAME": "other"}) == "pd-port29611"
+    assert rendezvous_id(None, 29611, {"SLURM_JOB_ID": "4242"}) == "pd-4242"
+    assert rendezvous_id(None, 29611, {"PET_RDZV_ID": "exp1", "SLURM_JOB_ID": "4242"}) == "pd-exp1"  # torchrun's first
+    assert rendezvous_id("mine", 29611, {"PET_RDZV_ID": "exp1"}) == "pd-mine"  # the command line wins
+    with pytest.raises(UserError, match="rendezvous id 'a b'"):
+        rendezvous_id("a b", 29611, {})
+    assert job_endpoint(Hosts(nnodes=2, node_rank=1, master_addr="10.0.0.1")) == ("10.0.0.1", DEFAULT_MASTER_PORT)
+    with pytest.raises(UserError, match="--nnodes 2: every node needs node 0's address"):
+        job_endpoint(Hosts(nnodes=2, node_rank=1))
+
+
+# ---- one plan: node 0's artifacts ------------------------------------------------------
+
+
+def _fake_run(root: Path, profile: str = '{"nodes": 1}') -> tuple[RunDir, Config]:
+    """A run directory holding a registered profile, plan and stages/ (two files)."""
+    run = RunDir(root).create()
+    run.write_json("profile.json", json.loads(profile), "in-profile")
+    run.write_json("plan.json", {"stages": [{"stage_id": 0, "ranks": [0]}]}, "in-plan")
+    (run / "stages" / "sub").mkdir(parents=True)
+    (run / "stages" / "manifest.json").write_text('{"num_stages": 1}')
+    (run / "stages" / "sub" / "stage_0.pt").write_bytes(bytes(range(256)) * 4)
+    run.register("stages", "in-stages")
+    cfg = Config()
+    cfg.run.root = str(root)
+    return run, cfg
+
+
+def _files(run: RunDir) -> dict[str, bytes]:
+    return {rel: p.read_bytes() for name in share.SHARED for rel, p in run.artifact_files(name).items()}
+
+
+def test_other_nodes_take_node_0s_artifacts_and_keep_what_already_matches(tmp_path: Path) -> None:
+    store = HashStore()
+    node0, cfg = _fake_run(tmp_path / "node0")
+    share.publish(store, node0, cfg)
+    empty = RunDir(tmp_path / "empty")
+    assert share.receive(store, empty, cfg, "n0:1", 5) == list(share.SHARED)
+    assert _files(empty) == _files(node0) and empty.record("stages") == node0.record("stages")
+    assert share.receive(store, empty, cfg, "n0:1", 5) == []  # the second time everything matches
+    other, _ = _fake_run(tmp_path / "other", profile='{"nodes": 2}')  # measured otherwise
+    assert share.receive(store, other, cfg, "n0:1", 5) == ["profile.json"]
+    assert _files(other) == _files(node0)
+    assert other.verify("profile.json").inputs_hash == "in-profile"  # registered under node 0's record
+
+
+def test_a_node_with_another_config_or_too_large_artifacts_is_told_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = HashStore()
+    node0, cfg = _fake_run(tmp_path / "node0")
+    mine = Config()
+    mine.train.steps, mine.run.name = cfg.train.steps + 1, "elsewhere"  # run.* may differ, train.steps may not
+    share.publish(store, node0, cfg)
+    with pytest.raises(UserError, match=rf"config.yaml differs from node 0's \(n0:1\): train.steps={cfg.train.steps + 1} here, "
+                                        rf"{cfg.train.steps} on node 0") as e:
+        share.receive(store, RunDir(tmp_path / "b"), mine, "n0:1", 5)
+    assert "same recipe and overrides" in (e.value.hint or "")
+    monkeypatch.setattr(share, "MAX_SENT_BYTES", 10)
+    big = HashStore()
+    share.publish(big, node0, cfg)
+    with pytest.raises(UserError, match=r"profile.json differs from node 0's \(n0:1\).* too large to send") as e:
+        share.receive(big, RunDir(tmp_path / "c"), cfg, "n0:1", 5)
+    assert f"rsync -a NODE0:{tmp_path / 'c'}/ {tmp_path / 'c'}/" in (e.value.hint or "")
+    with pytest.raises(UserError, match=r"node 0 \(n0:1\) did not share its plan within 0.1 s \(DistStoreError\)"):
+        share.receive(HashStore(), RunDir(tmp_path / "d"), cfg, "n0:1", 0.1)
+    failed = HashStore()
+    share.publish_failure(failed, "plan: infeasible")
+    with pytest.raises(UserError, match=r"node 0 \(n0:1\) stopped before sharing its plan: plan: infeasible"):
+        share.receive(failed, RunDir(tmp_path / "e"), cfg, "n0:1", 5)
+
+
+def test_workers_started_by_torchrun_check_they_run_rank_0s_plan(tmp_path: Path) -> None:
+    """torchrun copies nothing: a host whose run directory differs stops at start-up, saying how to copy it."""
+    from pdcli.runtime.session import check_same_plan
+
+    store = HashStore()
+    node0, _ = _fake_run(tmp_path / "node0")
+    same, _ = _fake_run(tmp_path / "same")
+    other, _ = _fake_run(tmp_path / "other")
+    (other / "stages" / "sub" / "stage_0.pt").write_bytes(b"other weights")
+    other.register("stages", "in-stages")
+    check_same_plan(store, node0.path, rank=0)
+    check_same_plan(store, same.path, rank=1)
+    with pytest.raises(RuntimeError, match=rf"plan.json or stages/ differ from rank 0's; .*rsync -a NODE0:{other.path}/ {other.path}/"):
+        check_same_plan(store, other.path, rank=1)
+
+
+# ---- peers that prove themselves -------------------------------------------------------
+
+
+def _connect_pair(store: Any, hosts: tuple[str, str], log: list[str]) -> dict[int, SocketTransport]:
+    """Ranks 0 and 1 as threads: 1 receives 16-byte activations from 0."""
+    out: dict[int, SocketTransport] = {}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = SocketTransport.connect(rank, [0, 1], 10, {0: {"activation": 16}} if rank else {}, store,
+                                                Place(hosts[rank], "127.0.0.1"), log.append)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _send_one(pair: dict[int, SocketTransport]) -> bool:
+    sent, got = torch.arange(16, dtype=torch.uint8), torch.empty(16, dtype=torch.uint8)
+    pair[0].isend(sent, 1, 0).wait()
+    pair[1].irecv(got, 0, 0).wait()
+    for t in pair.values():
+        t.close()
+    return torch.equal(sent, got)
+
+
+def _stranger_hello(sock: socket.socket) -> None:
+    sock.sendall(handshake.HELLO.pack(0, b"\0" * 16, b"\0" * 32))  # claims rank 0, no proof
+
+
+def _stranger_huge_header(sock: socket.socket) -> None:
+    sock.sendall(b"\0" * 8 + HEADER.pack(0, 1 << 60))  # the old hello, then a header announcing 1 EiB
+    sock.shutdown(socket.SHUT_WR)
+
+
+@pytest.mark.parametrize("hosts, family", [(("a", "a"), socket.AF_UNIX), (("a", "b"), socket.AF_INET)])
+@pytest.mark.parametrize("stranger", [_stranger_hello, _stranger_huge_header])
+def test_a_stranger_that_connects_first_is_refused_and_the_real_peer_accepted(
+    monkeypatch: pytest.MonkeyPatch, hosts: tuple[str, str], family: int, stranger: Any
+) -> None:
+    """The stranger connects the moment the listener exists (before its address is even
+    published), claims a rank, and is refused; the real rank 0 then gets through."""
+    strangers: list[socket.socket] = []
+    real_listen = sockets._Acceptor._listen
+
+    def listen_then_stranger(self: Any, fam: int, address: Any) -> socket.socket:
+        listener = real_listen(self, fam, address)
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.connect(listener.getsockname())
+        stranger(s)
+        strangers.append(s)
+        return listener
+
+    monkeypatch.setattr(sockets._Acceptor, "_listen", listen_then_stranger)
+    log: list[str] = []
+    pair = _connect_pair(HashStore(), hosts, log)
+    assert pair[1].peers[0].sock.family == family and len(strangers) == 1
+    assert len(log) == 1 and log == pair[1].refusals
+    who = "on this host" if family == socket.AF_UNIX else "127.0.0.1:"
+    assert log[0].startswith("rank 1: refused a connection from ") and who in log[0]
+    assert ("claimed rank 0 without this job's proof" if stranger is _stranger_hello
+            else "closed during the handshake, 24 of the 56 bytes") in log[0]
+    strangers[0].settimeout(10)
+    challenge = strangers[0].recv(handshake.CHALLENGE.size, socket.MSG_WAITALL)
+    assert challenge.startswith(handshake.MAGIC) and strangers[0].recv(1) == b""  # no proof for it: closed
+    assert _send_one(pair)
+
+
+def test_a_listener_without_the_secret_is_not_trusted() -> None:
+    a, b = socket.socketpair()
+    b.sendall(handshake.CHALLENGE.pack(handshake.MAGIC, b"n" * 16) + b"\0" * 32)  # answers without proof
+    with pytest.raises(handshake.Refused, match="did not prove it belongs to this job"):
+        handshake.prove_to_listener(a, b"s" * 32, 0, 1)
+    a.close()
+    b.close()
+    store = HashStore()
+    assert handshake.job_secret(store) == handshake.job_secret(store)  # the first worker's, for everyone
+
+
+# ---- real jobs: two nodes, two network namespaces, strangers --------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+PD = Path(sys.executable).parent / "pd"
+RECIPE = str(REPO / "recipes" / "quickstart.yaml")
+STEPS = 12
+ARGS = [f"train.steps={STEPS}", "train.log_every=4", "train.threads_per_worker=1", "run.name=mh"]
+JOB_TIMEOUT_S = 300
+
+
+def pd(*args: str, ns: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """`pd ARGS` in a process of its own (in network namespace `ns` when given)."""
+    prefix = ["ip", "netns", "exec", ns] if ns else []
+    return subprocess.Popen([*prefix, str(PD), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+def finish(*procs: subprocess.Popen[str]) -> list[tuple[int, str]]:
+    """(exit status, stderr) of each, killing what is left after JOB_TIMEOUT_S."""
+    out = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=JOB_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        out.append((proc.returncode, err))
+    return out
+
+
+def final_weights(root: Path, stage_ids: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    step_dir = root / "mh" / "train" / "checkpoints" / f"step_{STEPS}"
+    return {k: torch.load(step_dir / f"stage_{k}.pt", weights_only=True)["model"] for k in stage_ids}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """run.root of the quickstart profiled, planned (2 stages, 2 ranks) and compiled once."""
+    root = tmp_path_factory.mktemp("compiled")
+    (code, err), = finish(pd("compile", RECIPE, f"run.root={root}", *ARGS))
+    assert code == 0, err
+    return root
+
+
+@pytest.fixture(scope="module")
+def one_node(compiled: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, torch.Tensor]]:
+    """The final weights per stage of that plan trained on one node."""
+    root = tmp_path_factory.mktemp("one") / "root"
+    shutil.copytree(compiled, root)
+    (code, err), = finish(pd("train", RECIPE, f"run.root={root}", *ARGS))
+    assert code == 0, err
+    return final_weights(root, [0, 1])
+
+
+def assert_same_weights(got: dict[int, dict[str, torch.Tensor]], want: dict[int, dict[str, torch.Tensor]]) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert sorted(got[k]) == sorted(want[k])
+        for name in want[k]:
+            torch.testing.assert_close(got[k][name], want[k][name])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+def test_two_nodes_with_their_own_run_directories_train_like_one(
+    compiled: Path, one_node: dict[int, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Node 1's directory holds another profile: it trains node 0's plan, to the same weights."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(compiled, a)
+    shutil.copytree(compiled, b)
+    theirs = RunDir(b / "mh")
+    profile = json.loads((b / "mh" / "profile.json").read_text())
+    profile.setdefault("meta", {})["measured_elsewhere"] = True
+    theirs.write_json("profile.json", profile, theirs.verify("profile.json").inputs_hash)
+    port = str(free_port())
+    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port)
+    (code0, err0), (code1, err1) = finish(pd("train", RECIPE, f"run.root={a}", *ARGS, *nodes, "--node-rank", "0"),
+                                         pd("train", RECIPE, f"run.root={b}", *ARGS, *nodes, "--node-rank", "1"))
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert f"job pd-port{port} at 127.0.0.1:{port}" in err0 and "waiting for node 0's plan" in err1
+    assert (b / "mh" / "profile.json").read_bytes() == (a / "mh" / "profile.json").read_bytes()
+    assert_same_weights(final_weights(a, [0]) | final_weights(b, [1]), one_node)
+    assert (b / "mh" / "train" / "summary.json").exists() and not (a / "mh" / "train" / "summary.json").exists()
+    assert "the last stage ran on another node" in err0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S)
+def test_slurm_environment_and_torchrun_start_the_same_job(
+    compiled: Path, one_node: dict[int, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """`srun pd train` (SLURM's variables, node 1 empty), then torchrun running the worker as
+    is on copies of node 0's run directory: both train the one-node weights."""
+    a, b = tmp_path / "slurm_a", tmp_path / "slurm_b"
+    shutil.copytree(compiled, a)
+    port = str(free_port())
+    slurm = {"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": f"t{port}"}
+    (code0, err0), (code1, err1) = finish(
+        pd("train", RECIPE, f"run.root={a}", *ARGS, "--master-port", port, env={**slurm, "SLURM_NODEID": "0"}),
+        pd("train", RECIPE, f"run.root={b}", *ARGS, "--master-port", port, env={**slurm, "SLURM_NODEID": "1"}))
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert f"node 0 of 2, job pd-t{port} at localhost:{port}" in err0
+    assert_same_weights(final_weights(a, [0]) | final_weights(b, [1]), one_node)
+
+    roots = [tmp_path / "torchrun_a", tmp_path / "torchrun_b"]
+    port = str(free_port())
+    procs = []
+    for node, root in enumerate(roots):
+        shutil.copytree(compiled, root)  # torchrun copies nothing: node 0's run directory on each
+        procs.append(subprocess.Popen(
+            [str(PD.parent / "torchrun"), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+             "--master-addr", "127.0.0.1", "--master-port", port, "-m", "pdcli.runtime.worker", "--run-dir", str(root / "mh")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}))
+    (code0, err0), (code1, err1) = finish(*procs)
+    assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
+    assert_same_weights(final_weights(roots[0], [0]) | final_weights(roots[1], [1]), one_node)
+
+
+@pytest.fixture
+def two_namespaces() -> Any:
+    """Two network namespaces joined by a veth pair: ((ns0, addr0), (ns1, addr1)); removed after."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces (ip netns)")
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's `ip`")
+    tag = f"pd{os.getpid() % 100000}"
+    ns, veth = (f"{tag}n0", f"{tag}n1"), (f"{tag}v0", f"{tag}v1")
+    addrs = (f"10.213.{os.getpid() % 250}.1", f"10.213.{os.getpid() % 250}.2")
+
+    def ip(*args: str, check: bool = True) -> None:
+        subprocess.run(["ip", *args], check=check, timeout=20, capture_output=True)
+
+    try:
+        for name in ns:
+            ip("netns", "add", name)
+        ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
+        for name, dev, addr in zip(ns, veth, addrs):
+            ip("link", "set", dev, "netns", name)
+            ip("-n", name, "addr", "add", f"{addr}/30", "dev", dev)
+            ip("-n", name, "link", "set", dev, "up")
+            ip("-n", name, "link", "set", "lo", "up")
+        yield tuple(zip(ns, addrs))
+    finally:
+        ip("link", "del", veth[0], check=False)  # still here if the set-up failed before moving it
+        for name in ns:
+            ip("netns", "del", name, check=False)  # takes its end of the veth pair with it
+        assert not any(name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout for name in ns)
+
+
+def worker_pids(run_dir: Path) -> dict[int, int]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_reliability import worker_pids as pids
+
+    return pids(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S)
+def test_two_network_namespaces_run_one_job_and_a_killed_worker_stops_both(
+    two_namespaces: Any, compiled: Path, one_node: dict[int, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Each node sees only its namespace's address; node 1 starts with an empty directory;
+    the default port (29500) is free in a namespace of its own."""
+    (ns0, addr0), (ns1, addr1) = two_namespaces
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(compiled, a)
+
+    def nodes(*extra: str) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+        common = ("--nnodes", "2", "--master-addr", addr0, *extra)
+        return (pd("train", RECIPE, f"run.root={a}", *ARGS, *common, "--node-rank", "0", ns=ns0),
+                pd("train", RECIPE, f"run.root={b}", *ARGS, *common, "--node-rank", "1", ns=ns1))
+
+    (code0, err0), (code1, err1) = finish(*nodes())
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert_same_weights(final_weights(a, [0]) | final_weights(b, [1]), one_node)
+    assert f"rank 1 ({addr1}) over TCP" in (a / "mh" / "train" / "rank0.log").read_text()
+    assert f"rank 0 ({addr0}) over TCP" in (b / "mh" / "train" / "rank1.log").read_text()
+
+    # kill -9 a worker in namespace 1 while both train: both nodes stop, naming it
+    status = b / "mh" / "train" / "status" / "rank1.txt"
+    status.unlink()  # the first run's: it said Forward already
+    node0, node1 = nodes("train.steps=3000", "train.timeout_s=20")  # long enough to be killed in
+    deadline_s = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline_s and not ("Forward" in (status.read_text() if status.exists() else "")
+                                                 and 1 in worker_pids(b)):
+        time.sleep(0.2)
+    pid = worker_pids(b)[1]
+    os.kill(pid, signal.SIGKILL)
+    killed_s = time.monotonic()
+    (code0, err0), (code1, err1) = finish(node0, node1)
+    elapsed_s = time.monotonic() - killed_s
+    assert code0 != 0 and code1 != 0
+    error0, error1 = (next(line for line in err.splitlines() if line.startswith("error:")) for err in (err0, err1))
+    assert "rank 1 (stage 1, replica 0) was killed by signal 9" in error1, err1
+    assert f"rank 1 ({addr1})" in error0, err0  # node 0 names the rank and where it ran
+    assert elapsed_s < 20 + 30, elapsed_s  # bounded by train.timeout_s, not by the run
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+def processes_mentioning(text: str) -> list[int]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_runtime import processes_mentioning as find
+
+    return find(text)
+
+
+def listening_unix_names(pids: list[int]) -> list[str]:
+    """Abstract names (`pd-...`) of the Unix sockets listening in processes `pids` (/proc)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:["):-1])
+        except OSError:
+            continue
+    names = []
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and int(fields[3], 16) & 0x10000 and fields[6] in inodes and fields[7].startswith("@pd-"):
+            names.append(fields[7][1:])  # 0x10000: __SO_ACCEPTCON, a listening socket
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+def test_strangers_racing_the_set_up_are_refused_and_the_numbers_unchanged(
+    compiled: Path, one_node: dict[int, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """A stranger on the host watches /proc for the workers' listeners and connects to each
+    the moment it exists, twice: claiming rank 0, and announcing a 1 EiB message. The workers
+    hold their listeners unpublished until it has (PD_TEST_LISTEN_GATE), so it is first."""
+    root, gate = tmp_path / "root", tmp_path / "gate"
+    shutil.copytree(compiled, root)
+    proc = pd("train", RECIPE, f"run.root={root}", *ARGS, env={sockets.LISTEN_GATE_ENV: str(gate)})
+    strangers: list[socket.socket] = []
+    try:
+        deadline_s = time.monotonic() + JOB_TIMEOUT_S
+        names: list[str] = []
+        while not names and time.monotonic() < deadline_s and proc.poll() is None:
+            names = listening_unix_names(list(worker_pids(root / "mh").values()))
+            time.sleep(0.01)
+        assert len(names) == 1, names  # 2 ranks: rank 1 listens for rank 0
+        for claim in (_stranger_hello, _stranger_huge_header):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\0" + names[0])
+            claim(s)
+            strangers.append(s)
+    finally:
+        gate.touch()
+    (code, err), = finish(proc)
+    assert code == 0, err
+    for s in strangers:
+        s.settimeout(JOB_TIMEOUT_S)
+        assert s.recv(handshake.CHALLENGE.size, socket.MSG_WAITALL).startswith(handshake.MAGIC)
+        assert s.recv(1) == b""  # refused: closed without a proof
+        s.close()
+    log = (root / "mh" / "train" / "rank1.log").read_text()
+    assert log.count(f"refused a connection from pid {os.getpid()} ") == 2, log
+    assert "claimed rank 0 without this job's proof" in log and "closed during the handshake" in log
+    assert_same_weights(final_weights(root, [0, 1]), one_node)

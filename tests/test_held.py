@@ -65,8 +65,9 @@ def measured_stage_bytes(part, inputs: dict[str, torch.Tensor], target: torch.Te
         waiting = tracker.activations_bytes
     finally:
         deferred.uninstall()
-    names = [o.wire.name for o in part.outputs]
-    return held, {n: t.detach().requires_grad_(t.is_floating_point()) for n, t in zip(names, out)}, waiting
+    # the next stage receives them as the compiled wire carries them (the model's dtype)
+    sent = {o.wire.name: t.detach().to(o.wire.dtype) for o, t in zip(part.outputs, out)}
+    return held, {n: t.requires_grad_(t.is_floating_point()) for n, t in sent.items()}, waiting
 
 
 @pytest.mark.parametrize("build", [mlp, cnn])

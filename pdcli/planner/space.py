@@ -185,13 +185,17 @@ class SplitSpace:
             cut_in = np.concatenate(([self.input_bytes], self.cut_bytes[: n - 1]))[:, None]
             held = self.range_matrix(self.covered_activation_bytes) * scale
             return Activations(held, None, np.broadcast_to(cut_in * scale, held.shape))
-        cut_in = np.concatenate(([self.input_bytes], np.asarray(measured["cut"], dtype=float)))[:, None]
+        # a stage receives its inputs as the compiled wires carry them (fp32, the model's dtype)
+        wire = np.asarray((self.held or {}).get("fp32", measured)["cut"], dtype=float)
+        cut_in = np.concatenate(([self.input_bytes], wire))[:, None]
+        # under autocast, what a stage holds for receiving fp32 (`pdcli.profiler.held._fp32_start`)
+        cast_in = np.asarray(measured["start"], dtype=float)[:, None] if "start" in measured else 0.0
         copies = self.range_matrix(np.cumsum(np.asarray(measured["copies"], dtype=float)))
         held = self.range_matrix(np.cumsum(np.asarray(measured["held"], dtype=float))) - copies
         tail = np.concatenate(([np.nan], np.asarray(measured["tail"], dtype=float)))[None, :]  # ending at e
         loss = np.where(np.arange(n + 1) == n, float(measured["loss"]), 0.0)[None, :]
         head = np.asarray(measured.get("head", [0.0] * n), dtype=float)[:, None]  # starting at i
-        held = (held + cut_in + head - tail + loss) * scale
+        held = (held + cut_in + cast_in + head - tail + loss) * scale
         waiting = self.range_matrix(np.cumsum(np.asarray(measured["waiting"], dtype=float))) * scale \
             if "waiting" in measured else None
         return Activations(np.where(np.arange(n + 1)[None, :] > start, held, np.nan), copies,

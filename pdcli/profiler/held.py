@@ -20,7 +20,9 @@ storage to one position, so that for a stage [a, b)
 
 The same run under bf16 autocast measures the mixed-precision figures: half-width saved
 tensors, the half-width weight copies (`copies[j]`, which a split backward's WeightGrads
-no longer needs), and the half-width cuts the stages then exchange.
+no longer needs), the half-width cuts, and whether each position casts fp32 inputs
+(`casts[j]`): a stage receives fp32 tensors (the compiled wires' dtype), and a first op
+that autocasts keeps a half-width cast of them besides.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from pdcli.profiler.replay import is_inplace
+from pdcli.profiler.replay import call_node, is_inplace, node_inputs
 from pdcli.profiler.sizes import cut_bytes, iter_tensors, producer_positions, storage_bytes, storage_key
 from pdcli.runtime.wgrad import deferrable_layers
 
@@ -160,6 +162,44 @@ def held_memory(gm: fx.GraphModule, order: Sequence[fx.Node], inputs: Sequence[t
     out: dict[str, Any] = {"fp32": attribute(gm, order, inputs, target, loss_fn, half=False)}
     try:
         out["half"] = attribute(gm, order, inputs, target, loss_fn, half=True)
+        out["half"]["start"] = _fp32_start(out["fp32"], out["half"], _casts_input(gm, order, inputs))
     except RuntimeError as exc:  # an op without a bf16 kernel on this device
         out["half_unavailable"] = str(exc).splitlines()[0][:200]
     return out
+
+
+def _fp32_start(fp32: dict[str, Any], half: dict[str, Any], casts: list[bool]) -> list[int]:
+    """Per position a > 0, what a stage starting at a holds beyond the half pass's figures: it
+    receives fp32 tensors (the compiled wires' dtype). A first op that autocasts keeps a
+    half-width cast of them; otherwise the ops up to the first one that autocasts (c) run in
+    fp32, keeping fp32 tensors, and c keeps the cast of its input instead of c - 1's
+    half-width output (a stage that ends before c is counted as if it reached it)."""
+    n = len(casts)
+    out = [0] * n
+    for a in range(1, n):
+        c = next((j for j in range(a, n) if casts[j]), n)
+        if c == a:
+            out[a] = half["cut"][a - 1]
+            continue
+        extra = sum(fp32["held"][j] - half["held"][j] for j in range(a, c)) + fp32["head"][a] - half["head"][a]
+        if c < n:
+            extra += half["cut"][c - 1] - fp32["tail"][c - 1]
+        out[a] = extra
+    return out
+
+
+def _casts_input(gm: fx.GraphModule, order: Sequence[fx.Node], inputs: Sequence[torch.Tensor]) -> list[bool]:
+    """Per position, whether autocast runs it at half width on fp32 inputs (a Linear, a
+    convolution: it casts its input, as the first op of a stage does with the fp32 tensors
+    it receives; a ReLU or a pooling runs in fp32 on them)."""
+    run = fx.Interpreter(gm, garbage_collect_values=False)
+    with torch.no_grad():
+        run.run(*inputs)
+    device_type = inputs[0].device.type if inputs else "cpu"
+    casts = []
+    for node in order:
+        args, kwargs = node_inputs(node, run.env, is_inplace(gm, node))
+        with torch.no_grad(), torch.autocast(device_type, dtype=torch.bfloat16):
+            value = call_node(gm, node, args, kwargs)
+        casts.append(any(t.dtype == torch.bfloat16 for t in iter_tensors(value)))
+    return casts

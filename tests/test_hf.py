@@ -256,8 +256,11 @@ def test_hf_recipes_train_end_to_end_and_export(name: str, tmp_path: Path, monke
     assert result.exit_code == 0, result.output
     run = tmp_path / name
     lines = [json.loads(x) for x in (run / "train/metrics.jsonl").read_text().splitlines()]
-    steps = [x for x in lines if not x.get("final")]
+    steps = [x for x in lines if not x.get("final") and "eval_loss" not in x]
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, steps  # seeded: the same numbers on any host
+    start = [x for x in lines if "eval_loss" in x and not x.get("final")][0]  # train.eval_at_start
+    end = [x for x in lines if x.get("final")][0]
+    assert start["step"] == 0 and end["eval_perplexity"] < start["eval_perplexity"] - 10, (start, end)
     manifest = json.loads((run / "stages/manifest.json").read_text())
     assert manifest["num_stages"] == 2
     exported = runner.invoke(app, ["export", str(run), "-o", str(tmp_path / "model.pt")])

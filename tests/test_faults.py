@@ -283,6 +283,7 @@ def test_nan_in_the_data_stops_the_run_naming_stage_minibatch_and_last_good_chec
 
     run_dir = tmp_path / "run"
     cfg = toy_config(run_dir, "1f1b", steps=6, checkpoint_every=1, max_restarts=1)
+    cfg.train.eval_batches = 0  # the set is a few minibatches: nothing to hold out
     _nan_data_set(tmp_path / "set.pt", cfg, nan_minibatch=3)
     plan, manifest = write_toy_run(run_dir, cfg, [1, 1, 1])
     with pytest.raises(TrainingFailed) as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,12 +138,15 @@ def _start(run_dir: Path) -> subprocess.Popen[str]:
 def _wait_training(run_dir: Path, ranks: int) -> dict[int, int]:
     """rank -> pid once every rank runs Forward/Backward actions."""
     deadline = time.monotonic() + GENEROUS_S
-    while time.monotonic() < deadline:
-        statuses = [status_path(run_dir / "train", r) for r in range(ranks)]
-        if all(p.exists() and ("Forward" in p.read_bytes().decode(errors="replace")
-                               or "Backward" in p.read_bytes().decode(errors="replace")) for p in statuses):
-            break
-        time.sleep(0.2)
+    training: set[int] = set()  # ranks seen in a Forward/Backward or past their first step
+    while time.monotonic() < deadline and len(training) < ranks:
+        for r in range(ranks):
+            p = status_path(run_dir / "train", r)
+            text = p.read_bytes().decode(errors="replace") if p.exists() else ""
+            step = re.search(r"step=(\d+)", text)
+            if "Forward" in text or "Backward" in text or (step is not None and int(step.group(1)) > 0):
+                training.add(r)
+        time.sleep(0.05)
     pids = worker_pids(run_dir)
     assert sorted(pids) == list(range(ranks)), pids
     return pids

@@ -209,17 +209,16 @@ def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, rep
         per_microbatch = saved
     held = np.asarray(input_bytes, dtype=float) / num_microbatches if recompute else per_microbatch
     if schedule in (GPIPE, ONE_F_ONE_B):
-        split = split_backward
         if num_stages is None:
-            if split:
+            if split_backward:
                 raise ValueError(f"{schedule} with split_backward: stage_memory needs num_stages")
             num_stages = int(np.max(stages_from))  # without a split, stages_from is all a list depends on
         # the microbatch its Backward recomputes (its input is already held)
         running = np.maximum(per_microbatch - held, 0.0) if recompute else 0.0
-        if split and waiting_bytes is not None:
+        if split_backward and waiting_bytes is not None:
             saved = np.asarray(waiting_bytes, dtype=float) / num_microbatches
-        activations, dynamic = timeline_peaks(schedule, int(num_stages), num_microbatches, stages_from, split,
-                                              held, saved if split else 0.0, running, params, eager_sends)
+        activations, dynamic = timeline_peaks(schedule, int(num_stages), num_microbatches, stages_from, split_backward,
+                                              held, saved if split_backward else 0.0, running, params, eager_sends)
         return StageMemory(weights, stashed, activations, params + state + stashed + dynamic, state)
     sets = activation_sets(schedule, devices_from, replicas, stages_from, num_microbatches)
     activations = sets * held + (np.maximum(per_microbatch - held, 0.0) if recompute else 0.0)

@@ -181,13 +181,11 @@ class SplitSpace:
         kind = "fp32" if precision == "fp32" else "half"
         measured = (self.held or {}).get(kind)
         start = np.arange(n)[:, None]
+        # a stage receives its inputs as the compiled wires carry them (fp32, the model's dtype)
+        cut_in = np.concatenate(([self.input_bytes], self.cut_bytes[: n - 1]))[:, None]
         if measured is None or len(measured["held"]) != n:
-            cut_in = np.concatenate(([self.input_bytes], self.cut_bytes[: n - 1]))[:, None]
             held = self.range_matrix(self.covered_activation_bytes) * scale
             return Activations(held, None, np.broadcast_to(cut_in * scale, held.shape))
-        # a stage receives its inputs as the compiled wires carry them (fp32, the model's dtype)
-        wire = np.asarray((self.held or {}).get("fp32", measured)["cut"], dtype=float)
-        cut_in = np.concatenate(([self.input_bytes], wire))[:, None]
         # under autocast, what a stage holds for receiving fp32 (`pdcli.profiler.held._fp32_start`)
         cast_in = np.asarray(measured["start"], dtype=float)[:, None] if "start" in measured else 0.0
         copies = self.range_matrix(np.cumsum(np.asarray(measured["copies"], dtype=float)))

@@ -87,7 +87,8 @@ def attribute(gm: fx.GraphModule, order: Sequence[fx.Node], inputs: Sequence[tor
               target: torch.Tensor, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
               half: bool) -> dict[str, Any]:
     """One forward (and the loss) of `gm` on `inputs`, fp32 or under bf16 autocast:
-    `held`, `tail`, `copies` per position, `loss`, and `cut` (bytes crossing each cut)."""
+    `held`, `tail`, `copies` per position, `loss`, and under autocast `cut` (the half-width
+    bytes crossing each cut; the fp32 ones are the chain's `cut_bytes`)."""
     positions = producer_positions(order, gm.graph)
     skip = {storage_key(t) for t in (*gm.parameters(), *gm.buffers())}
     run = _Attributing(gm, positions, skip)
@@ -124,7 +125,7 @@ def attribute(gm: fx.GraphModule, order: Sequence[fx.Node], inputs: Sequence[tor
                 head[pos] += run.nbytes[storage_key(t)]
     return {"held": held, "tail": tail, "copies": copies, "loss": loss, "head": head,
             "waiting": _waiting(gm, order, run.env, held, half),
-            "cut": list(cut_bytes(order, gm.graph, run.env))}
+            **({"cut": list(cut_bytes(order, gm.graph, run.env))} if half else {})}  # fp32's: the chain's cut_bytes
 
 
 def _waiting(gm: fx.GraphModule, order: Sequence[fx.Node], env: dict[fx.Node, Any], held: list[int],

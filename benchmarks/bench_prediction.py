@@ -63,7 +63,9 @@ CASES: dict[str, tuple[str, tuple[str, ...], int]] = {
     "gpt": ("gpt", (), 24),
     "resnet18": ("resnet18", (), 16),
     "gnmt": ("gnmt", (), 30),
-    "vgg16": ("vgg16", (), 8),
+    "vgg16": ("vgg16", (), 30),
+    "gpt2_hf": ("gpt2_hf", ("train.eval_every=0", "train.eval_at_start=false"), 20),
+    "llama_hf": ("llama_hf", ("train.eval_every=0", "train.eval_at_start=false"), 20),
     "runtime-shape": ("quickstart", RUNTIME_SHAPE, 40),
 }
 """Case -> (recipe, overrides, minibatches): enough for a steady state (its second half is

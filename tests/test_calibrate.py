@@ -75,3 +75,32 @@ def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Pa
                            env={"PD_PIPELINE_PROBE": "1"})
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["pipeline"]["time_per_minibatch_ms"] == pytest.approx(measured_ms, rel=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_calibration_on_shared_cores_matches_the_runs_time_and_compute(tmp_path: Path) -> None:
+    """More workers than cores: the calibrated replay (ranks queued for the cores) takes the
+    run's steady time and computes what the run's spans computed, and refits its CPU costs."""
+    from pdcli.host import host_cores
+    from pdcli.planner.runtime_costs import RuntimeCosts
+    from pdcli.profiler.chain import Chain
+    from pdcli.report.calibrate import calibrate_from_run, replayed_compute_ms, replayed_ms, steady_compute_ms
+    from pdcli.report.measured import read_trace
+
+    workers = host_cores() + 1
+    args = [f"train.steps={STEPS}", "train.log_every=10", "profile.repeats=3", "profile.pipeline_probe_minibatches=0",
+            f"plan.num_stages={workers}", f"cluster.levels.0.devices={workers}", f"run.root={tmp_path}"]
+    proc = subprocess.run([str(PD), "train", RECIPE, *args], capture_output=True, text=True, timeout=250, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_dir = tmp_path / "quickstart"
+    chain = Chain.from_json(json.loads((run_dir / "profile.json").read_text()))
+    plan = json.loads((run_dir / "plan.json").read_text())
+    base = RuntimeCosts.from_meta(chain.meta)
+    assert base is not None and base.cores == host_cores()
+    calibrated, measured = calibrate_from_run(run_dir, chain, base)
+    traces = read_trace(run_dir / "train" / "trace.json")
+    m = int(plan["inputs"]["num_microbatches"])
+    compute_ms = steady_compute_ms([traces[r] for r in plan["stages"][0]["ranks"]], list(traces.values()), m)
+    assert replayed_ms(calibrated, chain, plan) == pytest.approx(measured["steady_time_per_minibatch_ms"], rel=0.05)
+    assert replayed_compute_ms(calibrated, chain, plan) == pytest.approx(compute_ms, rel=0.1)

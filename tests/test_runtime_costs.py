@@ -89,9 +89,38 @@ def test_replay_interpreter_gap_and_core_bound() -> None:
     assert alone == pytest.approx(12.0)
     gapped = simulate(spec, [dataclasses.replace(c, gap_ms=0.1) for c in costs]).time_per_minibatch_ms
     assert gapped > alone
-    # two busy ranks on one core: at least their CPU time per minibatch
-    assert simulate(spec, costs, cores=1).time_per_minibatch_ms == pytest.approx(24.0, rel=0.02)
+    # two busy ranks on one core: their CPU time per minibatch (the last minibatches drain
+    # with one rank busy, so the second half of a short run is a little faster)
+    long = ScheduleSpec.make("pipedream", 2, 4, 32)
+    assert simulate(long, costs, cores=1).time_per_minibatch_ms == pytest.approx(24.0, rel=0.01)
     assert simulate(spec, costs, cores=2).time_per_minibatch_ms == pytest.approx(alone)
+
+
+def test_shared_cores_queue_ranks_for_a_core_and_stretch_what_waits() -> None:
+    # 4 ranks on 2 cores, gpipe with one microbatch: one rank computes at a time (the chain of
+    # one microbatch), so nothing waits for a core
+    spec = ScheduleSpec.make("gpipe", 4, 1, 1)
+    costs = [StageCost(1.0, 2.0)] * 4
+    assert simulate(spec, costs, cores=2).makespan_ms == pytest.approx(simulate(spec, costs).makespan_ms)
+    # pipedream keeps every rank busy: CPU-bound, 4 ranks x 4 microbatches x 3 ms on 2 cores
+    pipedream = ScheduleSpec.make("pipedream", 4, 4, 32)
+    shared = simulate(pipedream, costs, cores=2)
+    assert shared.time_per_minibatch_ms == pytest.approx(4 * 4 * 3.0 / 2, rel=0.02)
+    assert simulate(pipedream, costs).time_per_minibatch_ms == pytest.approx(4 * 3.0)  # a core each
+    # a backward (2 ms) outlasts a 1 ms slice with others queued: preempted, its span stretches;
+    # a receive's span holds the wait for a core after its message came
+    sliced = simulate(pipedream, costs, cores=2, time_slice_ms=1.0)
+    spans = {name: [t.end_ms - t.start_ms for rank in sliced.timeline for t in rank if type(t.action).__name__ == name]
+             for name in ("Forward", "Backward", "RecvActivations")}
+    assert min(spans["Forward"]) == pytest.approx(1.0) and min(spans["Backward"]) == pytest.approx(2.0)
+    assert max(spans["Backward"]) > 2.5
+    assert sliced.time_per_minibatch_ms == pytest.approx(24.0, rel=0.02)  # the same CPU, shared
+    # an all-reduce between replicas waits for both and stretches like any CPU work
+    replicated = ScheduleSpec.make("gpipe", 1, 3, 2, [3])
+    reduce_costs = [StageCost(1.0, 1.0, allreduce_ms=0.5)]
+    timed = simulate(replicated, reduce_costs, cores=1).timeline
+    ends = {rank: [t.end_ms for t in timed[rank] if type(t.action).__name__ == "AllReduceGrads"] for rank in range(3)}
+    assert ends[0] == ends[1] == ends[2]
 
 
 def test_fit_affine_recovers_a_line_and_keeps_terms_non_negative() -> None:

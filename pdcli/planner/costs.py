@@ -225,6 +225,9 @@ class ActionCosts:
     link_in_ms: Any
     """One message in flight over the link from the previous stage."""
     link_out_ms: Any
+    latency_ms: Any = 0.0
+    """Of each link_*_ms, the measured latency: time in flight that does not hold the link
+    (messages overlap in it), unlike the bytes' time on the wire."""
     gap_ms: Any = 0.0
     """The interpreter's time per action."""
     actions_per_microbatch: Any = 0.0
@@ -268,13 +271,15 @@ def runtime_action_costs(runtime: RuntimeCosts, schedule: str, num_microbatches:
         recv_acts_ms=_per_message(runtime.recv, in_bytes), send_grads_ms=_per_message(runtime.send, in_bytes),
         load_ms=first_f * runtime.load_inputs_ms + np.maximum(last_f - first_f, 0.0) * runtime.load_target_ms,
         link_in_ms=link(in_bytes, in_bw), link_out_ms=link(out_bytes, out_bw),
+        latency_ms=runtime.latency_ms if runtime.latency_ms is not None and runtime.bandwidth_bytes_per_s else 0.0,
     )
 
 
 def runtime_stage_terms(actions: ActionCosts, parameter_bytes: Any, replicas: Any, sync_bw: Any, schedule: str,
                         num_microbatches: int) -> StageTerms:
     """A stage's time per minibatch (one replica) from its per-action costs: the busy time of
-    its actions, or a link that carries its messages slower."""
+    its actions, or a link that carries its messages' bytes slower (their latency overlaps:
+    the replay of the action lists prices it)."""
     r = np.asarray(replicas, dtype=float)
     per_replica = num_microbatches / r
     a = actions
@@ -286,7 +291,7 @@ def runtime_stage_terms(actions: ActionCosts, parameter_bytes: Any, replicas: An
     optimizer = a.update_ms * updates
     messages = per_replica * (a.send_acts_ms + a.recv_grads_ms + a.recv_acts_ms + a.send_grads_ms)
     messages = messages + a.gap_ms * (per_replica * a.actions_per_microbatch + updates * a.actions_per_update)
-    comm_in = 2.0 * per_replica * a.link_in_ms
-    comm_out = 2.0 * per_replica * a.link_out_ms
+    comm_in = 2.0 * per_replica * np.maximum(a.link_in_ms - a.latency_ms, 0.0)  # the wire's time, back to back
+    comm_out = 2.0 * per_replica * np.maximum(a.link_out_ms - a.latency_ms, 0.0)
     stage = np.maximum(np.maximum(compute + optimizer + sync + messages, comm_in), comm_out)
     return StageTerms(fwd, bwd, compute, sync, optimizer, comm_in, comm_out, stage, messages, a.load_ms)

@@ -17,7 +17,7 @@ from pdcli.planner.pipedream import ALLREDUCE_FACTOR, TRANSFER_FACTOR, PdStage
 from pdcli.planner.search import (
     backward_split, compute_scale_of, covered_or_zeros, optimizer_step_matrix, oversubscription_of, runtime_of,
 )
-from pdcli.planner.simulator import StageCost, simulate
+from pdcli.planner.simulator import Simulation, StageCost, simulate
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
 from pdcli.profiler.chain import Chain
@@ -29,7 +29,7 @@ RUNTIME_TERM_NAMES = ("messages_ms", "load_ms")
 """Terms a plan has only when the profile measured the runtime's costs."""
 ACTIONS_KEY = "actions_ms"
 """A plan stage's per-action costs (runtime costs only): StageCost field -> ms."""
-REPLAY_MIN_MINIBATCHES = 8
+REPLAY_MIN_MINIBATCHES = 16
 """A plan's replay runs max(this, 2 x stages + 2) minibatches; its steady time is measured
 over the second half (`pdcli.planner.simulator`)."""
 
@@ -103,19 +103,27 @@ def _actions_ms(a: ActionCosts, split: bool, allreduce_ms: float) -> dict[str, f
     }
 
 
-def replay_ms(stages: Sequence[StageEval], options: PlanOptions, cores: int | None) -> tuple[float, dict[str, Any]]:
-    """Time per minibatch of the plan's action lists replayed with its stages' `actions_ms`."""
+def replay(stages: Sequence[StageEval], options: PlanOptions, cores: int | None) -> Simulation | None:
+    """The plan's action lists replayed with its stages' `actions_ms`; None when the runtime
+    has no lists for it (microbatches that do not spread evenly over a stage's replicas)."""
     num_stages = len(stages)
-    if any(options.num_microbatches % st.replicas for st in stages):  # the runtime refuses it: no lists
-        bottleneck = max(st.terms["stage_time_ms"] for st in stages)
-        return bottleneck * oversubscription_of(cores, sum(st.replicas for st in stages)), {"cores": cores}
+    if any(options.num_microbatches % st.replicas for st in stages):
+        return None
     steps = max(REPLAY_MIN_MINIBATCHES, 2 * num_stages + 2)
     split = options.split_backward and options.schedule in FLUSH_SCHEDULES
     spec = ScheduleSpec.make(options.schedule, num_stages, options.num_microbatches, steps,
                              [s.replicas for s in stages], split_backward=split)
     costs = replay_stage_costs([st.actions_ms or {} for st in stages], options.num_microbatches)
-    sim = simulate(spec, costs, cores=cores)
-    return sim.time_per_minibatch_ms, {"minibatches": steps, "cores": cores}
+    return simulate(spec, costs, cores=cores)
+
+
+def replay_ms(stages: Sequence[StageEval], options: PlanOptions, cores: int | None) -> tuple[float, dict[str, Any]]:
+    """Time per minibatch of the plan's action lists replayed with its stages' `actions_ms`."""
+    sim = replay(stages, options, cores)
+    if sim is None:  # the runtime refuses it: priced by its slowest stage
+        bottleneck = max(st.terms["stage_time_ms"] for st in stages)
+        return bottleneck * oversubscription_of(cores, sum(st.replicas for st in stages)), {"cores": cores}
+    return sim.time_per_minibatch_ms, {"minibatches": len(sim.done_ms), "cores": cores}
 
 
 def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,

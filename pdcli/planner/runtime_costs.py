@@ -29,12 +29,12 @@ the loss, data loading, packing/unpacking messages, the measured transport (late
 bandwidth: the cluster's nominal bandwidth instead), the core count bound, the
 interpreter's time between actions."""
 RUNTIME_META = "runtime"
+"""`profile.json` meta key."""
 
 
 def weight_mode(schedule: str) -> str:
     """STASHED for the schedules that stash weight versions (`pipedream`, `2bw`), else DIRECT."""
     return STASHED if schedule in ("pipedream", "2bw") else DIRECT
-"""`profile.json` meta key."""
 
 
 def steady(values: Sequence[float]) -> list[float]:
@@ -180,6 +180,19 @@ class RuntimeCosts:
         if "interpreter" in terms:
             out = dataclasses.replace(out, gap_ms=0.0)
         return out
+
+    def cpu_scaled(self, factor: float) -> "RuntimeCosts":
+        """Every CPU cost (the actions, the loss, loading, packing and unpacking, the gap)
+        times `factor`; the transport and the core count unchanged."""
+        def times(a: Affine) -> Affine:
+            return Affine(a.scale * factor, a.fixed_ms * factor)
+
+        return dataclasses.replace(
+            self, modes={k: ModeCosts(*(times(getattr(m, f)) for f in ("forward", "backward", "wgrad", "update")))
+                         for k, m in self.modes.items()},
+            loss_fwd_ms=self.loss_fwd_ms * factor, loss_bwd_ms=self.loss_bwd_ms * factor,
+            load_inputs_ms=self.load_inputs_ms * factor, load_target_ms=self.load_target_ms * factor,
+            send=times(self.send), recv=times(self.recv), gap_ms=self.gap_ms * factor)
 
     def link_ms(self, message_bytes: Any, nominal_bandwidth_bytes_per_s: Any) -> Any:
         """Time in flight of one message: the measured latency + bytes / measured bandwidth, or

@@ -12,13 +12,19 @@ Backward costs `bwd_ms - wgrad_ms` and its WeightGrads `wgrad_ms`.
 Beside the time in flight (`comm_ms`), a message costs its two processes CPU time: the
 sender packs it (`send_*_ms`, the Send action) and the receiver unpacks it once it has
 arrived (`recv_*_ms`, the end of the Recv action). LoadMicrobatch costs `load_ms`; weight
-stashing is part of `optimizer_ms`. With `cores`, ranks that share fewer cores than they
-are cannot together be busy for more than `cores` ms per ms: the steady time per
-minibatch is at least their busy time per minibatch / cores.
+stashing is part of `optimizer_ms`. 
+With `cores` fewer than the ranks (workers sharing a CPU host), the costs are CPU time and
+the replay schedules the ranks on the cores as the kernel does (`_shared`): a rank with CPU
+work to do (an action, packing or unpacking a message, the interpreter's gap) runs on a free
+core or queues for one, and gives its core up when it waits for a message or its time slice
+ends while others queue. Time spent queued lands in the action the rank is in, as it does
+in a traced run: a preempted action's span stretches, a receive's span covers the wait for
+a core after its message arrived.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,6 +33,11 @@ from pdcli.runtime.schedule import (
     Action, AllReduceGrads, Backward, Forward, LoadMicrobatch, OptimizerStep, RecvActivations, RecvGrads,
     ScheduleSpec, SendActivations, SendGrads, WeightGrads, build_all,
 )
+
+
+TIME_SLICE_MS = 3.0
+"""How long a rank computes before a rank waiting for a core takes it (the kernel scheduler's
+slice, a few ms; EEVDF's base slice is 0.75 ms x (1 + log2 cores))."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,8 @@ class Simulation:
     second half of the run; the makespan when the run has one minibatch."""
     bubble_fraction: float
     """Share of the ranks' time not spent in forward or backward (or WeightGrads)."""
+    done_ms: tuple[float, ...] = ()
+    """When each minibatch completed: the end of its last Backward (or WeightGrads)."""
 
 
 def _cpu_ms(stage_id: int, action: Action, costs: Sequence[StageCost]) -> float:
@@ -123,13 +136,17 @@ def _duration_ms(spec: ScheduleSpec, stage_id: int, action: Action,
 def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
              send_mode: SendMode = SendMode.EAGER,
              lists_by_rank: Sequence[Sequence[Action]] | None = None,
-             cores: int | None = None) -> Simulation:
+             cores: int | None = None, time_slice_ms: float = TIME_SLICE_MS) -> Simulation:
     """Time the action lists of `spec` (built here unless given) with `costs[stage_id]`;
     `cores`: the CPU cores the ranks share (None: each rank has its own device)."""
     if len(costs) != spec.num_stages:
         raise ValueError(f"{len(costs)} stage costs for {spec.num_stages} stages")
     lists = lists_by_rank if lists_by_rank is not None else build_all(spec, eager_sends=send_mode is SendMode.EAGER)
     stages = [spec.stage_replica_of(rank)[0] for rank in range(spec.num_ranks)]
+    if cores is not None and spec.num_ranks > cores:
+        if send_mode is not SendMode.EAGER:
+            raise ValueError("a replay on shared cores needs eager sends (the CPU runtime's)")
+        return _summarize(spec, _shared(spec, lists, stages, costs, cores, time_slice_ms))
     clock_ms = [0.0] * spec.num_ranks
     arrival_ms: dict[Slot, float] = {}
     timed: list[list[TimedAction]] = [[] for _ in range(spec.num_ranks)]
@@ -151,18 +168,10 @@ def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
         for r, a in zip(ranks, actions):
             timed[r].append(TimedAction(a, start, end))
             clock_ms[r] = end_of_rank
-    return _summarize(spec, timed, costs, cores)
+    return _summarize(spec, timed)
 
 
-def _busy_ms(stage_id: int, t: TimedAction, costs: Sequence[StageCost]) -> float:
-    """The CPU time an action took of its process in the replay, the interpreter's gap before
-    it included (a receive: its unpacking only, not the wait)."""
-    busy = _cpu_ms(stage_id, t.action, costs) if isinstance(t.action, (RecvActivations, RecvGrads)) else t.end_ms - t.start_ms
-    return busy + costs[stage_id].gap_ms
-
-
-def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]], costs: Sequence[StageCost],
-               cores: int | None) -> Simulation:
+def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]]) -> Simulation:
     makespan_ms = max((t.end_ms for rank in timed for t in rank), default=0.0)
     done_ms = [0.0] * spec.num_steps  # when the last backward (or W) of each minibatch ends
     busy_ms = 0.0
@@ -178,9 +187,147 @@ def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]], costs: Sequen
     else:
         first = (spec.num_steps - 1) // 2
         per_minibatch_ms = (done_ms[-1] - done_ms[first]) / (spec.num_steps - 1 - first)
-    if cores is not None and spec.num_ranks > cores:
-        stages = [spec.stage_replica_of(r)[0] for r in range(spec.num_ranks)]
-        cpu_ms = sum(_busy_ms(stages[r], t, costs) for r, rank in enumerate(timed) for t in rank)
-        per_minibatch_ms = max(per_minibatch_ms, cpu_ms / spec.num_steps / cores)
     bubble = 1.0 - busy_ms / (spec.num_ranks * makespan_ms) if makespan_ms > 0 else 0.0
-    return Simulation(tuple(tuple(rank) for rank in timed), makespan_ms, per_minibatch_ms, bubble)
+    return Simulation(tuple(tuple(rank) for rank in timed), makespan_ms, per_minibatch_ms, bubble, tuple(done_ms))
+
+
+_EPS_MS = 1e-9
+
+
+@dataclass
+class _Rank:
+    """One rank's place in a shared-core replay."""
+
+    index: int = 0
+    """Its current action."""
+    phase: str = "gap"
+    """"gap" (the interpreter's time before the action), "work" (its CPU time), "wait" (for a
+    message in flight or the all-reduce's peers), "held" (its part of an all-reduce done, the
+    peers' not), "done"."""
+    left_ms: float = 0.0
+    """CPU work left in the phase."""
+    start_ms: float = 0.0
+    """When the current action started (after its gap)."""
+    slice_ms: float = 0.0
+    """Left of its time slice while it holds a core."""
+
+    @property
+    def runnable(self) -> bool:
+        return self.phase in ("gap", "work")
+
+
+def _shared(spec: ScheduleSpec, lists: Sequence[Sequence[Action]], stages: Sequence[int],
+            costs: Sequence[StageCost], cores: int, time_slice_ms: float = TIME_SLICE_MS) -> list[list[TimedAction]]:
+    """Eager replay of `lists` on `cores` cores shared by every rank, scheduled as the kernel
+    does: a rank with CPU work runs on a free core or queues for one (first come, first
+    served); it keeps its core until it waits for a message or, with others queued, until its
+    time slice ends. Time queued is part of whatever action the rank is in: the action it was
+    preempted in, or the receive it woke up from, as a traced span shows it."""
+    sender_of: dict[Slot, Slot] = {}  # receive -> its send
+    groups: dict[Slot, tuple[Slot, ...]] = {}  # all-reduce -> every member
+    for event in lockstep(lists, spec, SendMode.EAGER):  # also proves the lists deadlock-free
+        if event.waited_for:
+            sender_of[event.members[0]] = event.waited_for[0]
+        if len(event.members) > 1:
+            for member in event.members:
+                groups[member] = event.members
+    arrival_ms: dict[Slot, float] = {}  # send -> when its message is at the receiver
+    arrivals: list[float] = []  # heap of the arrival times still ahead
+    ready: set[Slot] = set()  # all-reduce members that reached it
+    finished: set[Slot] = set()  # all-reduce members whose part is done
+    ranks = [_Rank(left_ms=costs[stages[r]].gap_ms) if lists[r] else _Rank(phase="done")
+             for r in range(spec.num_ranks)]
+    timed: list[list[TimedAction]] = [[] for _ in range(spec.num_ranks)]
+    running: list[int] = []  # ranks on a core
+    queue: list[int] = []  # ranks waiting for one, first come first
+    now = 0.0
+
+    def work_ms(r: int, action: Action) -> float:
+        if isinstance(action, (SendActivations, SendGrads, RecvActivations, RecvGrads)):
+            return _cpu_ms(stages[r], action, costs)
+        return _duration_ms(spec, stages[r], action, costs)
+
+    def next_action(r: int) -> None:
+        state = ranks[r]
+        state.index += 1
+        if state.index >= len(lists[r]):
+            state.phase, state.left_ms = "done", 0.0
+        else:
+            state.phase, state.left_ms = "gap", costs[stages[r]].gap_ms
+
+    def settle(r: int) -> bool:
+        """Take rank r past every phase that ends now; whether it moved."""
+        state, moved = ranks[r], False
+        while state.phase != "done":
+            slot = (r, state.index)
+            action = lists[r][state.index]
+            if state.phase == "gap" and state.left_ms <= _EPS_MS:
+                state.start_ms = now
+                if slot in groups:
+                    ready.add(slot)
+                state.phase = "wait" if slot in sender_of or slot in groups else "work"
+                state.left_ms = 0.0 if state.phase == "wait" else work_ms(r, action)
+            elif state.phase == "wait":
+                if slot in sender_of:
+                    arrived = arrival_ms.get(sender_of[slot])
+                    if arrived is None or arrived > now + _EPS_MS:
+                        return moved
+                elif not all(member in ready for member in groups[slot]):
+                    return moved
+                state.phase, state.left_ms = "work", work_ms(r, action)
+            elif state.phase == "work" and state.left_ms <= _EPS_MS:
+                if slot in groups:  # an all-reduce ends when every member's part is done
+                    finished.add(slot)
+                    if not all(member in finished for member in groups[slot]):
+                        state.phase = "held"
+                        return True
+                    for member_rank, _ in groups[slot]:
+                        timed[member_rank].append(TimedAction(action, ranks[member_rank].start_ms, now))
+                        next_action(member_rank)
+                else:
+                    if isinstance(action, (SendActivations, SendGrads)):
+                        arrival_ms[slot] = now + _duration_ms(spec, stages[r], action, costs)
+                        heapq.heappush(arrivals, arrival_ms[slot])
+                    timed[r].append(TimedAction(action, state.start_ms, now))
+                    next_action(r)
+            else:
+                return moved
+            moved = True
+        return moved
+
+    def schedule() -> None:
+        for r in list(running):
+            state = ranks[r]
+            if not state.runnable:  # waits for a message, or finished: the core is free
+                running.remove(r)
+            elif state.slice_ms <= _EPS_MS:
+                if queue:  # preempted: to the back of the queue
+                    running.remove(r)
+                    queue.append(r)
+                else:
+                    state.slice_ms = time_slice_ms
+        for r in range(spec.num_ranks):
+            if ranks[r].runnable and r not in running and r not in queue:
+                queue.append(r)
+        while queue and len(running) < cores:
+            r = queue.pop(0)
+            ranks[r].slice_ms = time_slice_ms
+            running.append(r)
+
+    while True:
+        while any([settle(r) for r in range(spec.num_ranks)]):
+            pass
+        if all(state.phase == "done" for state in ranks):
+            return timed
+        schedule()
+        step = min((min(ranks[r].left_ms, ranks[r].slice_ms) for r in running), default=float("inf"))
+        while arrivals and arrivals[0] <= now + _EPS_MS:
+            heapq.heappop(arrivals)
+        if arrivals:
+            step = min(step, arrivals[0] - now)
+        if step == float("inf"):  # lockstep proved the lists deadlock-free
+            raise RuntimeError("the shared-core replay stalled")
+        for r in running:
+            ranks[r].left_ms = max(ranks[r].left_ms - step, 0.0)
+            ranks[r].slice_ms = max(ranks[r].slice_ms - step, 0.0)
+        now += step

@@ -10,8 +10,12 @@ receive's unpacking: the low quantile of its durations, when the message was alr
 there), data loading, and the interpreter's time between actions. Last, the latency of a
 message is refitted so that the replay of the run's plan with all of these takes the run's
 steady time per minibatch (bisection; the replay's time grows with the latency): what the
-run waited beyond its compute, messages in flight and the pipeline's own order. The loss,
-the bandwidth and the core count stay as probed. The result is written to the planned run's
+run waited beyond its compute, messages in flight and the pipeline's own order. The
+bandwidth and the core count stay as probed. A run whose workers outnumber the host's
+cores traced spans stretched by the workers it shared the cores with: every CPU cost is
+scaled so that the replay's compute (on the shared cores, `pdcli.planner.simulator`) over
+the run's steady half equals the run's; as the stretch depends on how long the workers
+wait and the reverse, the latency is fitted for each scale tried (`fit_shared`). The result is written to the planned run's
 `calibration.json`; `pd plan` and `pd train` use it while the profile it was made for
 stays the run's profile.
 """
@@ -31,10 +35,16 @@ from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain
 from pdcli.report.build import read_trained_plan
 from pdcli.report.compare import ReplanCommands
-from pdcli.report.measured import TRACE_FILE, TRAIN_DIR, RankTrace, read_trace, steady_time_per_minibatch_ms
+from pdcli.report.measured import (
+    COMPUTE, TRACE_FILE, TRAIN_DIR, RankTrace, Span, completion_times_ms, read_trace, steady_time_per_minibatch_ms,
+)
+from pdcli.runtime.metrics import action_category
 
 MAX_LATENCY_MS = 50.0
-LATENCY_BISECTIONS = 30
+LATENCY_BISECTIONS = 16
+SHARED_FACTORS = (0.25, 4.0)
+"""Shared cores: the range of the factor on the CPU costs fitted from the run's spans."""
+SHARED_BISECTIONS = 8
 UNPACK_QUANTILE = 0.1
 """A receive's unpacking cost: this quantile of its durations (most receives also wait)."""
 
@@ -130,10 +140,77 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     )
     first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
     target_ms = steady_time_per_minibatch_ms(first, m)
+    num_ranks = sum(int(stage["replicas"]) for stage in plan["stages"])
+    shared = base.cores is not None and num_ranks > base.cores
+    compute_ms = steady_compute_ms(first, list(traces.values()), m) if shared else None
+    if compute_ms:
+        calibrated = fit_shared(calibrated, chain, plan, compute_ms, target_ms)
     if target_ms is not None:
         calibrated = fit_latency(calibrated, chain, plan, target_ms)
     return calibrated, {"run": str(run_dir), "schedule": schedule, "steady_time_per_minibatch_ms": target_ms,
                         "stages": measured}
+
+
+def steady_compute_ms(first_stage: Sequence[RankTrace], ranks: Sequence[RankTrace], num_microbatches: int) -> float | None:
+    """The compute spans of all `ranks` over the steady half of the run (between the
+    completions `steady_time_per_minibatch_ms` spans), per minibatch; None: too short."""
+    done_ms = completion_times_ms(first_stage, num_microbatches)
+    if len(done_ms) < 2:
+        return None
+    first = (len(done_ms) - 1) // 2
+    low, high = done_ms[first], done_ms[-1]
+    inside = sum(max(0.0, min(s.end_ms, high) - max(s.start_ms, low))
+                 for r in ranks for s in r.spans if s.category == COMPUTE)
+    return inside / (len(done_ms) - 1 - first)
+
+
+def replayed_traces(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> list[RankTrace] | None:
+    """The replay of `plan` with `runtime`'s costs as traces of its ranks (None: no action lists)."""
+    from pdcli.planner.evaluate import evaluate_plan, plan_options_of, replay
+
+    costed = replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
+    priced = evaluate_plan(costed, plan)
+    sim = replay(priced.stages, plan_options_of(plan), (priced.replay or {}).get("cores"))
+    if sim is None:
+        return None
+    return [RankTrace(rank, f"rank {rank}", tuple(
+        Span(type(t.action).__name__, action_category(t.action), t.start_ms, t.end_ms - t.start_ms) for t in timed))
+        for rank, timed in enumerate(sim.timeline)]
+
+
+def fit_shared(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any], compute_ms: float,
+               target_ms: float | None) -> RuntimeCosts:
+    """Workers sharing cores: `runtime`'s CPU costs times the factor with which the replay of
+    `plan` (its latency fitted to `target_ms` at each factor) computes `compute_ms` per minibatch
+    over its steady half; the replay's compute grows with the factor (bisection). Factors whose
+    replay is slower than `target_ms` with no latency at all are not taken."""
+    def at(factor: float) -> RuntimeCosts:
+        scaled = runtime.cpu_scaled(factor)
+        return fit_latency(scaled, chain, plan, target_ms) if target_ms is not None else scaled
+
+    low, high = SHARED_FACTORS
+    if target_ms is not None:  # the largest factor whose replay is not slower than the run
+        a, b = low, high
+        for _ in range(SHARED_BISECTIONS):
+            mid = (a * b) ** 0.5
+            a, b = (mid, b) if replayed_ms(replace(runtime.cpu_scaled(mid), latency_ms=0.0), chain, plan) < target_ms else (a, mid)
+        high = a
+    for _ in range(SHARED_BISECTIONS):
+        mid = (low * high) ** 0.5
+        replayed = replayed_compute_ms(at(mid), chain, plan)
+        if replayed is None:
+            return runtime
+        low, high = (mid, high) if replayed < compute_ms else (low, mid)
+    return at((low * high) ** 0.5)
+
+
+def replayed_compute_ms(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> float | None:
+    """`steady_compute_ms` of the replay of `plan` with `runtime`'s costs."""
+    traces = replayed_traces(runtime, chain, plan)
+    if traces is None:
+        return None
+    first = set(int(r) for r in plan["stages"][0]["ranks"])
+    return steady_compute_ms([t for t in traces if t.rank in first], traces, int(plan["inputs"]["num_microbatches"]))
 
 
 def replayed_ms(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> float:

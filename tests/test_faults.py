@@ -92,7 +92,7 @@ def test_a_non_finite_checkpoint_is_never_written(tmp_path: Path) -> None:
 
 def test_pd_plan_prints_the_staleness_of_its_schedule() -> None:
     from pdcli.planner.render import staleness_line
-    from pdcli.runtime.schedule import ScheduleSpec
+    from pdcli.schedule import ScheduleSpec
 
     delays = {name: [ScheduleSpec.make(name, 4, 4, 20).update_delay(k) for k in range(4)]
               for name in ("pipedream", "2bw", "1f1b", "gpipe")}

@@ -14,7 +14,7 @@ from pdcli.config.schema import Config, LRScheduleConfig, OptimConfig, check_val
 from pdcli.data.batch import Batch
 from pdcli.runtime.lr import lr_at
 from pdcli.runtime.reference import reference_train
-from pdcli.runtime.schedule import ScheduleSpec
+from pdcli.schedule import ScheduleSpec
 from pdcli.runtime.update import UpdateRule
 
 BATCH_SIZE = 16

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pdcli.compiler import load_stage  # noqa: E402
 from pdcli.rundir import RunDir  # noqa: E402
-from pdcli.runtime import schedule as S  # noqa: E402
+from pdcli import schedule as S  # noqa: E402
 from pdcli.runtime.memory import MemoryTracker  # noqa: E402
 from pdcli.runtime.optim import step_out_of_place, supports_out_of_place  # noqa: E402
 from pdcli.runtime.step import run_training  # noqa: E402

@@ -19,12 +19,12 @@ from pdcli.planner.evaluate import batch_scale, evaluate_pd, evaluate_pipedream
 from pdcli.planner.memory import split_sets, stage_memory
 from pdcli.planner.pipedream import PdStage
 from pdcli.planner.search import pd_search
-from pdcli.planner.simulator import StageCost, simulate
+from pdcli.schedule.simulator import StageCost, simulate
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain, ChainNode
 from pdcli.profiler.graphtxt import graph_to_chain, parse_graph
 from pdcli.rundir import canonical_json
-from pdcli.runtime.schedule import ScheduleSpec
+from pdcli.schedule import ScheduleSpec
 
 SCHEDULES = ("pipedream", "1f1b", "gpipe", "2bw")
 REL = 1e-9

@@ -11,7 +11,7 @@ from torch import nn
 
 from pdcli.data.batch import Batch
 from pdcli.runtime.reference import StageSpec, reference_train
-from pdcli.runtime.schedule import ScheduleSpec
+from pdcli.schedule import ScheduleSpec
 
 LR = 0.1
 

@@ -24,9 +24,9 @@ from pdcli.cli import app
 from pdcli.errors import UserError
 from pdcli.rundir import RunDir
 from pdcli.runtime import checkpoint
-from pdcli.runtime.checker import ScheduleError, SendMode, check_schedules
+from pdcli.schedule.checker import ScheduleError, SendMode, check_schedules
 from pdcli.runtime.launcher import Hosts, check_devices, first_slurm_host, hosts_from_env
-from pdcli.runtime.schedule import Backward, Forward, ScheduleSpec, build_all, build_for, drain_points
+from pdcli.schedule import Backward, Forward, ScheduleSpec, build_all, build_for, drain_points
 from pdcli.runtime.step import TrainingFailed, run_training
 from pdcli.runtime.toy import write_toy_run
 from pdcli.runtime.watchdog import CHECKPOINT_FAULT_ENV, status_path

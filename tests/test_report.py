@@ -18,12 +18,12 @@ import pytest
 from typer.testing import CliRunner
 
 from pdcli.cli import app
-from pdcli.planner.simulator import StageCost, simulate
+from pdcli.schedule.simulator import StageCost, simulate
 from pdcli.report import ReplanCommands, locate_run, make_report
 from pdcli.report.charts import LOSS_FILE, TIMELINE_FILE
 from pdcli.report.measured import completion_times_ms, read_trace
 from pdcli.report.predicted import stage_costs
-from pdcli.runtime.schedule import (
+from pdcli.schedule import (
     Backward, Forward, OptimizerStep, RecvActivations, RecvGrads, ScheduleSpec, SendActivations, SendGrads, WeightGrads,
 )
 

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from pdcli.errors import UserError
-from pdcli.planner.simulator import StageCost, simulate
-from pdcli.runtime.checker import ScheduleError, SendMode, check_schedules
-from pdcli.runtime.schedule import (
+from pdcli.schedule.simulator import StageCost, simulate
+from pdcli.schedule.checker import ScheduleError, SendMode, check_schedules
+from pdcli.schedule import (
     ACTION_TYPES, SCHEDULES, AllReduceGrads, Backward, Forward, FreeWeights, OptimizerStep,
     RecvActivations, RecvGrads, ScheduleSpec, SendActivations, SendGrads, StashDepth, StashWeights,
     UnknownActionError, WeightGrads, build_all, build_schedule, dispatch, replica_for, sends_first, stash_depth,
@@ -370,7 +370,7 @@ def test_checker_rejects_an_unknown_action_type():
 @pytest.mark.parametrize("name,replicas", [("1f1b", (1, 1, 1)), ("gpipe", (2, 1)), ("pipedream", (1, 1)),
                                            ("pipedream", (1, 2)), ("2bw", (1, 1))])
 def test_evaluation_blocks_run_after_their_minibatch_on_every_process(name: str, replicas: tuple[int, ...]) -> None:
-    from pdcli.runtime.schedule import EndEval, EvalForward, build_for, drain_points, eval_points
+    from pdcli.schedule import EndEval, EvalForward, build_for, drain_points, eval_points
 
     steps, m = 6, 4
     evals = eval_points(steps, 2, at_start=True)

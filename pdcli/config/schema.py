@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-SCHEDULES = ("pipedream", "1f1b", "gpipe", "2bw")
-FLUSH_SCHEDULES = ("1f1b", "gpipe")
+from pdcli.schedule.spec import FLUSH_SCHEDULES, PIPEDREAM, SCHEDULES, switch_problems
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 COST_MODELS = ("pd", "pipedream")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -135,7 +135,7 @@ class PlanConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = "pipedream"
+    name: str = PIPEDREAM
     """`pipedream` (1F1B + weight stashing), `1f1b` (flush), `gpipe`, `2bw`."""
     num_microbatches: int = 4
     """Microbatches per minibatch (flush schedules, 2BW accumulation, pipedream in-flight)."""
@@ -354,13 +354,10 @@ def check_values(cfg: Config) -> list[str]:
             f"data.batch_size: {cfg.data.batch_size} is not divisible by "
             f"schedule.num_microbatches={cfg.schedule.num_microbatches}; pick a multiple"
         )
-    if cfg.schedule.vertical_sync and cfg.schedule.name != "pipedream":
-        problems.append("schedule.vertical_sync: only applies to schedule.name=pipedream")
-    if cfg.schedule.split_backward and cfg.schedule.name not in FLUSH_SCHEDULES:
-        problems.append(
-            f"schedule.split_backward: only applies to schedule.name=1f1b or gpipe (it fills their flush "
-            f"bubble; {cfg.schedule.name} has none); set it to null or false"
-        )
+    fixes = {"vertical_sync": "set it to false", "split_backward": "set it to null or false"}
+    for switch, why in switch_problems(cfg.schedule.name, cfg.schedule.vertical_sync,
+                                       bool(cfg.schedule.split_backward)).items():
+        problems.append(f"schedule.{switch}: {why}; {fixes[switch]}")
     if cfg.model.hf is not None and cfg.model.target is not None:
         problems.append("model.hf: set either model.hf or model.target, not both (model.target=null or '~model.hf')")
     if cfg.model.target is not None and ":" not in cfg.model.target:

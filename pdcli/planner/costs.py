@@ -53,7 +53,7 @@ A split backward (`schedule.split_backward`, `pdcli.runtime.wgrad`) leaves the w
 gradients W of the `nn.Linear` layers to WeightGrads actions that the schedule places where
 a stage would wait for the fill or the drain; it changes no stage's work (W is part of B,
 so compute_ms is as above), only the bubble. k(S) has no closed form: it is the factor of
-a replay (`pdcli.planner.simulator`) of the schedule on S equal stages, each microbatch
+a replay (`pdcli.schedule.simulator`) of the schedule on S equal stages, each microbatch
 costing the whole chain's shares of forward, backward less W, and W (calibrated totals,
 `profile.json`'s `wgrad_ms`), no communication: k(S) = simulated time per minibatch /
 (M x (forward + backward)). Replays are cached per (schedule, M, S, shares rounded to
@@ -82,10 +82,10 @@ from typing import Any
 
 import numpy as np
 
-from pdcli.planner.options import FLUSH_SCHEDULES, PIPEDREAM
+from pdcli.schedule.spec import FLUSH_SCHEDULES, PIPEDREAM
 from pdcli.planner.runtime_costs import RuntimeCosts
-from pdcli.planner.simulator import StageCost, simulate
-from pdcli.runtime.schedule import ScheduleSpec
+from pdcli.schedule.simulator import StageCost, simulate
+from pdcli.schedule import ScheduleSpec
 
 MS_PER_S = 1000.0
 SHARE_DIGITS = 6

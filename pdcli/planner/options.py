@@ -4,16 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdcli.config.schema import COST_MODELS, PRECISIONS, SCHEDULES
+from pdcli.config.schema import COST_MODELS, PRECISIONS
 from pdcli.errors import UserError
 from pdcli.planner.steer import SplitPoint
-
-PIPEDREAM = "pipedream"
-ONE_F_ONE_B = "1f1b"
-GPIPE = "gpipe"
-TWO_BW = "2bw"
-FLUSH_SCHEDULES = (GPIPE, ONE_F_ONE_B)
-"""Schedules that drain the pipeline every minibatch and so pay the fill/drain bubble."""
+from pdcli.schedule.spec import PIPEDREAM, SCHEDULES, switch_problems
 
 COST_PD = "pd"
 COST_PIPEDREAM = "pipedream"
@@ -57,6 +51,9 @@ class PlanOptions:
     that fill the flush's bubble; the `pd` model replays the schedule for the bubble and holds
     1f1b's microbatches until their W (see planner.costs, planner.memory). The `pipedream`
     model ignores it."""
+    vertical_sync: bool = False
+    """`schedule.vertical_sync` (pipedream): a stage holds the weight versions stage 0's
+    microbatches pin (see `ScheduleSpec.stash_depth`)."""
     profile_sha256: str | None = None
     """Recorded in the plan's inputs when given."""
 
@@ -75,9 +72,6 @@ class PlanOptions:
             raise UserError(f"memory_bytes_per_device must be > 0, got {self.memory_bytes_per_device}")
         if self.num_stages is not None and self.num_stages < 1:
             raise UserError(f"num_stages must be >= 1, got {self.num_stages}")
-        if self.split_backward and self.schedule not in FLUSH_SCHEDULES:
-            raise UserError(
-                f"split_backward only applies to schedule {' or '.join(FLUSH_SCHEDULES)} (it fills their flush "
-                f"bubble), not {self.schedule!r}",
-                hint="set schedule.split_backward to null or false",
-            )
+        problems = switch_problems(self.schedule, self.vertical_sync, self.split_backward)
+        if problems:
+            raise UserError("; ".join(problems.values()), hint=f"set schedule.{' and '.join(problems)} to false")

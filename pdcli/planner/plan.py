@@ -40,7 +40,7 @@ ADDED_PREDICTED_KEYS = ("optimizer_ms", "optimizer_state_bytes", "wgrad_ms", "me
 """Keys plans written before the optimizer (or split backward) was modelled lack,
 `wgrad_ms` the `pipedream` cost model does not predict (read back as absent), and the
 runtime-cost terms (`messages_ms`, `load_ms`, `actions_ms`: one replica's cost per action,
-`pdcli.planner.simulator.StageCost` fields) only a profile with `meta.runtime` gives."""
+`pdcli.schedule.simulator.StageCost` fields) only a profile with `meta.runtime` gives."""
 PIPELINE_KEYS = (
     "time_per_minibatch_ms", "throughput_samples_per_s", "data_parallel_time_per_minibatch_ms",
     "speedup_over_data_parallel", "num_devices", "num_devices_used", "bottleneck_stage", "replay", "unconstrained",

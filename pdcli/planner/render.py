@@ -11,7 +11,7 @@ from pdcli.errors import UserError
 from pdcli.profiler.chain import Chain
 from pdcli.profiler.summary import format_bytes
 from pdcli.rundir import canonical_json
-from pdcli.runtime.schedule import SCHEDULES, ScheduleSpec
+from pdcli.schedule import SCHEDULES, ScheduleSpec
 
 FORMATS = ("text", "markdown", "json")
 TABLE_STYLE = {"text": "simple", "markdown": "github"}

@@ -8,7 +8,7 @@ over a transport. `pdcli.profiler.runtime_probe` runs real stages of the model w
 runtime's own executor and fits, per action, `ms = scale * profiled_ms + fixed_ms`
 (`Affine`); this module holds the fit (`profile.json` `meta.runtime`) and prices a stage's
 actions with it. `pdcli.planner.costs` sums the prices into a stage's time and
-`pdcli.planner.simulator` replays the action lists with them.
+`pdcli.schedule.simulator` replays the action lists with them.
 
 Every term can be switched off (`RuntimeCosts.without`), which the tests use to see each one
 matter.

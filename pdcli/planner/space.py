@@ -93,7 +93,7 @@ class SplitSpace:
     input_bytes: float = 0.0
     """The model inputs of one profiled batch (what stage 0 receives)."""
     eager_sends: bool | None = None
-    """The runtime's send order on the profiled device (`pdcli.runtime.schedule.build_for`):
+    """The runtime's send order on the profiled device (`pdcli.schedule.build_for`):
     sends first everywhere but over NCCL (CUDA); None = unknown (PipeDream graphs)."""
     fixed_cuts: tuple[int, ...] = ()
     """Positions every plan cuts at (the user's, `pdcli.planner.steer`): no stage spans one."""

@@ -122,7 +122,7 @@ def run_stage_actions(cfg: Any, stages_dir: Path, stage_id: int, num_stages: int
     from pdcli.runtime.metrics import Timeline
     from pdcli.runtime.optim import build_optimizer
     from pdcli.runtime.placement import Placement
-    from pdcli.runtime.schedule import ScheduleSpec, build_for
+    from pdcli.schedule import ScheduleSpec, build_for
     from pdcli.runtime.stageio import StageIO
     from pdcli.runtime.watchdog import Heartbeat
 

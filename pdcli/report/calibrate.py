@@ -13,7 +13,7 @@ steady time per minibatch (bisection; the replay's time grows with the latency):
 run waited beyond its compute, messages in flight and the pipeline's own order. The
 bandwidth and the core count stay as probed. A run whose workers outnumber the host's
 cores traced spans stretched by the workers it shared the cores with: every CPU cost is
-scaled so that the replay's compute (on the shared cores, `pdcli.planner.simulator`) over
+scaled so that the replay's compute (on the shared cores, `pdcli.schedule.simulator`) over
 the run's steady half equals the run's; as the stretch depends on how long the workers
 wait and the reverse, the latency is fitted for each scale tried (`fit_shared`). The result is written to the planned run's
 `calibration.json`; `pd plan` and `pd train` use it while the profile it was made for

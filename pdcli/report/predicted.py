@@ -1,7 +1,7 @@
 """What the plan predicted, per minibatch, and the simulated timeline of the same action lists.
 
 The plan gives per-stage terms per minibatch (`data.batch_size` samples); the simulator
-(`pdcli.planner.simulator`) replays the schedule's action lists with per-microbatch costs
+(`pdcli.schedule.simulator`) replays the schedule's action lists with per-microbatch costs
 derived from them and gives the idle time (pipeline bubble) of every rank. The plan's
 `optimizer_ms` (per minibatch: the steps one replica takes) is split into its steps, so
 predicted compute = forward + backward + optimizer steps, as the runtime measures compute.
@@ -21,10 +21,10 @@ from typing import Any
 
 from pdcli.planner.costs import updates_per_minibatch
 from pdcli.planner.evaluate import ACTIONS_KEY, replay_stage_costs
-from pdcli.planner.options import FLUSH_SCHEDULES
-from pdcli.planner.simulator import Simulation, StageCost, simulate
+from pdcli.schedule.spec import FLUSH_SCHEDULES
+from pdcli.schedule.simulator import Simulation, StageCost, simulate
 from pdcli.runtime.metrics import CATEGORIES, COMM, COMPUTE, IDLE, action_category
-from pdcli.runtime.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads
+from pdcli.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads
 
 MAX_SIMULATED_STEPS = 200
 """Longer runs are simulated over this many minibatches (per-minibatch values barely change)."""

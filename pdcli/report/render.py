@@ -11,7 +11,7 @@ from tabulate import tabulate
 from pdcli.report.compare import Comparison, relative_pct
 from pdcli.report.measured import WEIGHT_GRADS
 from pdcli.runtime.evaluation import eval_metrics_text
-from pdcli.runtime.schedule import PIPEDREAM
+from pdcli.schedule import PIPEDREAM
 
 TEXT, MARKDOWN, JSON = "text", "markdown", "json"
 TABLE_FORMAT = {TEXT: "simple", MARKDOWN: "github"}

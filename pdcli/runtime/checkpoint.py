@@ -1,7 +1,7 @@
 """Per-stage checkpoints: `train/checkpoints/step_<n>/stage_<k>.pt`, then a COMPLETE marker.
 
 `step_<n>` = the state after the first n minibatches, taken at a drain point (see
-`pdcli.runtime.schedule`): nothing is in flight, so the stage files form a consistent cut.
+`pdcli.schedule`): nothing is in flight, so the stage files form a consistent cut.
 Each stage's first replica writes, atomically (temp file + rename), its weights keyed by
 the ORIGINAL model's names (all stage files together form one ordinary state dict of the
 model), its optimizer state, the data position (the next minibatch index, n), the RNG

@@ -1,7 +1,7 @@
 """Evaluation on the held-out split: when a run evaluates, how much it reads, what it reports.
 
 An evaluation runs forward-only through the pipeline (`EvalForward` actions, see
-`pdcli.runtime.schedule`) after the minibatch counts of `eval_points`: every
+`pdcli.schedule`) after the minibatch counts of `eval_points`: every
 `train.eval_every` minibatches, before training with `train.eval_at_start`, and at the end.
 It reads `num_eval_batches` minibatches of the held-out split (`pdcli.data.build_data(...,
 split="eval")`) and reports the mean loss, the accuracy of a classifier (argmax over the
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdcli.data.registry import build_data, num_eval_batches
 from pdcli.errors import UserError
-from pdcli.runtime.schedule import eval_points
+from pdcli.schedule import eval_points
 
 if TYPE_CHECKING:
     from pdcli.config import Config

@@ -1,4 +1,4 @@
-"""Interpret one process's action list (`pdcli.runtime.schedule`) with a handler table.
+"""Interpret one process's action list (`pdcli.schedule`) with a handler table.
 
 State per microbatch lives in dicts keyed by microbatch id and is freed by the action
 that last needs it (SendActivations / Backward / SendGrads). Receives are posted
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from pdcli.models.loss import num_correct
-from pdcli.runtime import schedule as S
+from pdcli import schedule as S
 from pdcli.runtime.comm import Mailbox
 from pdcli.runtime.evaluation import EvalSums
 from pdcli.runtime.divergence import check_gradients, check_loss

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdcli.runtime import schedule as S
+from pdcli import schedule as S
 
 COMPUTE = "compute"
 COMM = "comm"

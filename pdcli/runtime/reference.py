@@ -37,7 +37,7 @@ from torch.func import functional_call
 from torch.optim import Optimizer
 
 from pdcli.models.loss import num_correct
-from pdcli.runtime.schedule import ScheduleSpec
+from pdcli.schedule import ScheduleSpec
 from pdcli.runtime.update import clips_per_stage, samples_through_step
 
 
@@ -129,7 +129,7 @@ def reference_train(
     over the microbatches an update covers and divided by their number before the step.
     `model_input_names` name `Batch.inputs` in the environment (default: the first
     stage's `input_names`). `drain_after`: minibatch counts where the pipeline drains
-    (see `pdcli.runtime.schedule.drain_points`). `lr_at_samples(samples)`: the learning rate
+    (see `pdcli.schedule.drain_points`). `lr_at_samples(samples)`: the learning rate
     of an update applied after `samples` samples (None: the optimizers' own); `clip_grad_norm`:
     clip before each update (see the module docstring).
     """

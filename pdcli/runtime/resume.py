@@ -22,7 +22,7 @@ from torch import nn
 
 from pdcli.runtime import checkpoint
 from pdcli.runtime.placement import Placement
-from pdcli.runtime.schedule import ScheduleSpec
+from pdcli.schedule import ScheduleSpec
 from pdcli.runtime.watchdog import Heartbeat, checkpoint_fault
 
 if TYPE_CHECKING:

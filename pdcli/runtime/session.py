@@ -28,7 +28,7 @@ from pdcli.runtime.optim import build_optimizer
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
 from pdcli.runtime.resume import Checkpointer
-from pdcli.runtime.schedule import ScheduleSpec, build_for, drain_points, replica_for
+from pdcli.schedule import ScheduleSpec, build_for, drain_points, replica_for
 from pdcli.runtime.sockets import Place, SocketTransport, socket_transport_possible, transport_from_env
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import tied_copies
@@ -113,9 +113,8 @@ def run_spec(cfg: "Config", placement: Placement, evaluation: EvalPlan, resume_s
     """The schedule of the run: drain points at checkpoints, at the checkpoint it resumes from
     and at evaluations (pipedream/2bw have nothing in flight there)."""
     drains = drain_points(cfg.train.steps, cfg.train.checkpoint_every, extra=[resume_step or 0, *evaluation.points])
-    return ScheduleSpec.make(cfg.schedule.name, placement.num_stages, cfg.schedule.num_microbatches, cfg.train.steps,
-                             placement.replicas, cfg.schedule.vertical_sync, drains, cfg.schedule.split_backward_on,
-                             evaluation.points, evaluation.num_microbatches(cfg.schedule.num_microbatches))
+    return ScheduleSpec.from_config(cfg.schedule, placement.replicas, cfg.train.steps, drains, evaluation.points,
+                                    evaluation.num_microbatches(cfg.schedule.num_microbatches))
 
 
 def global_clip_group(cfg: "Config", placement: Placement) -> Any:

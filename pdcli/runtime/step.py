@@ -26,7 +26,7 @@ from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.rendezvous import JOIN_TIMEOUT_S, job_prefix, open_job_store, rendezvous_id
 from pdcli.runtime.restarts import keep_metrics_through, reset_attempt
-from pdcli.runtime.schedule import build_for, eval_points
+from pdcli.schedule import build_for, eval_points
 from pdcli.runtime.session import SUMMARY_FILE, run_spec
 from pdcli.runtime.sockets import transport_from_env
 from pdcli.runtime.stageio import StageIO

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from pdcli.config.schema import LRScheduleConfig, OptimConfig
 from pdcli.runtime.lr import lr_at
-from pdcli.runtime.schedule import PIPEDREAM, ScheduleSpec
+from pdcli.schedule import PIPEDREAM, ScheduleSpec
 
 CLIP_EPS = 1e-6
 """Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does."""

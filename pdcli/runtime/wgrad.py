@@ -5,7 +5,7 @@ layers before it wait for it) and the gradient of its weight (W: nothing waits f
 the optimizer step). The flush schedules (`gpipe`, `1f1b`) idle while the pipeline fills
 and drains; with `schedule.split_backward` a stage's Backward computes B only, and a later
 `WeightGrads(mb)` action computes W, placed where the stage would otherwise wait (the idea
-of Zero Bubble pipeline parallelism, Qi et al. 2023; `pdcli.runtime.schedule` places them).
+of Zero Bubble pipeline parallelism, Qi et al. 2023; `pdcli.schedule` places them).
 
 Only `nn.Linear` layers defer (the matmul layers that dominate MLPs and transformers); every
 other parameter gets its gradient in B as usual. For a deferred layer B computes

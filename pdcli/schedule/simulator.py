@@ -1,6 +1,6 @@
 """Predict a pipeline's timeline by replaying its action lists with per-stage costs.
 
-Pure (no torch): the same lists the runtime executes (`pdcli.runtime.schedule`) are
+Pure (no torch): the same lists the runtime executes (`pdcli.schedule`) are
 run by the checker's lockstep engine, and each completed event is given a start and
 an end. With eager sends (the default) a send does not hold its process: the data
 arrives `comm_ms` after the send starts, and the receive waits for it. With rendezvous
@@ -28,11 +28,13 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
-from pdcli.runtime.checker import SendMode, Slot, lockstep
-from pdcli.runtime.schedule import (
+from pdcli.schedule.actions import (
     Action, AllReduceGrads, Backward, Forward, LoadMicrobatch, OptimizerStep, RecvActivations, RecvGrads,
-    ScheduleSpec, SendActivations, SendGrads, WeightGrads, build_all,
+    SendActivations, SendGrads, WeightGrads,
 )
+from pdcli.schedule.checker import SendMode, Slot, lockstep
+from pdcli.schedule.lower import build_all
+from pdcli.schedule.spec import ScheduleSpec
 
 
 TIME_SLICE_MS = 3.0

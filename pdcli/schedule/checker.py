@@ -6,7 +6,7 @@ action can complete. With `SendMode.RENDEZVOUS` (the strict default) a send comp
 only together with its receive, as a blocking send; with `SendMode.EAGER` a send
 completes at once and its receive completes once the send is posted. An all-reduce
 completes when every replica of the stage reaches it. The simulator
-(`pdcli.planner.simulator`) times the same events.
+(`pdcli.schedule.simulator`) times the same events.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterator, Sequence
 
-from pdcli.runtime.schedule import (
-    ACTION_TYPES, Action, AllReduceGrads, Backward, EndEval, EvalForward, Forward, FreeWeights, LoadMicrobatch,
-    OptimizerStep, RecvActivations, RecvGrads, ScheduleSpec, SendActivations, SendGrads,
-    PIPEDREAM, StashDepth, StashWeights, WeightGrads, replica_for,
+from pdcli.schedule.actions import (
+    Action, ACTION_TYPES, AllReduceGrads, Backward, EndEval, EvalForward, Forward, FreeWeights, LoadMicrobatch,
+    Message, OptimizerStep, RecvActivations, RecvGrads, SendActivations, SendGrads, StashWeights, WeightGrads,
 )
+from pdcli.schedule.spec import PIPEDREAM, replica_for, ScheduleSpec, StashDepth
 
 Slot = tuple[int, int]  # (rank, index of the action in that rank's list)
 SENDS = (SendActivations, SendGrads)
@@ -47,7 +47,7 @@ class Event:
     waited_for: tuple[Slot, ...] = ()
 
 
-def _peer(spec: ScheduleSpec, rank: int, action: Action) -> tuple[int, type]:
+def _peer(spec: ScheduleSpec, rank: int, action: Message) -> tuple[int, type]:
     """The rank a send/recv talks to and the action type that pairs with it there."""
     stage_id, _ = spec.stage_replica_of(rank)
     toward_next = isinstance(action, (SendActivations, RecvGrads))

@@ -1,0 +1,31 @@
+"""Pipeline schedules as data, pure (no torch, no processes).
+
+- `spec`: `ScheduleSpec`, the parameters of a run and the rules of each schedule (weight
+  version, stash depth, drain points, what is valid);
+- `actions`: the typed actions a process runs and their compact text form;
+- `lower`: a schedule's compute order lowered into every process's full action list;
+- `checker`: proof that a set of lists runs (matching messages, no deadlock, the declared
+  versions and stash depths);
+- `simulator`: the same lists replayed with costs, a predicted timeline.
+
+The planner and the runtime both build on this package; neither imports the other.
+"""
+
+from pdcli.schedule.actions import (
+    ACTION_TYPES, Action, AllReduceGrads, Backward, EndEval, EvalForward, Forward, FreeWeights, LoadMicrobatch,
+    OptimizerStep, RecvActivations, RecvGrads, SendActivations, SendGrads, StashWeights, UnknownActionError,
+    WeightGrads, dispatch,
+)
+from pdcli.schedule.lower import build_all, build_for, build_schedule, one_f_one_b, sends_first, stash_depth
+from pdcli.schedule.spec import (
+    FLUSH_SCHEDULES, GPIPE, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, TWO_BW, ScheduleSpec, StashDepth, drain_points,
+    eval_points, replica_for,
+)
+
+__all__ = [
+    "Action", "ACTION_TYPES", "AllReduceGrads", "Backward", "EndEval", "EvalForward", "FLUSH_SCHEDULES", "Forward",
+    "FreeWeights", "GPIPE", "LoadMicrobatch", "ONE_F_ONE_B", "OptimizerStep", "PIPEDREAM", "RecvActivations",
+    "RecvGrads", "SCHEDULES", "ScheduleSpec", "SendActivations", "SendGrads", "StashDepth", "StashWeights", "TWO_BW",
+    "UnknownActionError", "WeightGrads", "build_all", "build_for", "build_schedule", "dispatch", "drain_points",
+    "eval_points", "one_f_one_b", "replica_for", "sends_first", "stash_depth",
+]

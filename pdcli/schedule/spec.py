@@ -1,0 +1,379 @@
+"""Pipeline schedules as data: typed actions and the ordered action list of every process.
+
+A process is one replica of one stage. Its list fixes the order of everything it does,
+so the numerics of a run never depend on timing. The executor interprets a list with
+a table `{ActionType: handler}` (see `dispatch`); the checker and the simulator replay
+the same lists.
+
+Words: a *minibatch* is one batch of the data loader (`num_microbatches` microbatches).
+Microbatch `k` of minibatch `t` has the global id `t * num_microbatches + k`.
+`pipedream` treats every microbatch as a minibatch of its own (one update per
+microbatch, per round of `r` microbatches on a stage with `r` replicas); the other
+schedules take one optimizer step per minibatch.
+
+Weight versions: version `v` of a stage = its live weights after `v` optimizer steps.
+The rule each schedule follows is `ScheduleSpec.weight_version`; the reference trainer
+(`pdcli.runtime.reference`) applies the same rule without action lists, and the checker
+proves that the lists implement it.
+
+Drain points (checkpoints): `ScheduleSpec.drain_after` lists minibatch counts after which
+the pipeline drains. gpipe and 1f1b drain before every step anyway; pipedream and 2bw have
+no flush, so with checkpoints every N minibatches (`train.checkpoint_every`) pipedream
+drains at each checkpoint: the run is cut into segments of N minibatches (the last one
+may be shorter) and each segment is a complete pipedream/2bw run (warm-up, steady state,
+drain) that starts from the weights and optimizer state the previous segment left. Inside
+a segment the weight-version rules apply as if the run began at the segment's first
+microbatch (pipedream: no staleness for its first microbatches; 2bw: its first minibatch
+runs on the segment's starting version). Weight version numbers count on across
+segments. Everything before a drain point is finished on every process, so a checkpoint
+there is a consistent cut and a resumed run (`build_for(..., start_minibatch=t)`) is the
+suffix of the same lists.
+
+Evaluation (`ScheduleSpec.eval_after`): after the first t minibatches (t = 0: before any
+training) every process runs an evaluation block: forward-only passes of the held-out
+microbatches through the pipeline on the live weights (`EvalForward`: no stashing, no
+gradients), then `EndEval(t)`. The block follows the optimizer step that completes
+minibatch t, at a point where nothing is in flight (pipedream and 2bw drain there, as at
+checkpoints), so every stage evaluates the same weights. Held-out microbatch e of the k-th
+evaluation travels under the id `eval_microbatch_id(k, e)`, past every training id.
+
+Gradients: a Backward adds the gradient of its microbatch's (unscaled) loss to the
+live parameters' `.grad`, whatever version it ran on (with `split_backward`, gpipe and
+1f1b only: all but the deferred weight gradients, which a later WeightGrads adds);
+AllReduceGrads sums `.grad`
+over the stage's replicas; OptimizerStep divides by the number of microbatches the
+update covers (a mean, so `lr` means what it means without a pipeline), steps, zeroes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol, Sequence
+
+from pdcli.errors import UserError
+
+
+GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW = "gpipe", "1f1b", "pipedream", "2bw"
+SCHEDULES = (PIPEDREAM, ONE_F_ONE_B, GPIPE, TWO_BW)
+FLUSH_SCHEDULES = (GPIPE, ONE_F_ONE_B)
+"""Schedules that drain the pipeline before every optimizer step (and so pay a fill/drain bubble)."""
+
+
+def switch_problems(name: str, vertical_sync: bool = False, split_backward: bool = False) -> dict[str, str]:
+    """The switches schedule `name` does not take: {switch: why} (empty when all fit). Config
+    validation, the planner's options and `ScheduleSpec` all ask this one rule."""
+    problems = {}
+    if vertical_sync and name != PIPEDREAM:
+        problems["vertical_sync"] = f"vertical_sync only applies to {PIPEDREAM}, not {name!r}"
+    if split_backward and name not in FLUSH_SCHEDULES:
+        problems["split_backward"] = (f"split_backward only applies to {' and '.join(FLUSH_SCHEDULES)}, not {name!r} "
+                                      f"(it fills the flush's bubble; {name} has none)")
+    return problems
+
+
+# ---- the parameters of a schedule and its rules -------------------------------------------
+
+
+def drain_points(num_steps: int, every: int, extra: Sequence[int] = ()) -> tuple[int, ...]:
+    """Minibatch counts after which the pipeline drains: every `every` minibatches (0 = never)
+    plus `extra` (e.g. the checkpoint a run resumes from), strictly inside (0, num_steps)."""
+    points = set(range(every, num_steps, every)) if every > 0 else set()
+    points |= {t for t in extra if 0 < t < num_steps}
+    return tuple(sorted(points))
+
+
+def eval_points(num_steps: int, every: int, at_start: bool) -> tuple[int, ...]:
+    """Minibatch counts after which the held-out split is evaluated: every `every` minibatches
+    (0 = never in between), at 0 when `at_start`, and always at the end (`num_steps`)."""
+    return tuple(sorted({*drain_points(num_steps, every), *((0,) if at_start else ()), num_steps}))
+
+
+def replica_for(microbatch_id: int, replicas_of_stage: int) -> int:
+    """The replica (of a stage with `replicas_of_stage` replicas) that runs `microbatch_id`: round-robin."""
+    return microbatch_id % replicas_of_stage
+
+
+@dataclass(frozen=True)
+class StashDepth:
+    """What one process of a stage holds at once, at most."""
+
+    weight_versions: int
+    """Distinct weight versions: the live weights plus stashed copies."""
+    activation_sets: int
+    """Microbatches forwarded and not yet backwarded (their saved activations)."""
+
+
+class ScheduleSettings(Protocol):
+    """The config's `schedule` section (`pdcli.config.schema.ScheduleConfig`), as the spec reads it."""
+
+    name: str
+    num_microbatches: int
+    vertical_sync: bool
+
+    @property
+    def split_backward_on(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Everything that fixes the action lists of a run; rejects what no schedule can run."""
+
+    name: str
+    """`gpipe`, `1f1b`, `pipedream` or `2bw`."""
+    num_stages: int
+    """Pipeline stages S."""
+    num_microbatches: int
+    """Microbatches per minibatch M."""
+    num_steps: int
+    """Minibatches the run consumes (gpipe/1f1b/2bw: one optimizer step each)."""
+    replicas: tuple[int, ...]
+    """Replicas (data-parallel copies) of each stage."""
+    vertical_sync: bool = False
+    """pipedream only: every stage uses the weight version stage 0 used for a microbatch."""
+    drain_after: tuple[int, ...] = ()
+    """Minibatch counts after which the pipeline drains (checkpoint points), increasing,
+    inside (0, num_steps); see `drain_points`. No effect on gpipe/1f1b (they always drain)."""
+    split_backward: bool = False
+    """gpipe and 1f1b only: each Backward leaves the weight gradients of its Linear layers
+    to a WeightGrads action placed where the stage would wait (see `_add_weight_grads`)."""
+    eval_after: tuple[int, ...] = ()
+    """Minibatch counts after which the held-out split is evaluated (see `eval_points`),
+    increasing, inside [0, num_steps]; pipedream/2bw: those inside (0, num_steps) are drain points."""
+    num_eval_microbatches: int = 0
+    """Held-out microbatches per evaluation (a multiple of num_microbatches)."""
+
+    @classmethod
+    def make(cls, name: str, num_stages: int, num_microbatches: int, num_steps: int,
+             replicas: Sequence[int] | None = None, vertical_sync: bool = False,
+             drain_after: Sequence[int] = (), split_backward: bool = False,
+             eval_after: Sequence[int] = (), num_eval_microbatches: int = 0) -> ScheduleSpec:
+        """A spec with `replicas=None` meaning one replica per stage."""
+        reps = tuple(replicas) if replicas is not None else (1,) * num_stages
+        evals = tuple(eval_after) if num_eval_microbatches else ()
+        return cls(name, num_stages, num_microbatches, num_steps, reps, vertical_sync, tuple(drain_after),
+                   split_backward, evals, num_eval_microbatches if evals else 0)
+
+    @classmethod
+    def from_config(cls, schedule: ScheduleSettings, replicas: Sequence[int], num_steps: int,
+                    drain_after: Sequence[int] = (), eval_after: Sequence[int] = (),
+                    num_eval_microbatches: int = 0) -> ScheduleSpec:
+        """The spec of a run of the config's `schedule` section on stages with `replicas`."""
+        return cls.make(schedule.name, len(replicas), schedule.num_microbatches, num_steps, replicas,
+                        schedule.vertical_sync, drain_after, schedule.split_backward_on, eval_after,
+                        num_eval_microbatches)
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        if self.name not in SCHEDULES:
+            problems.append(f"schedule {self.name!r} is not one of {', '.join(SCHEDULES)}")
+        for key in ("num_stages", "num_microbatches", "num_steps"):
+            if getattr(self, key) < 1:
+                problems.append(f"{key} must be >= 1, got {getattr(self, key)}")
+        if len(self.replicas) != self.num_stages:
+            problems.append(f"replicas has {len(self.replicas)} entries for {self.num_stages} stages")
+        problems += switch_problems(self.name, self.vertical_sync, self.split_backward).values()
+        if list(self.drain_after) != sorted(set(self.drain_after)) or any(
+                not 0 < t < self.num_steps for t in self.drain_after):
+            problems.append(f"drain_after {list(self.drain_after)} must increase strictly inside "
+                            f"(0, num_steps={self.num_steps})")
+        if list(self.eval_after) != sorted(set(self.eval_after)) or any(
+                not 0 <= t <= self.num_steps for t in self.eval_after):
+            problems.append(f"eval_after {list(self.eval_after)} must increase strictly inside [0, {self.num_steps}]")
+        if not self.is_flush and any(0 < t < self.num_steps and t not in self.drain_after for t in self.eval_after):
+            problems.append(f"{self.name}: evaluations {list(self.eval_after)} must be at drain points "
+                            f"{list(self.drain_after)} (nothing in flight)")
+        if self.num_eval_microbatches % self.num_microbatches:
+            problems.append(f"num_eval_microbatches={self.num_eval_microbatches} is not whole minibatches "
+                            f"of {self.num_microbatches}")
+        if problems:
+            raise UserError("; ".join(problems))
+        for stage_id, r in enumerate(self.replicas):
+            if r < 1 or self.num_microbatches % r:
+                problems.append(
+                    f"stage {stage_id} has {r} replicas: num_microbatches={self.num_microbatches} "
+                    f"must be a multiple of it (microbatches are spread evenly over replicas)")
+            elif self.name == TWO_BW and self.num_in_flight(stage_id) > self.num_microbatches // r + 1:
+                problems.append(
+                    f"2bw: stage {stage_id} keeps {self.num_in_flight(stage_id)} microbatches in "
+                    f"flight per replica, more than num_microbatches/replicas + 1 = "
+                    f"{self.num_microbatches // r + 1}, so two weight buffers cannot hold them")
+        if problems:
+            raise UserError("; ".join(problems), hint="use more microbatches per minibatch")
+
+    # -- processes --
+    @property
+    def num_ranks(self) -> int:
+        """Processes in the run: the sum of the replicas of every stage."""
+        return sum(self.replicas)
+
+    def rank_of(self, stage_id: int, replica_id: int) -> int:
+        """Ranks are stage-major: stage 0's replicas, then stage 1's, ..."""
+        return sum(self.replicas[:stage_id]) + replica_id
+
+    def stage_replica_of(self, rank: int) -> tuple[int, int]:
+        """(stage_id, replica_id) of `rank`; the inverse of `rank_of`."""
+        for stage_id, r in enumerate(self.replicas):
+            if rank < r:
+                return stage_id, rank
+            rank -= r
+        raise ValueError(f"rank out of range (num_ranks={self.num_ranks})")
+
+    # -- microbatches and steps --
+    @property
+    def is_flush(self) -> bool:
+        """True for the schedules that drain the pipeline before each optimizer step."""
+        return self.name in FLUSH_SCHEDULES
+
+    @property
+    def total_microbatches(self) -> int:
+        """Microbatches in the run, ids 0 .. total - 1."""
+        return self.num_steps * self.num_microbatches
+
+    def segment_start(self, minibatch: int) -> int:
+        """First minibatch of the segment (between drain points) that holds `minibatch`."""
+        i = bisect.bisect_right(self.drain_after, minibatch)
+        return self.drain_after[i - 1] if i else 0
+
+    @property
+    def segments(self) -> list[range]:
+        """The minibatches of each segment, in order (one segment without drain points)."""
+        bounds = [0, *self.drain_after, self.num_steps]
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def steps_through(self, stage_id: int, num_minibatches: int) -> int:
+        """Optimizer steps `stage_id` has taken once the first `num_minibatches` are done."""
+        if self.name == PIPEDREAM:
+            return num_minibatches * self.num_microbatches // self.replicas[stage_id]
+        return num_minibatches
+
+    def num_in_flight(self, stage_id: int) -> int:
+        """Forwards one replica of `stage_id` runs before its first backward (1F1B warm-up
+        + 1): the devices from this stage to the end over this stage's replicas, rounded
+        up (S - s on a straight pipeline, as in PipeDream)."""
+        return math.ceil(sum(self.replicas[stage_id:]) / self.replicas[stage_id])
+
+    def microbatches_of(self, stage_id: int, replica_id: int) -> range:
+        """The microbatches `replica_id` of `stage_id` runs, in increasing order."""
+        return range(replica_id, self.total_microbatches, self.replicas[stage_id])
+
+    def step_of(self, stage_id: int, microbatch_id: int) -> int:
+        """The optimizer step of `stage_id` whose gradient includes `microbatch_id`: its
+        minibatch, or for pipedream its round of r microbatches (r = replicas)."""
+        if self.name == PIPEDREAM:
+            return microbatch_id // self.replicas[stage_id]
+        return microbatch_id // self.num_microbatches
+
+    def microbatches_of_step(self, stage_id: int, step: int) -> range:
+        """The microbatches (over all replicas) whose mean gradient optimizer step `step` applies."""
+        size = self.replicas[stage_id] if self.name == PIPEDREAM else self.num_microbatches
+        return range(step * size, (step + 1) * size)
+
+    def num_optimizer_steps(self, stage_id: int) -> int:
+        """Optimizer steps `stage_id` takes in the run."""
+        if self.name == PIPEDREAM:
+            return self.total_microbatches // self.replicas[stage_id]
+        return self.num_steps
+
+    # -- weight versions --
+    def weight_version(self, stage_id: int, microbatch_id: int) -> int:
+        """The version of `stage_id` (number of its updates it holds) that both the forward
+        and the backward of `microbatch_id` use.
+
+        gpipe, 1f1b: the minibatch index t (all updates before it).
+        2bw: t - 1 (clamped at the segment's first minibatch t0, 0 without drain points):
+        W(t+1) = W(t) - lr * grad on W(t - 1).
+        pipedream: the live version when the microbatch reaches this stage in 1F1B order:
+        round k = mb // r of a replica runs after k - n + 1 updates (n = num_in_flight),
+        i.e. on a straight pipeline the updates of microbatches 0 .. mb - (S - s); with
+        drain points, rounds count from the segment's first microbatch and the versions
+        start from the steps taken before the segment.
+        With vertical sync: the newest version of this stage whose updates all come from
+        microbatches that stage 0's version for `microbatch_id` includes.
+        """
+        minibatch = microbatch_id // self.num_microbatches
+        if self.is_flush:
+            return minibatch
+        if self.name == TWO_BW:
+            return max(self.segment_start(minibatch), minibatch - 1)
+        if self.vertical_sync:
+            first_stage = self._pipedream_version(0, microbatch_id)
+            return first_stage * self.replicas[0] // self.replicas[stage_id]
+        return self._pipedream_version(stage_id, microbatch_id)
+
+    def update_delay(self, stage_id: int) -> int:
+        """Staleness: how many of its own optimizer steps the weights a microbatch of
+        `stage_id` runs on lack, in steady state (the last microbatch of the spec: give it
+        enough steps). 0 for gpipe/1f1b, 1 for 2bw, S - s - 1 for pipedream on a straight
+        pipeline."""
+        microbatch_id = self.total_microbatches - 1
+        return self.step_of(stage_id, microbatch_id) - self.weight_version(stage_id, microbatch_id)
+
+    def _pipedream_version(self, stage_id: int, microbatch_id: int) -> int:
+        r = self.replicas[stage_id]
+        first = self.segment_start(microbatch_id // self.num_microbatches) * self.num_microbatches
+        round_index = (microbatch_id - first) // r  # first is a multiple of r (M % r == 0)
+        return first // r + max(0, round_index - self.num_in_flight(stage_id) + 1)
+
+    def eval_microbatch_id(self, evaluation: int, eval_microbatch: int) -> int:
+        """The message id of held-out microbatch `eval_microbatch` of the `evaluation`-th
+        evaluation: past every training id (a multiple of M, so replicas take them round-robin
+        as `eval_microbatch % r`)."""
+        return self.total_microbatches + evaluation * self.num_eval_microbatches + eval_microbatch
+
+    @property
+    def weight_grad_lag(self) -> int:
+        """split_backward: WeightGrads trail their Backward by up to this many microbatches
+        (plus one taken early before each RecvGrads). S, the number of stages, came out
+        best or equal best of per-stage lags 0..S+1 in the simulator for S = 2..4, M = 4..16
+        and W = 1/3 or 1/4 of a microbatch's work; it bounds the extra memory to S
+        microbatches' Linear inputs and output gradients."""
+        return self.num_stages
+
+    def stash_depth(self, stage_id: int) -> StashDepth:
+        """Weight versions and activation sets one replica of `stage_id` holds at most."""
+        per_replica = self.num_microbatches // self.replicas[stage_id]
+        in_flight = self.num_in_flight(stage_id)
+        if self.name == GPIPE:
+            return StashDepth(1, per_replica)
+        if self.name == ONE_F_ONE_B:  # split: a microbatch is held until its WeightGrads
+            return StashDepth(1, min(in_flight + (self.weight_grad_lag if self.split_backward else 0), per_replica))
+        if self.name == TWO_BW:
+            return StashDepth(2, in_flight)
+        if not self.vertical_sync:  # one version per microbatch in flight
+            return StashDepth(in_flight, in_flight)
+        return StashDepth(self._vertical_sync_versions(stage_id), in_flight)
+
+    def _vertical_sync_versions(self, stage_id: int) -> int:
+        # After its k-th forward a replica is at version k - n + 1 and still needs every
+        # version from the one of its oldest microbatch in flight (round k - n + 1) up.
+        if self.drain_after:  # a drain only shortens the stash: count without drain points
+            return dataclasses.replace(self, drain_after=())._vertical_sync_versions(stage_id)
+        r, n = self.replicas[stage_id], self.num_in_flight(stage_id)
+        horizon = 4 * (n + self.num_in_flight(0)) * self.replicas[0] * r
+        return max(max(0, k - n + 1) - self.weight_version(stage_id, max(0, k - n + 1) * r) + 1
+                   for k in range(horizon))
+
+
+@lru_cache(maxsize=4096)
+def vertical_sync_versions(devices: int, first_replicas: int, devices_from: int, replicas: int) -> int:
+    """Weight versions one replica of a pipedream stage holds under vertical sync
+    (`ScheduleSpec.stash_depth`), from what they depend on: the run's `devices`, stage 0's
+    `first_replicas`, and this stage's `replicas` of the `devices_from` devices from it to the
+    end (devices_from == devices: the stage is stage 0). The spec is built with one device
+    per stage wherever the count does not matter."""
+    if devices_from == devices:
+        shape: tuple[int, ...] = (replicas, *(1,) * (devices - replicas))
+        stage_id = 0
+    else:
+        between = devices - first_replicas - devices_from
+        if between < 0 or replicas > devices_from:
+            raise ValueError(f"no pipeline of {devices} devices has stage 0 on {first_replicas} and a stage "
+                             f"with {replicas} replicas {devices_from} devices from the end")
+        shape = (first_replicas, *(1,) * between, replicas, *(1,) * (devices_from - replicas))
+        stage_id = 1 + between
+    spec = ScheduleSpec.make(PIPEDREAM, len(shape), math.lcm(*shape), 1, shape, vertical_sync=True)
+    return spec.stash_depth(stage_id).weight_versions

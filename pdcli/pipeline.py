@@ -40,6 +40,7 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
         precision=cfg.train.precision,
         recompute=cfg.train.recompute,
         split_backward=cfg.schedule.split_backward_on,
+        vertical_sync=cfg.schedule.vertical_sync,
         profile_sha256=profile_sha256,
     )
 

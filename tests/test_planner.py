@@ -615,3 +615,41 @@ def test_split_backward_reaches_the_plan_options_and_the_plan_hash() -> None:
     hashes = {plan_inputs_hash(Config(schedule=ScheduleConfig(name="1f1b", split_backward=split)), "ab" * 32)
               for split in (None, True, False)}
     assert len(hashes) == 3  # changing schedule.split_backward re-plans
+
+
+def test_vertical_sync_stashes_the_versions_stage_0_pins_on_every_stage() -> None:
+    from pdcli.planner.memory import VerticalSync, weight_versions
+    from pdcli.planner.search import search_vertical_sync
+
+    params = (1000, 1000, 1000, 2000)
+    nodes = tuple(ChainNode(f"n{i}", f"l{i}", 1.0, 2.0, p, 40) for i, p in enumerate(params))
+    chain = Chain(nodes=nodes, cut_bytes=(1000, 1000, 1000))
+    base = dict(schedule="pipedream", num_microbatches=4, straight=True, num_stages=4)
+    stashed = {}
+    for sync in (False, True):
+        plan = plan_chain(chain, Topology.flat(4), PlanOptions(**base, vertical_sync=sync))
+        stashed[sync] = [s.predicted["stashed_weights_bytes"] / p for s, p in zip(plan.stages, params)]
+        spec = ScheduleSpec.make("pipedream", 4, 4, 1, vertical_sync=sync)
+        assert stashed[sync] == [spec.stash_depth(k).weight_versions - 1 for k in range(4)]
+        assert plan.to_json()["inputs"].get("vertical_sync", False) is sync
+    assert stashed == {False: [3, 2, 1, 0], True: [3, 3, 3, 3]}
+    # a limit the unsynced plan fits: vertical sync needs more than it on the last (largest) stage
+    limit = max(s.predicted["total_bytes"] for s in plan_chain(chain, Topology.flat(4), PlanOptions(**base)).stages)
+    with pytest.raises(UserError):
+        plan_chain(chain, Topology.flat(4), PlanOptions(**base, vertical_sync=True, memory_bytes_per_device=limit))
+    # every replication on up to 5 devices: exact with stage 0 known, and the search's count
+    # (stage 0 not yet chosen, on as many devices or more) never below it
+    for devices in range(1, 6):
+        for k in range(1, devices + 1):
+            for cuts in itertools.combinations(range(1, devices), k - 1):
+                edges = (0, *cuts, devices)
+                replicas = tuple(b - a for a, b in zip(edges, edges[1:]))
+                spec = ScheduleSpec.make("pipedream", k, 60, 1, replicas, vertical_sync=True)
+                options = PlanOptions(schedule="pipedream", num_microbatches=60, vertical_sync=True)
+                for stage_id, r in enumerate(replicas):
+                    d = devices - edges[stage_id]
+                    exact = weight_versions("pipedream", d, r, VerticalSync(devices, (replicas[0],)))
+                    assert exact == spec.stash_depth(stage_id).weight_versions, (replicas, stage_id)
+                    for anchor in range(devices, 6):
+                        bound = weight_versions("pipedream", d, r, search_vertical_sync(options, anchor))
+                        assert bound >= exact, (replicas, stage_id, anchor)

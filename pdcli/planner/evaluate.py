@@ -11,17 +11,18 @@ from pdcli.planner.costs import (
     MS_PER_S, ActionCosts, bubble_factor, pd_stage_terms, replica_allreduce_ms, runtime_action_costs,
     runtime_stage_terms,
 )
-from pdcli.planner.memory import StageMemory, stage_memory
-from pdcli.planner.options import FLUSH_SCHEDULES, PlanOptions
+from pdcli.planner.memory import StageMemory, VerticalSync, stage_memory
+from pdcli.planner.options import PlanOptions
+from pdcli.schedule.spec import FLUSH_SCHEDULES, PIPEDREAM
 from pdcli.planner.pipedream import ALLREDUCE_FACTOR, TRANSFER_FACTOR, PdStage
 from pdcli.planner.search import (
     backward_split, compute_scale_of, covered_or_zeros, optimizer_step_matrix, oversubscription_of, runtime_of,
 )
-from pdcli.planner.simulator import Simulation, StageCost, simulate
+from pdcli.schedule.simulator import Simulation, StageCost, simulate
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
 from pdcli.profiler.chain import Chain
-from pdcli.runtime.schedule import ScheduleSpec
+from pdcli.schedule import ScheduleSpec
 
 TERM_NAMES = ("fwd_ms", "bwd_ms", "compute_ms", "optimizer_ms", "sync_ms", "comm_in_ms", "comm_out_ms",
               "stage_time_ms")
@@ -31,7 +32,7 @@ ACTIONS_KEY = "actions_ms"
 """A plan stage's per-action costs (runtime costs only): StageCost field -> ms."""
 REPLAY_MIN_MINIBATCHES = 16
 """A plan's replay runs max(this, 2 x stages + 2) minibatches; its steady time is measured
-over the second half (`pdcli.planner.simulator`)."""
+over the second half (`pdcli.schedule.simulator`)."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class StageEval:
     model adds `wgrad_ms`, the part of bwd_ms a split backward defers."""
     memory: StageMemory
     actions_ms: dict[str, float] | None = None
-    """Per-action costs of one replica (`pdcli.planner.simulator.StageCost` fields), when
+    """Per-action costs of one replica (`pdcli.schedule.simulator.StageCost` fields), when
     the runtime's costs were measured."""
 
     @property
@@ -68,8 +69,11 @@ def batch_scale(meta: dict, options: PlanOptions) -> float:
 
 def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, end: int,
             replicas: int, devices_from: int, stages_from: int, num_stages: int,
-            split_backward: bool = False) -> StageMemory:
+            split_backward: bool = False, first_replicas: int = 1, devices: int = 1) -> StageMemory:
+    """One stage's memory; `first_replicas` (stage 0's) and `devices` (the plan's) matter
+    under vertical sync."""
     acts = space.activations(options.precision, scale)
+    sync = VerticalSync(devices, (first_replicas,)) if options.vertical_sync and options.schedule == PIPEDREAM else None
     mem = stage_memory(
         options.schedule,
         space.range_total(space.covered_parameter_bytes, start, end),
@@ -78,7 +82,7 @@ def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, e
         space.range_total(covered_or_zeros(space, space.covered_optimizer_state_bytes), start, end),
         options.precision, options.recompute, acts.inputs[start, end],
         split_backward, num_stages, None if acts.copies is None else acts.copies[start, end],
-        None if acts.waiting is None else acts.waiting[start, end], space.eager_sends,
+        None if acts.waiting is None else acts.waiting[start, end], space.eager_sends, sync,
     )
     return StageMemory(*(float(x) for x in (mem.weights_bytes, mem.stashed_weights_bytes,
                                             mem.activations_bytes, mem.total_bytes,
@@ -165,7 +169,7 @@ def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, sca
             values.update({name: float(getattr(terms, name)) for name in RUNTIME_TERM_NAMES})
         values["wgrad_ms"] = wgrad
         memory = _memory(space, options, scale, start, end, r, used - first, num_stages - index, num_stages,
-                         options.split_backward)
+                         options.split_backward, partition[0][2], used)
         stages.append(StageEval(start, end, tuple(range(first, first + r)), values, memory, actions_ms))
         first += r
     if runtime is not None:
@@ -207,8 +211,8 @@ def evaluate_pipedream(space: SplitSpace, topology: Topology, options: PlanOptio
         terms = {"fwd_ms": fwd, "bwd_ms": bwd, "compute_ms": compute, "optimizer_ms": 0.0, "sync_ms": sync,
                  "comm_in_ms": comm_in, "comm_out_ms": comm_out,
                  "stage_time_ms": max(compute + sync, comm_in, comm_out)}
-        memory = _memory(space, options, scale, st.start, st.end, replicas, devices_after,
-                         len(stages) - index, len(stages))  # PipeDream's model has no split backward
+        memory = _memory(space, options, scale, st.start, st.end, replicas, devices_after,  # no split backward
+                         len(stages) - index, len(stages), False, len(stages[0].ranks), total_devices)
         devices_after -= len(st.ranks)
         out.append(StageEval(st.start, st.end, st.ranks, terms, memory))
     return PlanEval(tuple(out), max(s.terms["stage_time_ms"] for s in out))
@@ -220,7 +224,8 @@ def plan_options_of(plan: dict[str, Any]) -> PlanOptions:
     return PlanOptions(
         schedule=inputs["schedule"], num_microbatches=int(inputs["num_microbatches"]),
         batch_size=int(inputs["batch_size"]), precision=inputs.get("precision", "fp32"),
-        recompute=bool(inputs.get("recompute", False)), split_backward=bool(inputs.get("split_backward", False)))
+        recompute=bool(inputs.get("recompute", False)), split_backward=bool(inputs.get("split_backward", False)),
+        vertical_sync=bool(inputs.get("vertical_sync", False)))
 
 
 def evaluate_plan(chain: Chain, plan: dict[str, Any]) -> PlanEval:

@@ -55,8 +55,8 @@ from typing import Any
 
 import numpy as np
 
-from pdcli.planner.options import GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW
-from pdcli.runtime.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads, build_for
+from pdcli.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads, build_for
+from pdcli.schedule.spec import GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW, vertical_sync_versions
 
 HALF_PRECISION_ACTIVATION_FACTOR = 0.5
 """Saved activations (and the weight copy) under bf16/fp16 autocast, relative to fp32."""
@@ -71,10 +71,39 @@ class StageMemory:
     optimizer_state_bytes: Any = 0.0
 
 
-def weight_versions(schedule: str, devices_from: Any, replicas: Any) -> Any:
+@dataclass(frozen=True)
+class VerticalSync:
+    """A pipedream run with vertical sync: what a stage's weight versions depend on beyond
+    the stage itself (`pdcli.schedule.spec.vertical_sync_versions`)."""
+
+    devices: int
+    """Devices of the run (the search: the most it plans for, an upper bound)."""
+    first_replicas: tuple[int, ...]
+    """Stage 0's replicas; several (the search, before stage 0 is chosen): the most any of them pins."""
+
+
+def weight_versions(schedule: str, devices_from: Any, replicas: Any, vertical_sync: VerticalSync | None = None) -> Any:
+    """Weight versions one replica of a stage holds (live + stashed), as `ScheduleSpec.stash_depth`."""
+    if schedule == PIPEDREAM and vertical_sync is not None:
+        return _synced_versions(vertical_sync, devices_from, replicas)
     if schedule == PIPEDREAM:
         return -(-np.asarray(devices_from) // np.asarray(replicas))  # ceil division
     return np.full(np.shape(devices_from), 2 if schedule == TWO_BW else 1)
+
+
+def _synced_versions(sync: VerticalSync, devices_from: Any, replicas: Any) -> np.ndarray:
+    d, r = np.broadcast_arrays(np.asarray(devices_from, dtype=int), np.asarray(replicas, dtype=int))
+    pairs, index = np.unique(np.stack([d.ravel(), r.ravel()], axis=1), axis=0, return_inverse=True)
+    values = []
+    for dev_from, reps in pairs.tolist():
+        if not 1 <= reps <= dev_from <= sync.devices:  # cells no plan on these devices uses
+            values.append(-(-dev_from // max(reps, 1)))
+        elif dev_from == sync.devices:
+            values.append(vertical_sync_versions(sync.devices, reps, dev_from, reps))
+        else:
+            firsts = [r0 for r0 in sync.first_replicas if r0 <= sync.devices - dev_from] or [1]
+            values.append(max(vertical_sync_versions(sync.devices, r0, dev_from, reps) for r0 in firsts))
+    return np.asarray(values, dtype=float)[np.ravel(index)].reshape(d.shape)
 
 
 def activation_sets(schedule: str, devices_from: Any, replicas: Any, stages_from: Any,
@@ -187,17 +216,18 @@ def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, rep
                  optimizer_state_bytes: Any = 0.0, precision: str = "fp32",
                  recompute: bool = False, input_bytes: Any = 0.0, split_backward: bool = False,
                  num_stages: Any = None, copy_bytes: Any = None, waiting_bytes: Any = None,
-                 eager_sends: bool | None = None) -> StageMemory:
+                 eager_sends: bool | None = None, vertical_sync: VerticalSync | None = None) -> StageMemory:
     """A stage's memory. `activation_bytes` and `input_bytes` are per minibatch; with
     `copy_bytes` (the half-width weight copies one forward keeps, `pdcli.profiler.held`)
     they are measured at the run's precision, without it they are fp32 and `precision`
     applies the factor rules above. `waiting_bytes` (per minibatch): what a split backward
     keeps from a Backward to its WeightGrads, when measured. `eager_sends`: the runtime's
-    send order (`SplitSpace.eager_sends`; None: the larger peak of either)."""
+    send order (`SplitSpace.eager_sends`; None: the larger peak of either). `vertical_sync`:
+    pipedream with vertical sync (its weight versions depend on stage 0's)."""
     params = np.asarray(parameter_bytes, dtype=float)
     weights = 2.0 * params
     state = np.asarray(optimizer_state_bytes, dtype=float)
-    versions = weight_versions(schedule, devices_from, replicas)
+    versions = weight_versions(schedule, devices_from, replicas, vertical_sync)
     stashed = (versions - 1) * params
     saved = np.asarray(activation_bytes, dtype=float) / num_microbatches
     if copy_bytes is not None:

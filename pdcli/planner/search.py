@@ -35,8 +35,9 @@ from pdcli.planner.costs import (
     SplitShares, bubble_factor, compute_calibration, pd_stage_terms, runtime_action_costs, runtime_stage_terms,
     split_shares,
 )
-from pdcli.planner.memory import stage_memory
-from pdcli.planner.options import FLUSH_SCHEDULES, ONE_F_ONE_B, TWO_BW, PlanOptions
+from pdcli.planner.memory import VerticalSync, stage_memory
+from pdcli.planner.options import PlanOptions
+from pdcli.schedule.spec import FLUSH_SCHEDULES, ONE_F_ONE_B, PIPEDREAM, TWO_BW
 from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
@@ -112,6 +113,20 @@ def optimizer_step_matrix(space: SplitSpace) -> np.ndarray:
     return space.range_matrix(covered) + space.optimizer_step_overhead_ms
 
 
+def search_vertical_sync(options: PlanOptions, devices: int) -> VerticalSync | None:
+    """What the search counts a vertical-sync stage's weight versions with before stage 0 is
+    chosen: the most any stage-0 replication it may choose pins, on `devices` devices."""
+    if not (options.vertical_sync and options.schedule == PIPEDREAM):
+        return None
+    if options.replicas is not None:
+        firsts: tuple[int, ...] = (options.replicas[0],)
+    elif options.straight:
+        firsts = (1,)
+    else:
+        firsts = tuple(r for r in range(1, devices + 1) if options.num_microbatches % r == 0)
+    return VerticalSync(devices, firsts)
+
+
 class PdCosts:
     """Stage costs of the `pd` model for every (start, end) at once, for one anchor."""
 
@@ -138,6 +153,7 @@ class PdCosts:
         self.bw = topology.span_bandwidth_matrix()
         self.stages_from = np.arange(1, num_layers + 1, dtype=float)[:, None, None]
         self._time_cache: dict[tuple[float, ...], np.ndarray] = {}
+        self.vertical_sync = search_vertical_sync(options, anchor)
 
     def _link(self, a: int, b: int) -> float:
         return float(self.bw[a, b]) if 0 <= a and b < self.bw.shape[0] else np.inf
@@ -150,7 +166,7 @@ class PdCosts:
         return stage_memory(o.schedule, self.params, self.acts.held, r, d, self.stages_from,
                             o.num_microbatches, self.optimizer_state, o.precision, o.recompute,
                             self.acts.inputs, o.split_backward, total_stages, self.acts.copies,
-                            self.acts.waiting, self.eager_sends).total_bytes
+                            self.acts.waiting, self.eager_sends, self.vertical_sync).total_bytes
 
     def runnable(self, r: int) -> bool:
         """The runtime spreads a minibatch's microbatches evenly over a stage's replicas."""

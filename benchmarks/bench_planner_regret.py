@@ -45,12 +45,12 @@ from pdcli.rundir import atomic_write_json  # noqa: E402
 
 OUT = REPO / "runs" / "benchmarks" / "planner_regret.json"
 PD = Path(sys.executable).parent / "pd"
-CASES: dict[str, tuple[str, int, bool]] = {
-    "quickstart-splits": ("quickstart", 150, True),
-    "gpt": ("gpt", 24, False),
-    "resnet18": ("resnet18", 16, False),
+CASES: dict[str, tuple[str, int, bool, tuple[str, ...]]] = {
+    "quickstart-splits": ("quickstart", 150, True, ()),
+    "gpt": ("gpt", 24, False, ()),
+    "resnet18": ("resnet18", 16, False, ("cluster.levels.0.devices=2", "plan.straight=false")),
 }
-"""Case -> (recipe, minibatches per training, every 2-stage split instead of the top-k)."""
+"""Case -> (recipe, minibatches per training, every 2-stage split instead of the top-k, overrides)."""
 TIMEOUT_S = 300.0
 Config = tuple[tuple[int, int, int], ...]
 """(start, end, replicas) per stage."""
@@ -99,19 +99,20 @@ def predict_all(run_dir: Path, every_split: bool) -> tuple[dict[Config, float], 
     return predicted, pick
 
 
-def measure(recipe: Path, run_root: Path, name: str, steps: int, config: Config) -> float:
+def measure(recipe: Path, run_root: Path, name: str, steps: int, config: Config, extra: tuple[str, ...]) -> float:
     overrides = [f"run.root={run_root}", f"run.name={name}", f"train.steps={steps}",
-                 f"train.log_every={max(1, steps // 4)}", *overrides_of(config)]
+                 f"train.log_every={max(1, steps // 4)}", *extra, *overrides_of(config)]
     pd("train", str(recipe), *overrides)
     c = make_report(run_root / name, ReplanCommands(str(recipe), tuple(overrides)), 25.0, charts=False).comparison
     return c.measured.steady_time_per_minibatch_ms or c.measured.time_per_minibatch_ms
 
 
 def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:
-    recipe_name, steps, every_split = CASES[name]
+    recipe_name, steps, every_split, extra = CASES[name]
     recipe = REPO / "recipes" / f"{recipe_name}.yaml"
     # profile (with the runtime probe) and the pick; the stage count is the planner's too
-    pd("plan", str(recipe), f"run.root={root}", f"run.name={name}", *([] if every_split else ["plan.num_stages=null"]))
+    pd("plan", str(recipe), f"run.root={root}", f"run.name={name}", *extra,
+       *([] if every_split else ["plan.num_stages=null"]))
     predicted, pick = predict_all(root / name, every_split)
     ranked = sorted(predicted, key=lambda c: predicted[c])
     chosen = ranked if every_split else [pick, *[c for c in ranked if c != pick][: top - 1]]
@@ -119,7 +120,7 @@ def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:
     for round_index in range(rounds):
         for config in chosen:
             print(f"{name}: {label(config)}, round {round_index + 1} ...", file=sys.stderr, flush=True)
-            measured[config].append(measure(recipe, root, name, steps, config))
+            measured[config].append(measure(recipe, root, name, steps, config, extra))
     medians = {c: statistics.median(v) for c, v in measured.items()}
     measured_rank = {c: i + 1 for i, c in enumerate(sorted(chosen, key=lambda c: medians[c]))}
     predicted_rank = {c: i + 1 for i, c in enumerate(ranked)}

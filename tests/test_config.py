@@ -139,3 +139,18 @@ def test_list_items_are_overridden_by_index(tree: Path) -> None:
     text = str(err.value)
     assert "cluster.levels.5.devices: cannot set it (list index out of range)" in text
     assert "cluster.levels.x: cannot set it" in text and "cluster.levels.0.devices=4" in text
+
+
+def test_cuts_on_the_command_line_outrank_a_recipes_stage_count(tree: Path) -> None:
+    recipe = write(tree / "recipes/two.yaml", {"plan": {"num_stages": 2}})
+    loaded = load_config(recipe, ["plan.split_points=[layer2,layer4]"])
+    assert loaded.config.plan.num_stages is None and loaded.config.plan.split_points == ["layer2", "layer4"]
+    assert loaded.notes == [f"plan.split_points makes 3 stages: {recipe}'s plan.num_stages: 2 is not used"]
+    assert "plan.num_stages" not in loaded.sources
+    # cuts that fit the count leave it; a count set on the command line stays (the planner names the conflict)
+    for overrides in (["plan.boundaries=[5]"], ["plan.split_points=[layer2,layer4]", "plan.num_stages=2"]):
+        loaded = load_config(recipe, overrides)
+        assert loaded.config.plan.num_stages == 2 and loaded.notes == []
+    # cuts from a file do not override a count from a file
+    both = write(tree / "recipes/both.yaml", {"plan": {"num_stages": 2, "boundaries": [3, 6]}})
+    assert load_config(both, []).config.plan.num_stages == 2

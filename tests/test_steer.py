@@ -276,3 +276,22 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path: Path) -> None:
         assert result.exit_code == 2, result.output
         assert expect in result.output and "Traceback" not in result.output
         assert [line for line in result.output.splitlines() if line.strip()] == [result.output.strip()]
+
+
+def test_cuts_on_the_command_line_replace_the_recipes_stage_count(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(named_chain().to_json()))
+    recipe = tmp_path / "two_stages.yaml"
+    recipe.write_text("cluster: {levels: [{devices: 3, bandwidth_bytes_per_s: 1.0e9}]}\n"
+                      "plan: {num_stages: 2, straight: true}\n")
+    runner = CliRunner()
+    common = ["plan", str(recipe), "--profile", str(profile), f"run.root={tmp_path}", "plan.split_points=[layer1,layer2]"]
+    result = runner.invoke(app, common)
+    assert result.exit_code == 0, result.output
+    assert f"note: plan.split_points makes 3 stages: {recipe}'s plan.num_stages: 2 is not used" in result.output
+    plan = json.loads((tmp_path / "default/plan.json").read_text())
+    assert [s.get("split_point") for s in plan["stages"]] == [None, "layer1", "layer2"]
+    # a stage count given on the command line beside the cuts is the user's: the conflict is an error
+    result = runner.invoke(app, [*common, "plan.num_stages=2"])
+    assert result.exit_code == 2 and "2 fixed cuts make 3 stages but plan.num_stages is 2" in result.output
+    assert "Traceback" not in result.output

@@ -72,8 +72,9 @@ def assert_matches_reference(run: Path, replicas: list[int]) -> None:
 
 @pytest.mark.timeout(300)
 def test_split_points_by_module_name_train_resnet18_as_three_stages(tmp_path: Path) -> None:
-    plan, run = train(tmp_path, "recipes/resnet18.yaml", "plan.split_points=[layer2,layer4]", "~plan.num_stages",
-                      "cluster.levels.0.devices=3", "model.kwargs.width=4", "model.kwargs.image_size=8",
+    # the README's command as written (the recipe's 2 stages give way to the 3 the cuts make), smaller
+    plan, run = train(tmp_path, "recipes/resnet18.yaml", "plan.split_points=[layer2,layer4]", "model.kwargs.width=4",
+                      "model.kwargs.image_size=8",
                       "data.kwargs.image_size=8", "data.batch_size=8", "schedule.num_microbatches=2")
     assert [s.get("split_point") for s in plan["stages"]] == [None, "layer2", "layer4"]
     assert plan["stages"][1]["first_node"] == "layer2_0_conv1" and plan["stages"][2]["first_node"] == "layer4_0_conv1"

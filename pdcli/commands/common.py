@@ -64,6 +64,8 @@ def load(recipe: Optional[Path], overrides: Optional[List[str]], run_name: Optio
     if run_name:
         items.append(f"run.name={run_name}")
     loaded = load_config(recipe, items)
+    for note in loaded.notes:
+        typer.echo(f"note: {note}", err=True)
     run = RunDir(run_dir_path(loaded.config)).create()
     atomic_write_text(run / "config.yaml", loaded.to_yaml())
     return loaded, run

@@ -22,6 +22,8 @@ from pdcli.config.validate import validate_tree
 from pdcli.errors import ConfigError, UserError
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+COMMAND_LINE = "command line"
+"""The source `Loaded.sources` names for an override."""
 
 
 @dataclass
@@ -32,6 +34,8 @@ class Loaded:
     sources: dict[str, str] = field(default_factory=dict)
     """dotted key -> the file (or `command line`) that set it last."""
     recipe: Path | None = None
+    notes: list[str] = field(default_factory=list)
+    """What the loader decided for the user (printed by the commands)."""
 
     def to_yaml(self) -> str:
         return OmegaConf.to_yaml(OmegaConf.structured(self.config))
@@ -155,7 +159,7 @@ def _apply_override(cfg: DictConfig, item: str, sources: dict[str, str], problem
                         "a list item is addressed by index, e.g. cluster.levels.0.devices=4")
         return
     for sub in _flatten(value, key) or [key]:
-        sources[sub] = "command line"
+        sources[sub] = COMMAND_LINE
 
 
 def _seed_lists_from_schema(cfg: DictConfig, key: str) -> None:
@@ -205,7 +209,7 @@ def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | No
             names = available_groups(group, dirs)
             close = difflib.get_close_matches(name, names, n=2)
             fix = f"did you mean {' or '.join(close)}?" if close else f"available: {', '.join(names) or 'none'}"
-            where = "command line" if group in cli_groups else origin
+            where = COMMAND_LINE if group in cli_groups else origin
             problems.append(f"{where}: {group}: no config group file {group}/{name}.yaml ({fix})")
             continue
         layers.append((str(path), {group: read_yaml(path, f"{group} config")}))
@@ -229,6 +233,7 @@ def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | No
             problems.append(f"command line: ~{key}: no such key to delete")
         sources = {k: v for k, v in sources.items() if k != key and not k.startswith(key + ".")}
 
+    notes = _cuts_over_stage_count(merged, sources)
     plain: Any = OmegaConf.to_container(merged, resolve=False)
     assert isinstance(plain, dict)
     problems += validate_tree(plain, Config, sources)
@@ -245,7 +250,28 @@ def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | No
     value_problems = [_with_source(p, sources, origin) for p in check_values(config)]
     if value_problems:
         raise ConfigError(value_problems)
-    return Loaded(config=config, sources=sources, recipe=recipe_path)
+    return Loaded(config=config, sources=sources, recipe=recipe_path, notes=notes)
+
+
+CUT_KEYS = ("plan.split_points", "plan.boundaries")
+
+
+def _cuts_over_stage_count(merged: Any, sources: dict[str, str]) -> list[str]:
+    """Cuts fixed on the command line outrank a stage count a file set: when `plan.split_points`
+    or `plan.boundaries` from the command line make more stages than the recipe's
+    `plan.num_stages`, that count is dropped (the cuts give it) and a note says so. A count set
+    on the command line too stays, and the planner reports the conflict."""
+    num_stages = OmegaConf.select(merged, "plan.num_stages")
+    if not isinstance(num_stages, int) or sources.get("plan.num_stages") == COMMAND_LINE:
+        return []
+    for key in CUT_KEYS:
+        cuts = OmegaConf.select(merged, key)
+        from_command_line = any(k == key or k.startswith(key + ".") for k, v in sources.items() if v == COMMAND_LINE)
+        if from_command_line and cuts is not None and len(cuts) + 1 > num_stages:
+            del merged.plan["num_stages"]
+            origin = sources.pop("plan.num_stages", "the recipe")
+            return [f"{key} makes {len(cuts) + 1} stages: {origin}'s plan.num_stages: {num_stages} is not used"]
+    return []
 
 
 def _first_line(e: Exception) -> str:

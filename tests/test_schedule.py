@@ -398,3 +398,27 @@ def test_evaluation_blocks_run_after_their_minibatch_on_every_process(name: str,
 def test_pipedream_evaluation_between_drain_points_is_refused() -> None:
     with pytest.raises(UserError, match="must be at drain points"):
         ScheduleSpec.make("pipedream", 2, 2, 6, eval_after=(3, 6), num_eval_microbatches=2)
+
+
+def test_action_lists_in_text_form() -> None:
+    from pdcli.schedule import action_text, parse_action
+
+    def text(spec: ScheduleSpec) -> list[str]:
+        return [" ".join(action_text(a) for a in actions) for actions in build_all(spec)]
+
+    # 1f1b, 2 stages, 2 microbatches: stage 0 runs both forwards before its first backward
+    assert text(ScheduleSpec.make("1f1b", 2, 2, 1)) == [
+        "L0 F0@v0 SA0->r0 L1 F1@v0 RG0<-r0 SA1->r0 B0@v0 RG1<-r0 B1@v0 U#0/2",
+        "RA0<-r0 L0 F0@v0 B0@v0 SG0->r0 RA1<-r0 L1 F1@v0 B1@v0 SG1->r0 U#0/2",
+    ]
+    # pipedream: stage 0 stashes version 0 for microbatch 1's backward while microbatch 2 runs on version 1
+    assert text(ScheduleSpec.make("pipedream", 2, 1, 3))[0] == (
+        "L0 F0@v0 SA0->r0 L1 F1@v0 RG0<-r0 SA1->r0 B0@v0 SW@v0 U#0/1 L2 F2@v1 RG1<-r0 SA2->r0 B1@v0 FW@v0 SW@v1 "
+        "U#1/1 RG2<-r0 B2@v1 FW@v1 U#2/1")
+    for name in ("pipedream", "2bw", "1f1b", "gpipe"):
+        spec = ScheduleSpec.make(name, 3, 4, 3, (2, 1, 1), split_backward=name in ("1f1b", "gpipe"),
+                                 eval_after=(3,), num_eval_microbatches=4)
+        for actions in build_all(spec):
+            assert [parse_action(action_text(a)) for a in actions] == actions
+    with pytest.raises(ValueError, match="'F3@1' is not an action"):
+        parse_action("F3@1")

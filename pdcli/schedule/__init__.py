@@ -14,7 +14,7 @@ The planner and the runtime both build on this package; neither imports the othe
 from pdcli.schedule.actions import (
     ACTION_TYPES, Action, AllReduceGrads, Backward, EndEval, EvalForward, Forward, FreeWeights, LoadMicrobatch,
     OptimizerStep, RecvActivations, RecvGrads, SendActivations, SendGrads, StashWeights, UnknownActionError,
-    WeightGrads, dispatch,
+    WeightGrads, action_text, dispatch, parse_action,
 )
 from pdcli.schedule.lower import build_all, build_for, build_schedule, one_f_one_b, sends_first, stash_depth
 from pdcli.schedule.spec import (
@@ -26,6 +26,6 @@ __all__ = [
     "Action", "ACTION_TYPES", "AllReduceGrads", "Backward", "EndEval", "EvalForward", "FLUSH_SCHEDULES", "Forward",
     "FreeWeights", "GPIPE", "LoadMicrobatch", "ONE_F_ONE_B", "OptimizerStep", "PIPEDREAM", "RecvActivations",
     "RecvGrads", "SCHEDULES", "ScheduleSpec", "SendActivations", "SendGrads", "StashDepth", "StashWeights", "TWO_BW",
-    "UnknownActionError", "WeightGrads", "build_all", "build_for", "build_schedule", "dispatch", "drain_points",
-    "eval_points", "one_f_one_b", "replica_for", "sends_first", "stash_depth",
+    "UnknownActionError", "WeightGrads", "action_text", "build_all", "build_for", "build_schedule", "dispatch", "drain_points",
+    "eval_points", "one_f_one_b", "parse_action", "replica_for", "sends_first", "stash_depth",
 ]

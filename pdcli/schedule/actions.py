@@ -4,11 +4,20 @@ An action list (`pdcli.schedule.lower`) is a sequence of these; the runtime's ex
 one with a table `{ActionType: handler}` (`dispatch`), the checker and the simulator replay
 the same lists. The semantics of each action is its docstring (see `pdcli.schedule.spec` for
 the words: microbatch ids, weight versions).
+
+Each action has a compact text form (`action_text`, read back by `parse_action`), used by
+tests and heartbeats: `L3` load microbatch 3, `F3@v1` / `B3@v1` its forward / backward on
+weight version 1, `W3` its deferred weight gradients, `SA3->r0` / `RA3<-r1` send / receive
+its activations to / from replica 0 / 1 of the next / previous stage, `SG3->r0` / `RG3<-r0`
+the same for gradients, `SW@v2` / `FW@v2` stash / free version 2, `AR#4` all-reduce for
+step 4, `U#4/8` optimizer step 4 over 8 microbatches, `E3:e1` evaluation forward of held-out
+microbatch 1 under id 3, `EE#10` end of the evaluation after 10 minibatches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, fields
 from typing import Callable, Mapping, TypeVar, Union
 
 @dataclass(frozen=True)
@@ -145,3 +154,39 @@ def dispatch(handlers: Mapping[type, Callable[[Action], R]], action: Action) -> 
         known = ", ".join(sorted(t.__name__ for t in handlers))
         raise UnknownActionError(f"no handler for {action!r} (handlers: {known})")
     return handler(action)
+
+
+_TEXT_FORMS: dict[type, str] = {
+    LoadMicrobatch: "L{microbatch_id}",
+    RecvActivations: "RA{microbatch_id}<-r{peer_replica}",
+    Forward: "F{microbatch_id}@v{weight_version}",
+    SendActivations: "SA{microbatch_id}->r{peer_replica}",
+    RecvGrads: "RG{microbatch_id}<-r{peer_replica}",
+    Backward: "B{microbatch_id}@v{weight_version}",
+    SendGrads: "SG{microbatch_id}->r{peer_replica}",
+    WeightGrads: "W{microbatch_id}",
+    StashWeights: "SW@v{version}",
+    FreeWeights: "FW@v{version}",
+    AllReduceGrads: "AR#{step}",
+    OptimizerStep: "U#{step}/{num_microbatches}",
+    EvalForward: "E{microbatch_id}:e{eval_microbatch}",
+    EndEval: "EE#{after_minibatches}",
+}
+"""The text form of each action type: its fields, in a fixed frame."""
+_PATTERNS = [(re.compile("^" + re.sub(r"\\{(\w+)\\}", r"(?P<\1>\\d+)", re.escape(form)) + "$"), kind)
+             for kind, form in _TEXT_FORMS.items()]
+
+
+def action_text(action: Action) -> str:
+    """The compact text form of `action` (see the module docstring)."""
+    return _TEXT_FORMS[type(action)].format(**{f.name: getattr(action, f.name) for f in fields(action)})
+
+
+def parse_action(text: str) -> Action:
+    """The action whose text form is `text`; ValueError names what does not parse."""
+    for pattern, kind in _PATTERNS:
+        match = pattern.match(text.strip())
+        if match:
+            action: Action = kind(**{k: int(v) for k, v in match.groupdict().items()})
+            return action
+    raise ValueError(f"{text!r} is not an action (forms: {', '.join(_TEXT_FORMS.values())})")

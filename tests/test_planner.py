@@ -197,8 +197,9 @@ def test_pipedream_dp_equals_brute_force(seed: int) -> None:
 
 def test_memory_model_per_schedule() -> None:
     p, a, m = 100.0, 80.0, 4  # params, activations per minibatch, microbatches
-    # stage 0 of 3 stages, 4 devices from here on, 2 replicas
-    expect = {"pipedream": (200, 100, 2 * 20), "2bw": (200, 100, 3 * 20), "1f1b": (200, 0, 3 * 20), "gpipe": (200, 0, 80)}
+    # stage 0 of 3 stages, 4 devices from here on, 2 replicas: pipedream and 2bw hold the
+    # microbatches one replica has in flight, ceil(4 / 2) (ScheduleSpec.stash_depth)
+    expect = {"pipedream": (200, 100, 2 * 20), "2bw": (200, 100, 2 * 20), "1f1b": (200, 0, 3 * 20), "gpipe": (200, 0, 80)}
     for schedule, (weights, stashed, acts) in expect.items():
         mem = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m)
         assert (float(mem.weights_bytes), float(mem.stashed_weights_bytes), float(mem.activations_bytes)) == (
@@ -607,7 +608,7 @@ def test_pd_dp_equals_brute_force_with_split_backward(seed: int) -> None:
 
 def test_split_backward_reaches_the_plan_options_and_the_plan_hash() -> None:
     from pdcli.config.schema import Config, ScheduleConfig
-    from pdcli.pipeline import plan_inputs_hash, plan_options
+    from pdcli.steps.plan import plan_inputs_hash, plan_options
 
     for name, split, on in [("1f1b", None, True), ("gpipe", None, True), ("1f1b", False, False), ("pipedream", None, False)]:
         cfg = Config(schedule=ScheduleConfig(name=name, split_backward=split))

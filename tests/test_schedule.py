@@ -422,3 +422,27 @@ def test_action_lists_in_text_form() -> None:
             assert [parse_action(action_text(a)) for a in actions] == actions
     with pytest.raises(ValueError, match="'F3@1' is not an action"):
         parse_action("F3@1")
+
+
+@pytest.mark.parametrize("name", ["pipedream", "2bw", "1f1b", "gpipe"])
+def test_the_rules_table_says_what_the_spec_does(name: str) -> None:
+    """`RULES` (what the planner, the config and the runtime ask) against the spec's own numbers."""
+    from pdcli.schedule.spec import rules
+
+    r = rules(name)
+    for replicas, m in (((1, 1, 1, 1), 8), ((2, 1, 1), 4), ((1, 2), 2), ((1,), 4)):
+        spec = ScheduleSpec.make(name, len(replicas), m, 6, replicas)
+        for stage_id, reps in enumerate(replicas):
+            depth = spec.stash_depth(stage_id)
+            devices_from = sum(replicas[stage_id:])
+            in_flight = {"all": m // reps, "devices_upto_all": min(-(-devices_from // reps), m // reps),
+                         "devices": -(-devices_from // reps)}[r.in_flight]
+            assert depth.activation_sets == in_flight, (replicas, stage_id)
+            assert depth.weight_versions == (r.weight_buffers or in_flight), (replicas, stage_id)
+            steps = spec.total_microbatches // reps if r.step_per_microbatch else spec.num_steps
+            assert spec.num_optimizer_steps(stage_id) == steps
+        assert spec.is_flush == r.flush
+        if r.flush:  # no stale weights
+            assert all(spec.update_delay(k) == 0 for k in range(len(replicas)))
+    with pytest.raises(UserError, match="'zb' is not one of"):
+        rules("zb")

@@ -49,7 +49,7 @@ the compute. With S stages and max stage_ms = T:
                        = (M + S - 1) / M * T    gpipe, 1f1b (fill and drain every minibatch)
                        = k(S) * T               gpipe, 1f1b with a split backward
 
-A split backward (`schedule.split_backward`, `pdcli.runtime.wgrad`) leaves the weight
+A split backward (`schedule.split_backward`, `pdcli.torchutil.wgrad`) leaves the weight
 gradients W of the `nn.Linear` layers to WeightGrads actions that the schedule places where
 a stage would wait for the fill or the drain; it changes no stage's work (W is part of B,
 so compute_ms is as above), only the bubble. k(S) has no closed form: it is the factor of
@@ -82,7 +82,7 @@ from typing import Any
 
 import numpy as np
 
-from pdcli.schedule.spec import FLUSH_SCHEDULES, PIPEDREAM
+from pdcli.schedule.spec import FLUSH_SCHEDULES, rules
 from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.schedule.simulator import StageCost, simulate
 from pdcli.schedule import ScheduleSpec
@@ -140,7 +140,7 @@ def compute_calibration(ratio: float | None) -> float:
 def updates_per_minibatch(schedule: str, num_microbatches: int, replicas: Any) -> Any:
     """Optimizer steps one replica takes per minibatch (also: all-reduces per minibatch)."""
     r = np.asarray(replicas, dtype=float)
-    return num_microbatches / r if schedule == PIPEDREAM else np.ones(np.shape(r))
+    return num_microbatches / r if rules(schedule).step_per_microbatch else np.ones(np.shape(r))
 
 
 def pd_stage_terms(fwd_ms: Any, bwd_ms: Any, parameter_bytes: Any, cut_in_bytes: Any,

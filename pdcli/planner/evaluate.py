@@ -13,7 +13,7 @@ from pdcli.planner.costs import (
 )
 from pdcli.planner.memory import StageMemory, VerticalSync, stage_memory
 from pdcli.planner.options import PlanOptions
-from pdcli.schedule.spec import FLUSH_SCHEDULES, PIPEDREAM
+from pdcli.schedule.spec import FLUSH_SCHEDULES
 from pdcli.planner.pipedream import ALLREDUCE_FACTOR, TRANSFER_FACTOR, PdStage
 from pdcli.planner.search import (
     backward_split, compute_scale_of, covered_or_zeros, optimizer_step_matrix, oversubscription_of, runtime_of,
@@ -73,7 +73,7 @@ def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, e
     """One stage's memory; `first_replicas` (stage 0's) and `devices` (the plan's) matter
     under vertical sync."""
     acts = space.activations(options.precision, scale)
-    sync = VerticalSync(devices, (first_replicas,)) if options.vertical_sync and options.schedule == PIPEDREAM else None
+    sync = VerticalSync(devices, (first_replicas,)) if options.vertical_sync else None
     mem = stage_memory(
         options.schedule,
         space.range_total(space.covered_parameter_bytes, start, end),

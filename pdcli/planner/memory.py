@@ -17,7 +17,7 @@ microbatches per minibatch:
   until its WeightGrads, which trail its Backward by up to `num_stages` microbatches
   (at most min(stages_from + num_stages, M) sets for `1f1b`, the runtime's declared
   `ScheduleSpec.stash_depth`; still M for `gpipe`). A microbatch past its Backward keeps only the Linear layers'
-  inputs and output gradients (`pdcli.runtime.wgrad`), counted as A / M (an upper bound):
+  inputs and output gradients (`pdcli.torchutil.wgrad`), counted as A / M (an upper bound):
   not the half-width weight copy of mixed precision (the Backward's input gradient used
   it), but under recompute all of them, not only its stage input.
 - total = weights + S + stashed + activations for `pipedream` and `2bw`, whose gradients
@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from pdcli.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads, build_for
-from pdcli.schedule.spec import GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW, vertical_sync_versions
+from pdcli.schedule.spec import rules, vertical_sync_versions
 
 HALF_PRECISION_ACTIVATION_FACTOR = 0.5
 """Saved activations (and the weight copy) under bf16/fp16 autocast, relative to fp32."""
@@ -84,11 +84,12 @@ class VerticalSync:
 
 def weight_versions(schedule: str, devices_from: Any, replicas: Any, vertical_sync: VerticalSync | None = None) -> Any:
     """Weight versions one replica of a stage holds (live + stashed), as `ScheduleSpec.stash_depth`."""
-    if schedule == PIPEDREAM and vertical_sync is not None:
+    buffers = rules(schedule).weight_buffers
+    if buffers is not None:
+        return np.full(np.shape(devices_from), buffers)
+    if vertical_sync is not None:
         return _synced_versions(vertical_sync, devices_from, replicas)
-    if schedule == PIPEDREAM:
-        return -(-np.asarray(devices_from) // np.asarray(replicas))  # ceil division
-    return np.full(np.shape(devices_from), 2 if schedule == TWO_BW else 1)
+    return -(-np.asarray(devices_from) // np.asarray(replicas))  # one per microbatch in flight: ceil division
 
 
 def _synced_versions(sync: VerticalSync, devices_from: Any, replicas: Any) -> np.ndarray:
@@ -106,15 +107,16 @@ def _synced_versions(sync: VerticalSync, devices_from: Any, replicas: Any) -> np
     return np.asarray(values, dtype=float)[np.ravel(index)].reshape(d.shape)
 
 
-def activation_sets(schedule: str, devices_from: Any, replicas: Any, stages_from: Any,
-                    num_microbatches: int) -> Any:
-    """How many microbatch activation sets a stage holds at its peak (without a split
-    backward; with one, `split_sets`)."""
-    if schedule == PIPEDREAM:
-        return weight_versions(schedule, devices_from, replicas)
-    if schedule == GPIPE:
-        return np.full(np.shape(stages_from), num_microbatches)
-    return np.minimum(stages_from, num_microbatches)
+def activation_sets(schedule: str, devices_from: Any, replicas: Any, num_microbatches: int) -> Any:
+    """How many microbatch activation sets one replica of a stage holds at its peak, as
+    `ScheduleSpec.stash_depth` (without a split backward; the flush schedules' peaks, split
+    or not, come from their action lists: `timeline_peaks`)."""
+    devices_first = -(-np.asarray(devices_from) // np.asarray(replicas))  # ceil division
+    share = num_microbatches // np.asarray(replicas)
+    in_flight = rules(schedule).in_flight
+    if in_flight == "devices":
+        return devices_first
+    return np.broadcast_to(share, np.shape(devices_first)) if in_flight == "all" else np.minimum(devices_first, share)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -238,7 +240,7 @@ def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, rep
     else:
         per_microbatch = saved
     held = np.asarray(input_bytes, dtype=float) / num_microbatches if recompute else per_microbatch
-    if schedule in (GPIPE, ONE_F_ONE_B):
+    if rules(schedule).flush:
         if num_stages is None:
             if split_backward:
                 raise ValueError(f"{schedule} with split_backward: stage_memory needs num_stages")
@@ -250,6 +252,6 @@ def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, rep
         activations, dynamic = timeline_peaks(schedule, int(num_stages), num_microbatches, stages_from, split_backward,
                                               held, saved if split_backward else 0.0, running, params, eager_sends)
         return StageMemory(weights, stashed, activations, params + state + stashed + dynamic, state)
-    sets = activation_sets(schedule, devices_from, replicas, stages_from, num_microbatches)
+    sets = activation_sets(schedule, devices_from, replicas, num_microbatches)
     activations = sets * held + (np.maximum(per_microbatch - held, 0.0) if recompute else 0.0)
     return StageMemory(weights, stashed, activations, weights + state + stashed + activations, state)

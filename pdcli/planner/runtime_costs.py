@@ -20,6 +20,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from pdcli.schedule.spec import rules
+
 STASHED, DIRECT = "stashed", "direct"
 """Weight modes: `pipedream`/`2bw` run forwards on stashed versions (functional_call),
 `gpipe`/`1f1b` on the live module."""
@@ -34,7 +36,7 @@ RUNTIME_META = "runtime"
 
 def weight_mode(schedule: str) -> str:
     """STASHED for the schedules that stash weight versions (`pipedream`, `2bw`), else DIRECT."""
-    return STASHED if schedule in ("pipedream", "2bw") else DIRECT
+    return STASHED if rules(schedule).stashes_weights else DIRECT
 
 
 def steady(values: Sequence[float]) -> list[float]:

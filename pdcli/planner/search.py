@@ -37,7 +37,7 @@ from pdcli.planner.costs import (
 )
 from pdcli.planner.memory import VerticalSync, stage_memory
 from pdcli.planner.options import PlanOptions
-from pdcli.schedule.spec import FLUSH_SCHEDULES, ONE_F_ONE_B, PIPEDREAM, TWO_BW
+from pdcli.schedule.spec import FLUSH_SCHEDULES, rules
 from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
@@ -62,8 +62,7 @@ class SearchResult:
 
 
 def needs_stage_axis(options: PlanOptions) -> bool:
-    memory_by_stage = options.memory_bytes_per_device is not None and options.schedule in (ONE_F_ONE_B, TWO_BW)
-    return options.schedule in FLUSH_SCHEDULES or options.num_stages is not None or memory_by_stage
+    return options.schedule in FLUSH_SCHEDULES or options.num_stages is not None
 
 
 def covered_or_zeros(space: SplitSpace, covered: np.ndarray | None) -> np.ndarray:
@@ -84,7 +83,10 @@ def memory_needs_stage_count(options: PlanOptions, minimize: str) -> bool:
     """1f1b with a split backward under a memory limit (or the memory search): a stage's memory
     depends on the pipeline's stage count, so the search runs once per count."""
     memory_counts = minimize == "memory" or options.memory_bytes_per_device is not None
-    return options.split_backward and options.schedule == ONE_F_ONE_B and options.num_stages is None and memory_counts
+    # 1f1b holds its in-flight microbatches until their WeightGrads, a lag of the stage count
+    # (`ScheduleSpec.weight_grad_lag`); gpipe holds all of them anyway
+    lag_counts = rules(options.schedule).in_flight == "devices_upto_all"
+    return options.split_backward and lag_counts and options.num_stages is None and memory_counts
 
 
 def runtime_of(space: SplitSpace, topology: Topology) -> RuntimeCosts | None:
@@ -116,7 +118,7 @@ def optimizer_step_matrix(space: SplitSpace) -> np.ndarray:
 def search_vertical_sync(options: PlanOptions, devices: int) -> VerticalSync | None:
     """What the search counts a vertical-sync stage's weight versions with before stage 0 is
     chosen: the most any stage-0 replication it may choose pins, on `devices` devices."""
-    if not (options.vertical_sync and options.schedule == PIPEDREAM):
+    if not options.vertical_sync:  # PlanOptions takes it for pipedream only
         return None
     if options.replicas is not None:
         firsts: tuple[int, ...] = (options.replicas[0],)

@@ -11,7 +11,7 @@ from tabulate import tabulate
 from pdcli.report.compare import Comparison, relative_pct
 from pdcli.report.measured import WEIGHT_GRADS
 from pdcli.runtime.evaluation import eval_metrics_text
-from pdcli.schedule import PIPEDREAM
+from pdcli.schedule.spec import rules
 
 TEXT, MARKDOWN, JSON = "text", "markdown", "json"
 TABLE_FORMAT = {TEXT: "simple", MARKDOWN: "github"}
@@ -94,7 +94,7 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     lines.append(
         f"{m.schedule}{' with split backward' if p.split_backward or has_weight_grads(c) else ''}, "
         f"{len(c.stages)} stages, {m.num_steps} minibatches of {m.batch_size} samples "
-        f"({m.num_microbatches} microbatches each{PIPEDREAM_NOTE if m.schedule == PIPEDREAM else ''}); "
+        f"({m.num_microbatches} microbatches each{PIPEDREAM_NOTE if rules(m.schedule).step_per_microbatch else ''}); "
         f"final loss {m.final_loss:.4f}" + ("" if m.final_accuracy is None else f", accuracy {m.final_accuracy:.3f}")
         + " (training minibatches)" + ("" if not m.eval_metrics else "; held-out eval: " + ", ".join(
             f"{k.removeprefix('eval_')} {v}" for k, v in eval_metrics_text(m.eval_metrics).items()))

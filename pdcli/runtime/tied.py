@@ -27,8 +27,9 @@ from torch import nn
 from pdcli.compiler.load import held_parameter, tied_holders
 from pdcli.errors import UserError
 from pdcli.runtime.placement import Placement
+from pdcli.schedule.spec import SCHEDULES, rules
 
-SCHEDULES_WITH_TIES = ("gpipe", "1f1b", "2bw")
+SCHEDULES_WITH_TIES = tuple(name for name in SCHEDULES if not rules(name).step_per_microbatch)
 """Schedules whose stages all update once per minibatch, in the same rounds."""
 
 

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from pdcli.config.schema import LRScheduleConfig, OptimConfig
 from pdcli.runtime.lr import lr_at
-from pdcli.schedule import PIPEDREAM, ScheduleSpec
+from pdcli.schedule import ScheduleSpec
+from pdcli.schedule.spec import rules
 
 CLIP_EPS = 1e-6
 """Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does."""
@@ -31,7 +32,7 @@ CLIP_EPS = 1e-6
 
 def clips_per_stage(schedule: str) -> bool:
     """pipedream clips each stage by its own norm; the other schedules by the global norm."""
-    return schedule == PIPEDREAM
+    return rules(schedule).step_per_microbatch
 
 
 def samples_through_step(spec: ScheduleSpec, stage_id: int, step: int, microbatch_size: int) -> int:

@@ -59,8 +59,49 @@ from pdcli.errors import UserError
 
 GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW = "gpipe", "1f1b", "pipedream", "2bw"
 SCHEDULES = (PIPEDREAM, ONE_F_ONE_B, GPIPE, TWO_BW)
-FLUSH_SCHEDULES = (GPIPE, ONE_F_ONE_B)
+
+
+@dataclass(frozen=True)
+class ScheduleRules:
+    """What a schedule is, as the packages around its action lists ask it (the planner's
+    vectorized costs and memory, config validation, the runtime's update and tie rules)."""
+
+    flush: bool
+    """Drains the pipeline before every optimizer step: a fill/drain bubble, no stale weights,
+    and a split backward can fill the bubble."""
+    step_per_microbatch: bool
+    """Each stage steps once per microbatch (per round of r on r replicas), at its own time;
+    otherwise every stage steps once per minibatch, in the same rounds."""
+    weight_buffers: int | None
+    """Weight versions a stage holds: a fixed number, or None for one per microbatch in flight."""
+    in_flight: str
+    """How many microbatches one replica of a stage holds at its peak (split backward aside):
+    `all` (its share of the minibatch), `devices` (the devices from it to the end over its
+    replicas, as PipeDream's 1F1B warm-up), `devices_upto_all` (that, at most its share)."""
+
+    @property
+    def stashes_weights(self) -> bool:
+        """Forwards run on stashed weight versions (copies the optimizer step leaves behind)."""
+        return self.weight_buffers != 1
+
+
+RULES: dict[str, ScheduleRules] = {
+    PIPEDREAM: ScheduleRules(flush=False, step_per_microbatch=True, weight_buffers=None, in_flight="devices"),
+    ONE_F_ONE_B: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="devices_upto_all"),
+    GPIPE: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="all"),
+    TWO_BW: ScheduleRules(flush=False, step_per_microbatch=False, weight_buffers=2, in_flight="devices"),
+}
+"""Every schedule's rules; `ScheduleSpec` holds the rest of its definition (weight versions,
+stash depths) and `pdcli.schedule.lower` its compute order."""
+FLUSH_SCHEDULES = tuple(name for name in SCHEDULES if RULES[name].flush)
 """Schedules that drain the pipeline before every optimizer step (and so pay a fill/drain bubble)."""
+
+
+def rules(name: str) -> ScheduleRules:
+    """The rules of schedule `name`; UserError for a name that is not a schedule."""
+    if name not in RULES:
+        raise UserError(f"schedule {name!r} is not one of {', '.join(SCHEDULES)}")
+    return RULES[name]
 
 
 def switch_problems(name: str, vertical_sync: bool = False, split_backward: bool = False) -> dict[str, str]:

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,27 @@ def atomic_save(path: str | os.PathLike[str], save: Callable[[str], None]) -> No
         raise
     finally:
         os.close(fd)
+
+
+def temp_dir_beside(target: Path) -> Path:
+    """A new empty directory beside `target`, with the permissions of an ordinary directory
+    (mkdtemp makes it owner-only), to fill and then `replace_dir` into place."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Move `new` to `target`, replacing an old `target` (renames only; no partial state)."""
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+        os.replace(target, old / target.name)
+    os.replace(new, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:

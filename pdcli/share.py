@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
-from pdcli.rundir import RunDir, atomic_write_bytes, sha256_bytes
+from pdcli.rundir import RunDir, atomic_write_bytes, replace_dir, sha256_bytes, temp_dir_beside
 
 SHARED = ("profile.json", "plan.json", "stages")
 """The artifacts a job's nodes share, in the order they are made."""
@@ -128,7 +128,6 @@ def _check_config(mine: dict[str, str], theirs: dict[str, str], run: RunDir, nod
 
 def _write(store: Store, run: RunDir, name: str, theirs: dict[str, Any]) -> None:
     """Node 0's files of artifact `name` into `run`, atomically, each checked against its hash."""
-    from pdcli.compiler.step import replace_dir, temp_dir_beside
 
     def fetch(rel: str) -> bytes:
         data = store.get(f"file/{rel}")

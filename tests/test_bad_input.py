@@ -166,7 +166,7 @@ def test_a_bad_transport_is_refused_before_any_worker_starts(compiled: str, monk
     from pdcli.runtime.sockets import TRANSPORT_ENV
 
     started: list[object] = []
-    monkeypatch.setattr("pdcli.runtime.step.launch_workers", lambda *args: started.append(args))
+    monkeypatch.setattr("pdcli.runtime.job.launch_workers", lambda *args: started.append(args))
     monkeypatch.setenv(TRANSPORT_ENV, "bogus")
     fails("train", QUICKSTART, compiled, expect=("PD_TRANSPORT='bogus'", "socket, gloo", "unset PD_TRANSPORT"))
     monkeypatch.delenv(TRANSPORT_ENV)

@@ -58,7 +58,7 @@ def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Pa
     """`pd profile` runs the schedule on two workers and refits its costs: a plan of the probe
     run's split then predicts the probe run's steady time."""
     from pdcli.profiler.chain import Chain
-    from pdcli.profiler.runtime_probe import balanced_cuts
+    from pdcli.probe.runtime import balanced_cuts
 
     env = {**__import__("os").environ, "PD_PIPELINE_PROBE": "1"}
     args = [f"run.root={tmp_path}", "profile.repeats=3", "profile.pipeline_probe_minibatches=30"]

@@ -18,12 +18,12 @@ from torch import Tensor, nn
 from pdcli.compiler import CompileVerificationError, compile_stages, load_stage, split_graph, verify_stages
 from pdcli.compiler.ctor import constructor_source
 from pdcli.compiler.load import tied_holders
-from pdcli.compiler.step import ensure_stages
 from pdcli.config.schema import Config, DataConfig, ModelConfig, ScheduleConfig
 from pdcli.errors import UserError
 from pdcli.models import MODELS, build_model
 from pdcli.profiler.trace import chain_order, trace_model
 from pdcli.rundir import RunDir
+from pdcli.steps.compile import ensure_stages
 
 
 @pytest.fixture(autouse=True)

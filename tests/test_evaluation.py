@@ -16,9 +16,9 @@ from pdcli.data import build_data
 from pdcli.models import build_loss
 from pdcli.rundir import RunDir
 from pdcli.runtime.metrics import TENSORBOARD_DIR, tensorboard_available
-from pdcli.runtime.reference import reference_eval, reference_train
-from pdcli.runtime.step import run_training
-from pdcli.runtime.toy import write_toy_run
+from pdcli.testing.reference import reference_eval, reference_train
+from pdcli.runtime.job import run_training
+from pdcli.testing.toy import write_toy_run
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_transparency import stage_specs, toy_config  # noqa: E402
@@ -94,7 +94,7 @@ def test_resume_with_a_learning_rate_schedule_and_evaluations_is_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, every: int, fault: str
 ) -> None:
     from pdcli.runtime import checkpoint
-    from pdcli.runtime.step import TrainingFailed
+    from pdcli.runtime.job import TrainingFailed
     from pdcli.runtime.watchdog import CHECKPOINT_FAULT_ENV
 
     def train(run_dir: Path, resume: bool = False):

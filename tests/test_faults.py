@@ -2,7 +2,7 @@
 with -9, a worker killed under `train.max_restarts`, divergence (NaN, a climbing loss).
 
 Pure tests first (the watchdog's liveness reading, the divergence guard), then small
-multi-process runs of the toy pipeline (`pdcli.runtime.toy`), each with a timeout.
+multi-process runs of the toy pipeline (`pdcli.testing.toy`), each with a timeout.
 Times are measured and printed (`-s`), never asserted tightly.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcli.runtime.toy import write_toy_run
+from pdcli.testing.toy import write_toy_run
 from pdcli.runtime.watchdog import Heartbeat, exists, read_life, status_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -210,7 +210,7 @@ def test_workers_die_with_their_launcher(tmp_path: Path) -> None:
 
 def _toy_train(run_dir: Path, schedule: str, monkeypatch: pytest.MonkeyPatch, fault: str | None = None, **train: object):
     from pdcli.rundir import RunDir
-    from pdcli.runtime.step import run_training
+    from pdcli.runtime.job import run_training
     from pdcli.runtime.watchdog import FAULT_ENV
 
     cfg = toy_config(run_dir, schedule, **train)
@@ -283,7 +283,7 @@ def test_nan_in_the_data_stops_the_run_naming_stage_minibatch_and_last_good_chec
     from pdcli.rundir import RunDir
     from pdcli.runtime import checkpoint
     from pdcli.runtime.events import read_events
-    from pdcli.runtime.step import TrainingFailed, run_training
+    from pdcli.runtime.job import TrainingFailed, run_training
 
     run_dir = tmp_path / "run"
     cfg = toy_config(run_dir, "1f1b", steps=6, checkpoint_every=1, max_restarts=1)

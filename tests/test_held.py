@@ -21,7 +21,7 @@ from pdcli.profiler.chain import HELD_META
 from pdcli.profiler.measure import profile_model
 from pdcli.profiler.trace import chain_order, trace_model
 from pdcli.runtime.memory import MemoryTracker
-from pdcli.runtime.wgrad import DeferredWeightGrads
+from pdcli.torchutil.wgrad import DeferredWeightGrads
 
 
 class Batch:

@@ -25,7 +25,6 @@ transformers = pytest.importorskip("transformers")
 from pdcli.cli import app  # noqa: E402
 from pdcli.compiler.build import compile_stages  # noqa: E402
 from pdcli.compiler.load import tied_holders, with_tied_names  # noqa: E402
-from pdcli.compiler.step import ensure_stages  # noqa: E402
 from pdcli.config import load_resolved  # noqa: E402
 from pdcli.config.schema import Config, check_values  # noqa: E402
 from pdcli.data import build_data  # noqa: E402
@@ -35,8 +34,9 @@ from pdcli.models.hf import INSTALL_COMMAND  # noqa: E402
 from pdcli.profiler.trace import chain_order, trace_model  # noqa: E402
 from pdcli.rundir import RunDir  # noqa: E402
 from pdcli.runtime.checkpoint import load_model_state  # noqa: E402
-from pdcli.runtime.step import run_training  # noqa: E402
+from pdcli.runtime.job import run_training  # noqa: E402
 from pdcli.runtime.tied import check_schedule  # noqa: E402
+from pdcli.steps.compile import ensure_stages  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 16, "vocab_size": 64,

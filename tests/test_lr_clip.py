@@ -13,7 +13,7 @@ from torch import nn
 from pdcli.config.schema import Config, LRScheduleConfig, OptimConfig, check_values
 from pdcli.data.batch import Batch
 from pdcli.runtime.lr import lr_at
-from pdcli.runtime.reference import reference_train
+from pdcli.testing.reference import reference_train
 from pdcli.schedule import ScheduleSpec
 from pdcli.runtime.update import UpdateRule
 
@@ -165,8 +165,8 @@ def run_pipeline(tmp_path: Path, name: str, curve: LRScheduleConfig, clip: float
     from pdcli.models import build_loss
     from pdcli.rundir import RunDir
     from pdcli.runtime.checkpoint import load_model_state
-    from pdcli.runtime.step import run_training
-    from pdcli.runtime.toy import write_toy_run
+    from pdcli.runtime.job import run_training
+    from pdcli.testing.toy import write_toy_run
 
     run_dir = tmp_path / "run"
     cfg = toy_config(run_dir, name, eval_batches=0)
@@ -204,7 +204,7 @@ def test_pipeline_with_schedule_and_clipping_equals_the_reference(tmp_path: Path
 
 
 def test_a_schedule_or_held_out_split_does_not_make_pd_profile_measure_again() -> None:
-    from pdcli.profiler.step import profile_inputs_hash
+    from pdcli.steps.profile import profile_inputs_hash
 
     cfg = Config()
     before = profile_inputs_hash(cfg, torch.device("cpu"), 1)

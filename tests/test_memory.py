@@ -18,9 +18,9 @@ from pdcli.compiler import load_stage  # noqa: E402
 from pdcli.rundir import RunDir  # noqa: E402
 from pdcli import schedule as S  # noqa: E402
 from pdcli.runtime.memory import MemoryTracker  # noqa: E402
-from pdcli.runtime.optim import step_out_of_place, supports_out_of_place  # noqa: E402
-from pdcli.runtime.step import run_training  # noqa: E402
-from pdcli.runtime.toy import write_toy_run  # noqa: E402
+from pdcli.torchutil.optim import step_out_of_place, supports_out_of_place  # noqa: E402
+from pdcli.runtime.job import run_training  # noqa: E402
+from pdcli.testing.toy import write_toy_run  # noqa: E402
 from pdcli.runtime.weights import WeightVersions  # noqa: E402
 from test_transparency import toy_config  # noqa: E402
 

@@ -19,7 +19,7 @@ from pdcli.runtime.launcher import LOCAL_RDZV_BACKEND, Hosts, launch_config
 from pdcli.runtime.rendezvous import DEFAULT_MASTER_PORT, NODES_RDZV_BACKEND
 from pdcli.runtime.sockets import HEADER, BadMessageError, SocketTransport, _Peer
 from pdcli.runtime.stageio import StageIO
-from pdcli.runtime.toy import ToyNet, write_toy_stages
+from pdcli.testing.toy import ToyNet, write_toy_stages
 
 
 @pytest.fixture

@@ -19,12 +19,13 @@ from pdcli.config.schema import (
 from pdcli.errors import UserError
 from pdcli.profiler.chain import Chain
 from pdcli.profiler.clock import Clock
+from pdcli.torchutil.threads import torch_threads
 from pdcli.profiler.measure import profile_model
 from pdcli.profiler.optim_cost import OptimizerCost, OptimizerFactory, measure_optimizer
-from pdcli.profiler.step import ensure_profile, torch_threads
 from pdcli.profiler.summary import format_bytes, summarize
 from pdcli.rundir import RunDir
-from pdcli.runtime.optim import build_optimizer
+from pdcli.steps.profile import ensure_profile
+from pdcli.torchutil.optim import build_optimizer
 
 FLOAT32_BYTES = 4
 INT64_BYTES = 8
@@ -437,7 +438,7 @@ def test_median_ms_runs_setup_outside_every_call_and_takes_the_median() -> None:
 
 
 def test_profile_threads_follow_the_worker_share(tmp_path: Path) -> None:
-    from pdcli.profiler.step import cpu_threads_per_worker, profile_device
+    from pdcli.probe.profile import cpu_threads_per_worker, profile_device
 
     cfg = small_config(tmp_path)
     assert profile_device(cfg) == torch.device("cpu")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pdcli.data.batch import Batch
-from pdcli.runtime.reference import StageSpec, reference_train
+from pdcli.testing.reference import StageSpec, reference_train
 from pdcli.schedule import ScheduleSpec
 
 LR = 0.1

@@ -1,7 +1,7 @@
 """Reliability: drain points, checkpoints, --resume, export / init_from, failures and Ctrl-C.
 
 Pure tests first (schedules with drain points, the reference, checkpoint files), then
-few, small multi-process runs (the toy pipeline of `pdcli.runtime.toy`, and the
+few, small multi-process runs (the toy pipeline of `pdcli.testing.toy`, and the
 quickstart recipe through the CLI), each with a timeout.
 """
 
@@ -27,8 +27,8 @@ from pdcli.runtime import checkpoint
 from pdcli.schedule.checker import ScheduleError, SendMode, check_schedules
 from pdcli.runtime.launcher import Hosts, check_devices, first_slurm_host, hosts_from_env
 from pdcli.schedule import Backward, Forward, ScheduleSpec, build_all, build_for, drain_points
-from pdcli.runtime.step import TrainingFailed, run_training
-from pdcli.runtime.toy import write_toy_run
+from pdcli.runtime.job import TrainingFailed, run_training
+from pdcli.testing.toy import write_toy_run
 from pdcli.runtime.watchdog import CHECKPOINT_FAULT_ENV, status_path
 
 pytestmark = pytest.mark.slow  # real processes over torch.distributed
@@ -90,7 +90,7 @@ def test_reference_with_a_drain_is_two_runs_back_to_back(tmp_path: Path) -> None
     from pdcli.compiler import load_stage
     from pdcli.data import build_data
     from pdcli.models import build_loss
-    from pdcli.runtime.reference import StageSpec, reference_train
+    from pdcli.testing.reference import StageSpec, reference_train
 
     cfg = toy_config(tmp_path / "run", "pipedream")
     _, manifest = write_toy_run(tmp_path / "run", cfg, [1, 1, 1])
@@ -227,7 +227,7 @@ def test_2bw_with_checkpoints_drains_like_its_reference(tmp_path: Path, monkeypa
 def _reference_with_drains(cfg, manifest, stages_dir: Path, drains: tuple[int, ...]):
     from pdcli.data import build_data
     from pdcli.models import build_loss
-    from pdcli.runtime.reference import reference_train
+    from pdcli.testing.reference import reference_train
 
     specs = stage_specs(stages_dir, manifest)
     data = build_data(cfg.data, cfg.data.batch_size)
@@ -246,7 +246,7 @@ import sys
 from pathlib import Path
 from pdcli.config import load_resolved
 from pdcli.rundir import RunDir
-from pdcli.runtime.step import TrainingFailed, run_training
+from pdcli.runtime.job import TrainingFailed, run_training
 import json
 run = Path(sys.argv[1])
 cfg = load_resolved(run / "config.yaml")

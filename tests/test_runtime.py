@@ -21,8 +21,8 @@ from pdcli.runtime.watchdog import FAULT_ENV
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.sockets import TRANSPORT_ENV
 from pdcli.runtime.stageio import StageIO
-from pdcli.runtime.step import TrainingFailed, format_summary, run_training
-from pdcli.runtime.toy import ToyNet, toy_plan, write_toy_run, write_toy_stages
+from pdcli.runtime.job import TrainingFailed, format_summary, run_training
+from pdcli.testing.toy import ToyNet, toy_plan, write_toy_run, write_toy_stages
 from pdcli.runtime.weights import WeightVersionError, WeightVersions
 
 pytestmark = pytest.mark.slow  # real processes over torch.distributed
@@ -161,7 +161,7 @@ def test_socket_send_returns_before_the_peer_reads_and_fails_once_the_peer_is_go
 
 
 def test_inconsistent_manifest_edges_are_refused(tmp_path: Path) -> None:
-    from pdcli.runtime.step import check_edges
+    from pdcli.runtime.job import check_edges
 
     manifest = write_toy_stages(tmp_path, ToyNet(3), microbatch_size=2)
     check_edges(manifest)

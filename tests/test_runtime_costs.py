@@ -12,7 +12,7 @@ from pdcli.planner import PlanOptions, Topology, plan_chain
 from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, TERMS, Affine, ModeCosts, RuntimeCosts
 from pdcli.schedule.simulator import StageCost, simulate
 from pdcli.profiler.chain import Chain, ChainNode
-from pdcli.profiler.runtime_probe import fit_affine, probe_boundaries
+from pdcli.probe.runtime import fit_affine, probe_boundaries
 from pdcli.schedule import ScheduleSpec
 
 MODE = ModeCosts(forward=Affine(1.3, 0.05), backward=Affine(1.2, 0.04), wgrad=Affine(1.1, 0.01),

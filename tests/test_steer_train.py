@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from pdcli.cli import app
 from pdcli.config.loader import load_resolved
-from pdcli.profiler.step import torch_threads
+from pdcli.torchutil.threads import torch_threads
 from pdcli.runtime.checkpoint import load_model_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -4,7 +4,7 @@ Every schedule at 2 and 4 stages and with a replicated stage: the per-microbatch
 and the final weights of the pipeline equal the single-process reference (fp32, to float
 tolerance). gpipe and 1f1b also equal plain training with gradient accumulation, with
 their backward split (the default: Linear weight gradients in WeightGrads) and without.
-The model is `ToyNet` (pdcli.runtime.toy): it has a two-tensor message, an output with
+The model is `ToyNet` (pdcli.testing.toy): it has a two-tensor message, an output with
 two consumers and a skip connection from stage 0 to stage 2.
 """
 
@@ -22,10 +22,10 @@ from pdcli.data import build_data
 from pdcli.models import build_loss
 from pdcli.rundir import RunDir
 from pdcli.runtime.checkpoint import load_model_state
-from pdcli.runtime.reference import StageSpec, reference_train
+from pdcli.testing.reference import StageSpec, reference_train
 from pdcli.runtime.sockets import TRANSPORT_ENV
-from pdcli.runtime.step import run_training
-from pdcli.runtime.toy import ToyNet, write_toy_run
+from pdcli.runtime.job import run_training
+from pdcli.testing.toy import ToyNet, write_toy_run
 
 pytestmark = pytest.mark.slow  # real processes over torch.distributed
 
@@ -203,7 +203,7 @@ def test_compiled_gpt_pipeline_equals_reference(tmp_path: Path, schedule: str) -
     from pdcli.compiler import compile_stages
     from pdcli.models import build_model
     from pdcli.profiler.trace import chain_order, trace_model
-    from pdcli.runtime.toy import toy_plan
+    from pdcli.testing.toy import toy_plan
 
     run_dir = tmp_path / "run"
     cfg = toy_config(run_dir, schedule)

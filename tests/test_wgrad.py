@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pdcli.runtime.wgrad import DeferredWeightGrads, deferrable_layers
+from pdcli.torchutil.wgrad import DeferredWeightGrads, deferrable_layers
 
 
 class Scaled(nn.Linear):

@@ -20,9 +20,9 @@ def compile(
 ) -> None:
     """Split the model at the plan's boundaries into stage_<k>.py files, verified against the model."""
     loaded, run = load(recipe, overrides, run_name)
-    from pdcli.compiler.step import ensure_stages
-    from pdcli.pipeline import ensure_plan
-    from pdcli.profiler.step import ensure_profile
+    from pdcli.steps.compile import ensure_stages
+    from pdcli.steps.plan import ensure_plan
+    from pdcli.steps.profile import ensure_profile
 
     cfg = loaded.config
     chain, _ = ensure_profile(cfg, run, progress=is_tty())

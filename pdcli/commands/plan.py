@@ -85,8 +85,8 @@ def plan(
         loaded, run = load(recipe, args, run_name, extra=gpus_override(loaded.config, gpus))
     cfg = loaded.config
 
-    from pdcli.pipeline import ensure_plan, make_plan
     from pdcli.planner import render_plan
+    from pdcli.steps.plan import ensure_plan, make_plan
 
     if profile_file is not None:
         chain = read_profile(profile_file)
@@ -95,7 +95,7 @@ def plan(
         atomic_write_json(target, plan_json)
         echo_err(f"wrote {target}")
     else:
-        from pdcli.profiler.step import ensure_profile
+        from pdcli.steps.profile import ensure_profile
 
         chain, reused = ensure_profile(cfg, run, progress=is_tty())
         if reused:
@@ -111,9 +111,9 @@ def plan(
 
 def write_calibration(run: RunDir, chain: Chain, trained: Path) -> None:
     """Refit the profile's runtime costs to the trained run `trained`; write run/calibration.json."""
-    from pdcli.pipeline import CALIBRATION, profile_sha256
     from pdcli.planner.runtime_costs import RuntimeCosts
     from pdcli.report.calibrate import calibrate_from_run
+    from pdcli.steps.plan import CALIBRATION, profile_sha256
 
     if not trained.is_dir():
         raise UserError(f"--calibrate: {trained} is not a run directory", hint="pass the directory `pd train` trained in (e.g. runs/quickstart)")
@@ -128,8 +128,8 @@ def write_calibration(run: RunDir, chain: Chain, trained: Path) -> None:
 
 
 def diff(paths: list[str], fmt: str, fail_on_regression: Optional[float]) -> None:
-    from pdcli.pipeline import load_plan_file
     from pdcli.planner import diff_plans, render_diff
+    from pdcli.steps.plan import load_plan_file
 
     if len(paths) != 2:
         raise UserError(f"pd plan diff takes two plans (files or run directories), got {len(paths)}")

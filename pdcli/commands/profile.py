@@ -27,7 +27,7 @@ def profile(
     check_format(fmt)
     loaded, run = load(recipe, overrides, run_name)
     from pdcli.profiler.measure import summarize
-    from pdcli.profiler.step import ensure_profile
+    from pdcli.steps.profile import ensure_profile
 
     chain, reused = ensure_profile(loaded.config, run, force=force, progress=is_tty() and fmt != "json")
     if export_graph is not None:

@@ -35,9 +35,9 @@ def train(
     loaded, run = load(recipe, overrides, run_name)
     from pdcli.data.registry import resolve_steps
     from pdcli.runtime.evaluation import plan_evaluation
-    from pdcli.pipeline import ensure_all
+    from pdcli.runtime.job import format_summary, join_job, run_training
     from pdcli.runtime.launcher import TrainingFailed, TrainingInterrupted, hosts_from_env
-    from pdcli.runtime.step import format_summary, join_job, run_training
+    from pdcli.steps.train import ensure_all
 
     cfg = loaded.config
     resolve_steps(cfg)  # train.epochs -> train.steps

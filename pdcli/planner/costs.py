@@ -27,20 +27,16 @@ not scale with the batch. Profiles without it (older ones, PipeDream graphs) giv
 F and B are calibrated: multiplied by c = max(1, ratio), ratio = the profile's
 `meta.calibration.ratio` (the whole model's fwd+bwd step timed as one piece / the sum of
 its positions timed alone; `compute_calibration`). A ratio above 1 is what a long piece of
-work loses on this host (other processes, caches) that the medians of short per-layer
-timings hide; below 1 (0.7-0.95: per-call overhead the fused step saves) it is not
-applied, because the runtime's per-action overhead, which the model does not count,
-more than eats that saving. On `benchmarks/bench_prediction.py` (5 recipes, a shared
-2-core host at load 2.5-7, before/after interleaved) the optimizer term and this factor
-together took the geometric mean of measured / predicted from 4.0x to 2.6x over 9 paired
-runs, nearly all of it from the factor on loaded runs (gnmt 5.3x -> 1.4x at ratio 2.8);
-on a quiet host the ratio is ~1 and changes nothing. The ratio of one model moved 0.8-3.5
-between two profiles minutes apart: it records the load while profiling, and predicts
-well only when training meets the same load. The pipedream cost model never applies it.
+work loses on the host (other processes, caches) that the medians of short per-layer
+timings hide; below 1 (per-call overhead the fused step saves) it is not applied, because
+the runtime's per-action overhead, which this model does not count, more than eats that
+saving. The ratio records the load while profiling, so it predicts well only when training
+meets the same load. The pipedream cost model never applies it.
 
-What the model leaves out: the runtime's per-action overhead (tiny stages run their
-forward several times slower than the module alone; the OptimizerStep action costs 3-5x
-the optimizer's own step), several ranks sharing few CPU cores, and data loading.
+What the per-layer model leaves out (the runtime costs below count it): the runtime's
+per-action overhead (a small stage's actions cost more than its module alone, and the
+OptimizerStep action more than the optimizer's own step), several ranks sharing few CPU
+cores, and data loading.
 
 Transfers run off the compute thread, so a link only limits a stage when it is slower than
 the compute. With S stages and max stage_ms = T:

@@ -4,7 +4,7 @@ The per-layer profile times each position alone. The runtime runs a stage's posi
 one Forward, one Backward (and, split, one WeightGrads) per microbatch, through its own
 machinery (weight versions, memory accounting, the interpreter), steps the optimizer with
 its bookkeeping, loads data, computes the loss, packs and unpacks messages, and moves them
-over a transport. `pdcli.profiler.runtime_probe` runs real stages of the model with the
+over a transport. `pdcli.probe.runtime` runs real stages of the model with the
 runtime's own executor and fits, per action, `ms = scale * profiled_ms + fixed_ms`
 (`Affine`); this module holds the fit (`profile.json` `meta.runtime`) and prices a stage's
 actions with it. `pdcli.planner.costs` sums the prices into a stage's time and

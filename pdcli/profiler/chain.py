@@ -40,7 +40,7 @@ class ChainNode:
     """Bytes of optimizer state for this position's parameters (momentum, Adam's moments)."""
     wgrad_ms: float = 0.0
     """Of `bwd_ms`, the weight-gradient part a split backward defers to WeightGrads: the
-    `g^T x` matmul of an `nn.Linear` layer (pdcli.runtime.wgrad; of each one a leaf module
+    `g^T x` matmul of an `nn.Linear` layer (pdcli.torchutil.wgrad; of each one a leaf module
     such as `nn.TransformerEncoderLayer` runs); 0 for every other position and in older
     profiles."""
     module: str = ""

@@ -16,43 +16,16 @@ state's covered set. The exact structure PipeDream's search uses is therefore ke
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from pdcli.errors import UserError
+from pdcli.profiler.antichain import INPUT_PREFIX, UNUSED_SINK_PREFIX, antichain_states
 from pdcli.profiler.chain import Chain, ChainNode
+from pdcli.profiler.graph import Graph, GraphNode
 
-INPUT_PREFIX = "Input"
-UNUSED_SINK_PREFIX = "__getitem__"
 SOURCE_NAME = "pipedream_graph_txt"
 _META_KEYS = ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
-
-
-@dataclass(frozen=True)
-class GraphNode:
-    """One `nodeN -- <layer> -- key=value, ...` line of a graph.txt."""
-
-    node_id: str
-    desc: str
-    fwd_ms: float
-    bwd_ms: float
-    activation_bytes: tuple[float, ...]
-    """One entry per output tensor (graph.txt writes `[a; b]` when there are several)."""
-    parameter_bytes: float
-    stage_id: int | None = None
-
-    @property
-    def total_activation_bytes(self) -> float:
-        return float(sum(self.activation_bytes))
-
-
-@dataclass(frozen=True)
-class Graph:
-    """A graph.txt: nodes and edges in file order."""
-
-    nodes: tuple[GraphNode, ...]
-    edges: tuple[tuple[str, str], ...]
 
 
 # -- parse / write --------------------------------------------------------------------------
@@ -247,8 +220,6 @@ def write_graph(graph: Graph, path: str | Path) -> None:
 
 def graph_to_chain(graph: Graph, source: str = "") -> Chain:
     """Linearize `graph` into PipeDream's antichain states, one chain position per state."""
-    from pdcli.planner.antichain import antichain_states
-
     lin = antichain_states(graph)
     by_id = {n.node_id: n for n in graph.nodes}
     seen: set[str] = set()

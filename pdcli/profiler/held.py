@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from pdcli.profiler.replay import call_node, is_inplace, node_inputs
 from pdcli.profiler.sizes import cut_bytes, iter_tensors, producer_positions, storage_bytes, storage_key
-from pdcli.runtime.wgrad import deferrable_layers
+from pdcli.torchutil.wgrad import deferrable_layers
 
 LOSS_POSITION = -2
 """Saver id of the loss (after the last position)."""
@@ -131,7 +131,7 @@ def attribute(gm: fx.GraphModule, order: Sequence[fx.Node], inputs: Sequence[tor
 def _waiting(gm: fx.GraphModule, order: Sequence[fx.Node], env: dict[fx.Node, Any], held: list[int],
              half: bool) -> list[int]:
     """Per position, what a split backward keeps from a microbatch's Backward to its
-    WeightGrads (`pdcli.runtime.wgrad`): an `nn.Linear`'s input (as its matmul sees it: a
+    WeightGrads (`pdcli.torchutil.wgrad`): an `nn.Linear`'s input (as its matmul sees it: a
     half-width cast of an fp32 input under autocast) and its output's gradient; for a module
     whose Linear layers are inside it, everything it saved (an upper bound); 0 elsewhere."""
     out, seen = [0] * len(order), set()

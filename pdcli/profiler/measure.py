@@ -29,7 +29,7 @@ from pdcli.profiler.sizes import (
 )
 from pdcli.profiler.summary import SHAPE_SEPARATOR, summarize  # noqa: F401  (the CLI imports summarize from here)
 from pdcli.profiler.trace import chain_order, module_path, pipe_split_positions, trace_model
-from pdcli.runtime.wgrad import DeferredWeightGrads
+from pdcli.torchutil.wgrad import DeferredWeightGrads
 
 CREATED_BY = "pd profile"
 LABEL_MAX_CHARS = 72
@@ -253,7 +253,7 @@ def time_weight_grads(
     """Median time of the WeightGrads of `node` (a call of `module`): the `g^T x` matmuls of the
     `nn.Linear` layers its forward runs, which a split backward leaves to a later action.
 
-    As the runtime does it (`pdcli.runtime.wgrad`): the layers are patched, each run's
+    As the runtime does it (`pdcli.torchutil.wgrad`): the layers are patched, each run's
     forward and backward (untimed) file their (x, g) pairs, and `apply` is timed. 0 when
     nothing was deferred: no Linear layer, or none reached through its forward (e.g.
     `nn.MultiheadAttention` reads its `out_proj` weight directly). Costs `warmup + repeats`

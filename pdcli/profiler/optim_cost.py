@@ -1,6 +1,6 @@
 """Measure the optimizer step per chain position: its time and the state it keeps.
 
-The runtime builds one optimizer per stage (`pdcli.runtime.optim.build_optimizer`) over the
+The runtime builds one optimizer per stage (`pdcli.torchutil.optim.build_optimizer`) over the
 stage's parameters and steps it once per update. Here each position's parameters get an
 optimizer of their own, built the same way, stepped on copies of the parameters with
 constant gradients (the step's cost does not depend on the values). A step also has a

@@ -14,10 +14,10 @@ from pdcli.errors import UserError
 from pdcli.report.compare import Comparison, ReplanCommands, compare
 from pdcli.report.measured import TRAIN_DIR, load_measured
 from pdcli.report.predicted import predict
+from pdcli.runtime.launch import LAUNCH_FILE, PLAN_KEY
 
 PLAN_FILE = "plan.json"
 CONFIG_FILE = "config.yaml"
-LAUNCH_FILE = "launch.json"  # pdcli.runtime.worker.LAUNCH_FILE: {"plan": the plan the run trained with}
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
 
@@ -75,7 +75,7 @@ def read_trained_plan(run_dir: Path, commands: ReplanCommands) -> dict[str, Any]
                 obj = json.loads(path.read_text())
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})", hint=f"re-run `{commands.train()}`") from None
-            return obj["plan"] if path.name == LAUNCH_FILE else obj
+            return obj[PLAN_KEY] if path.name == LAUNCH_FILE else obj
     if not train_dir.exists():
         raise UserError(f"{run_dir}: no {PLAN_FILE} and no {TRAIN_DIR}/: nothing to report",
                         hint=f"run `{commands.train()}` first (it profiles, plans, compiles and trains)")

@@ -1,6 +1,6 @@
 """Close the loop: refit the runtime's costs from what a finished run measured (`pd plan --calibrate RUN`).
 
-The probe (`pdcli.profiler.runtime_probe`) measures stages run alone in one process; a real
+The probe (`pdcli.probe.runtime`) measures stages run alone in one process; a real
 run shares the host with its peers, waits for messages and wakes up again, and a busy host
 slows all of it. This module reads a run's `trace.json` and refits, on its own stages, what
 the plan prices (`pdcli.planner.runtime_costs`): per action kind the probe's affine cost in

@@ -27,8 +27,6 @@ from pdcli.rundir import atomic_save, atomic_write_json
 from pdcli.runtime.divergence import check_finite_state
 
 COMPLETE = "COMPLETE"
-RESUME_KEY = "resume_step"
-"""Key of `train/launch.json` holding the checkpoint step a launch resumes from (null: fresh)."""
 RESUME_HINT = (
     "resume with the recipe and plan that wrote it; to continue under another plan or model, "
     "`pd export` it and set train.init_from; or start fresh without --resume"
@@ -119,17 +117,6 @@ def last_good(train_dir: Path) -> str:
     """The newest complete checkpoint's directory, or "none" (for messages)."""
     step = latest_step(train_dir)
     return "none" if step is None else str(checkpoint_dir(train_dir, step))
-
-
-def read_resume_step(train_dir: Path) -> int | None:
-    """The step this launch resumes from, as `pd train --resume` recorded it in launch.json."""
-    from pdcli.runtime.worker import LAUNCH_FILE
-
-    path = train_dir / LAUNCH_FILE
-    if not path.exists():
-        return None
-    step = json.loads(path.read_text()).get(RESUME_KEY)
-    return None if step is None else int(step)
 
 
 def read_info(train_dir: Path, step: int) -> dict[str, Any]:

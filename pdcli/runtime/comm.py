@@ -2,8 +2,8 @@
 
 The manifest fixes every tensor's name, shape and dtype, so sender and receiver agree on
 a byte layout (`MessageLayout`) without exchanging shapes at run time. All tensors a stage
-sends to one peer for one microbatch travel as ONE flat uint8 buffer: on this machine a
-gloo message costs ~1.5 ms whatever its size, so one message beats one per tensor.
+sends to one peer for one microbatch travel as ONE flat uint8 buffer: a gloo message has
+a fixed cost whatever its size, so one message beats one per tensor.
 
 `Transport` is the seam for a faster same-host transport later (shared memory, sockets):
 the executor only calls `isend`, `irecv` and `Pending.wait`.
@@ -155,10 +155,9 @@ def spin_until(done: Callable[[], bool], budget_s: float) -> None:
     """Poll `done` for up to `budget_s`, yielding the core and the GIL between polls.
 
     A worker that blocks in the kernel for a message lets its CPU go idle, and on a virtual
-    machine an idle vCPU can take milliseconds to run again: measured on this 2-core VM,
-    the 2-stage quickstart's receives waited over 1 ms 10% of the time when blocking (a
-    1.4-2.0 ms p90) and 0.6-1.0 ms p90 when polling first. Polling costs a core only while
-    nothing else is runnable on it, so it is for workers that have a core each."""
+    machine an idle vCPU can take milliseconds to run again; polling first keeps it awake.
+    Polling costs a core only while nothing else is runnable on it, so it is for workers
+    that have a core each."""
     if budget_s <= 0 or done():
         return
     deadline_s = time.perf_counter() + budget_s

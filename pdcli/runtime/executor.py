@@ -33,14 +33,14 @@ from pdcli.runtime.evaluation import EvalSums
 from pdcli.runtime.divergence import check_gradients, check_loss
 from pdcli.runtime.memory import MemoryTracker, tensor_bytes
 from pdcli.runtime.metrics import Timeline, action_category
-from pdcli.runtime.optim import step_out_of_place, supports_out_of_place
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import TiedCopy, sum_tied_grads
 from pdcli.runtime.update import UpdateRule, set_lr
 from pdcli.runtime.watchdog import FAULT_ENV, Heartbeat, inject_fault, parse_fault
 from pdcli.runtime.weights import WeightVersions
-from pdcli.runtime.wgrad import DeferredWeightGrads
+from pdcli.torchutil.optim import step_out_of_place, supports_out_of_place
+from pdcli.torchutil.wgrad import DeferredWeightGrads
 
 RECV_LOOKAHEAD_ACTIONS = 16
 FP16_LOSS_SCALE = 1024.0  # static; an overflow stops training with a clear error
@@ -48,8 +48,7 @@ FP16_LOSS_SCALE = 1024.0  # static; an overflow stops training with a clear erro
 
 # glibc mallopt parameters: keep freed blocks of up to 32 MiB in the heap instead of
 # returning them to the kernel (its default trims and unmaps them, so every microbatch
-# page-faults its weight copies, gradients and activations in again: measured 10-40% of
-# a pipedream step on this machine).
+# page-faults its weight copies, gradients and activations in again).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum
 TRIM_THRESHOLD_BYTES = 1 << 30

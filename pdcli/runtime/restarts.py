@@ -24,12 +24,12 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.launcher import api as launcher_api
 
-from pdcli.rundir import atomic_write_json, atomic_write_text, read_json
+from pdcli.rundir import atomic_write_text
 from pdcli.runtime import checkpoint
 from pdcli.runtime.evaluation import is_eval_line
+from pdcli.runtime.launch import set_resume_step
 from pdcli.runtime.metrics import TENSORBOARD_DIR, add_scalars, open_tensorboard, read_metrics
 from pdcli.runtime.session import SUMMARY_FILE
-from pdcli.runtime.worker import LAUNCH_FILE
 
 NO_RESTART_KINDS = ("diverged",)
 """Error-report kinds a restart cannot cure: the job stops with its restarts unused."""
@@ -73,8 +73,7 @@ def prepare_restart(train_dir: Path, num_steps: int) -> int | None:
     """Point `launch.json` at the newest complete checkpoint and reset the train directory
     to it; returns the step the restarted workers resume from (None: from the start)."""
     step = restart_step(train_dir, num_steps)
-    launch = read_json(train_dir / LAUNCH_FILE, "launch record")
-    atomic_write_json(train_dir / LAUNCH_FILE, {**launch, checkpoint.RESUME_KEY: step})
+    set_resume_step(train_dir, step)
     reset_attempt(train_dir)
     keep_metrics_through(train_dir, step, (train_dir / TENSORBOARD_DIR).exists())
     return step

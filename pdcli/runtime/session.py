@@ -23,8 +23,8 @@ from pdcli.runtime.comm import Mailbox, TorchDistTransport, Transport
 from pdcli.runtime.evaluation import EVAL_KEYS, EvalPlan, plan_evaluation
 from pdcli.runtime.divergence import LossGuard, remedies
 from pdcli.runtime.executor import Executor, StageContext
+from pdcli.runtime.launch import read_plan, read_resume_step
 from pdcli.runtime.metrics import S_TO_MS, MetricsLog, RankStats, Timeline, chrome_trace, open_tensorboard, per_stage
-from pdcli.runtime.optim import build_optimizer
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
 from pdcli.runtime.resume import Checkpointer
@@ -34,10 +34,11 @@ from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import tied_copies
 from pdcli.runtime.update import UpdateRule, clips_per_stage
 from pdcli.runtime.watchdog import RESTART_COUNT_ENV, Heartbeat
+from pdcli.torchutil.optim import build_optimizer
 
 if TYPE_CHECKING:
     from pdcli.config import Config
-    from pdcli.runtime.worker import WorkerEnv
+    from pdcli.runtime.launch import WorkerEnv
 
 SUMMARY_FILE = "summary.json"
 AUTO_SPIN_WAIT_MS = 20.0
@@ -153,7 +154,6 @@ def check_same_plan(store: Any, run_dir: Path, rank: int) -> None:
     node 0's (`pdcli.share`); workers started by torchrun on several hosts read whatever run
     directory each host has, so they compare the plan and the stages' recorded hash here."""
     from pdcli.rundir import RunDir, hash_obj
-    from pdcli.runtime.worker import read_plan
     from pdcli.share import copy_command
 
     run = RunDir(run_dir)
@@ -193,7 +193,7 @@ def run_session(
     tied = tied_copies(manifest, placement, stage_id, module, entry)  # collective: every rank
     io = StageIO.from_manifest(manifest, stage_id)
     num_stages, m = placement.num_stages, cfg.schedule.num_microbatches
-    resume_step = checkpoint.read_resume_step(train_dir)  # None: a fresh run
+    resume_step = read_resume_step(train_dir)  # None: a fresh run
     evaluation = plan_evaluation(cfg)
     spec = run_spec(cfg, placement, evaluation, resume_step)
     is_last = stage_id == num_stages - 1

@@ -1,13 +1,12 @@
 """The socket transport: a stream socket between each two ranks that talk, behind `Transport`.
 
-Why: on this machine a gloo send/recv costs ~1.5 ms per message while a local socket moves
-32 KiB in ~15 us (see DESIGN.md "Runtime"). Each connected peer gets one reader thread that
-pulls framed messages (tag, byte count, bytes) off the socket as they arrive, so a receive
-posted ahead completes in the background. Each peer also gets one writer thread: `isend`
-queues the message and returns at once. A message larger than the socket buffer (212 KB
-by default; a 256 x 1024 fp32 activation is 1 MB) cannot leave before the peer's reader
-thread gets a core to drain it; with both cores computing, that blocked the compute
-thread 2.5-4 ms per send on the 2-stage runtime benchmark.
+Why: a gloo send/recv pays a large fixed cost per message, a local socket a small one.
+Each connected peer gets one reader thread that pulls framed messages (tag, byte count,
+bytes) off the socket as they arrive, so a receive posted ahead completes in the background.
+Each peer also gets one writer thread: `isend` queues the message and returns at once. A
+message larger than the socket buffer (212 KB by default; a 256 x 1024 fp32 activation is
+1 MB) cannot leave before the peer's reader thread gets a core to drain it, and blocks the
+sending thread until then when every core is computing.
 
 Between ranks of one host (one network namespace) the socket is an abstract Unix socket;
 between hosts, TCP on the interface that reaches the rendezvous host. Every connection

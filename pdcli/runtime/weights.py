@@ -17,7 +17,7 @@ Versions are kept by reference, copy-on-update: a version's tensors are aliases 
 storage it lives in (the live parameters' own storage while it is the live version), so a
 forward on the live version copies nothing. A stashed version must survive the next
 optimizer step: either the step writes its result into fresh storage
-(`out_of_place_updates=True`, see `pdcli.runtime.optim.step_out_of_place`; no copy at
+(`out_of_place_updates=True`, see `pdcli.torchutil.optim.step_out_of_place`; no copy at
 all) or `stash` moves the live parameters onto a copy (one copy of the parameter bytes
 per stashed version) and the old storage stays with the stash.
 """

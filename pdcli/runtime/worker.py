@@ -8,53 +8,18 @@ stage and replica in the plan, runs its action list, checkpoints, and reports.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
 from pdcli.runtime.checkpoint import last_good
 from pdcli.runtime.divergence import Diverged
+from pdcli.runtime.launch import WorkerEnv, read_plan
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.watchdog import FROZEN_S, Heartbeat, Watchdog, die_with_parent, status_path, write_error
-
-LAUNCH_FILE = "launch.json"
-
-
-@dataclass(frozen=True)
-class WorkerEnv:
-    """What torchrun / the elastic agent tells a worker through its environment."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-
-    @staticmethod
-    def from_env() -> "WorkerEnv":
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            raise SystemExit(f"pd worker: {', '.join(missing)} not set; start workers with `pd train` or torchrun")
-        world = int(os.environ["WORLD_SIZE"])
-        return WorkerEnv(
-            rank=int(os.environ["RANK"]),
-            world_size=world,
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
-        )
-
-
-def read_plan(run_dir: Path) -> dict[str, Any]:
-    """The plan `run_training` recorded for this launch (else the run's plan.json)."""
-    launch = run_dir / "train" / LAUNCH_FILE
-    if launch.exists():
-        return json.loads(launch.read_text())["plan"]
-    return json.loads((run_dir / "plan.json").read_text())
 
 
 def rank_logger(train_dir: Path, rank: int) -> logging.Logger:
@@ -122,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_now(code: int) -> None:
-    """Flush and leave without the interpreter's teardown. Seen on this host now and then
-    after a complete run (rank logged "done", summary written): a C++ thread torch left
-    joinable is destroyed at exit, `terminate called without an active exception`,
-    SIGABRT, and the launcher reports a finished job as failed. Everything the worker
-    writes is closed by now (atomic files, logs flushed here)."""
+    """Flush and leave without the interpreter's teardown. Now and then after a complete run
+    (rank logged "done", summary written) a C++ thread torch left joinable is destroyed at
+    exit, `terminate called without an active exception`, SIGABRT, and the launcher would
+    report a finished job as failed. Everything the worker writes is closed by now (atomic
+    files, logs flushed here)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

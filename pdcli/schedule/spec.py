@@ -13,7 +13,7 @@ schedules take one optimizer step per minibatch.
 
 Weight versions: version `v` of a stage = its live weights after `v` optimizer steps.
 The rule each schedule follows is `ScheduleSpec.weight_version`; the reference trainer
-(`pdcli.runtime.reference`) applies the same rule without action lists, and the checker
+(`pdcli.testing.reference`) applies the same rule without action lists, and the checker
 proves that the lists implement it.
 
 Drain points (checkpoints): `ScheduleSpec.drain_after` lists minibatch counts after which

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pdcli.errors import UserError
-
-if TYPE_CHECKING:
-    from pdcli.profiler.graphtxt import Graph
+from pdcli.profiler.graph import Graph
 
 INPUT_PREFIX = "Input"
+"""graph.txt: a node whose description starts so is a model input."""
 UNUSED_SINK_PREFIX = "__getitem__"
+"""graph.txt: a sink whose description starts so is an unused output (dropped)."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +155,7 @@ def _dfs_topological(order: list[int], out: dict[int, list[int]]) -> list[int]:
     return post[::-1]
 
 
-def antichain_states(graph: "Graph") -> Linearization:
+def antichain_states(graph: Graph) -> Linearization:
     names = [n.node_id for n in graph.nodes]
     index = {name: i for i, name in enumerate(names)}
     succ: list[list[int]] = [[] for _ in names]

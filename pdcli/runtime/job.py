@@ -17,7 +17,7 @@ from tabulate import tabulate
 from pdcli.config.schema import Config
 from pdcli.data.registry import resolve_steps
 from pdcli.errors import UserError
-from pdcli.rundir import RunDir, atomic_write_json, read_json
+from pdcli.rundir import RunDir, read_json
 from pdcli.runtime import checkpoint
 from pdcli.runtime.evaluation import EVAL_KEYS, eval_metrics_text, plan_evaluation
 from pdcli.runtime.events import EVENTS_FILE
@@ -31,7 +31,7 @@ from pdcli.runtime.session import SUMMARY_FILE, run_spec
 from pdcli.runtime.sockets import transport_from_env
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import check_schedule
-from pdcli.runtime.worker import LAUNCH_FILE
+from pdcli.runtime.launch import write_launch
 
 __all__ = ["Job", "TrainResult", "TrainingFailed", "TrainingInterrupted", "format_summary", "join_job", "run_training"]
 
@@ -215,7 +215,7 @@ def run_training(
     if resume_step is None and cfg.train.init_from:
         check_init_from(cfg, run, manifest)
     _clean_previous(cfg, train_dir, resume_step)
-    atomic_write_json(train_dir / LAUNCH_FILE, {"plan": plan_json, checkpoint.RESUME_KEY: resume_step})
+    write_launch(train_dir, plan_json, resume_step)
     bar = ProgressBar(train_dir / "metrics.jsonl", cfg.train.steps) if progress else None
     try:
         launch_workers(run.path, placement, hosts, cfg.train.timeout_s, cfg.train.max_restarts, cfg.train.steps, run_id)

@@ -1,12 +1,10 @@
-"""The `pd compile` step: make `<run>/stages/` from the config and the plan, or reuse it."""
+"""The compile step: reuse `<run>/stages/` while the model and the plan's boundaries are unchanged,
+else generate and verify it."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +13,7 @@ from pdcli.compiler.build import compile_stages
 from pdcli.compiler.load import read_manifest
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
-from pdcli.rundir import RunDir, hash_obj
+from pdcli.rundir import RunDir, hash_obj, replace_dir, temp_dir_beside
 
 STAGES = "stages"
 """Artifact name of the stages directory in the run directory."""
@@ -99,23 +97,3 @@ def ensure_stages(
     run.register(STAGES, inputs_hash)
     return manifest, False
 
-
-def temp_dir_beside(target: Path) -> Path:
-    """A new empty directory beside `target`, with the permissions of an ordinary directory
-    (mkdtemp makes it owner-only), to fill and then `replace_dir` into place."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    return tmp
-
-
-def replace_dir(new: Path, target: Path) -> None:
-    """Move `new` to `target`, replacing an old `target` (renames only; no partial state)."""
-    old = None
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-        os.replace(target, old / target.name)
-    os.replace(new, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -1,11 +1,12 @@
-"""The chain of steps profile -> plan -> compile, each reused while its inputs are unchanged."""
+"""The plan step: reuse `plan.json` while the profile and the plan settings are unchanged, else
+plan and write it."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
@@ -13,11 +14,6 @@ from pdcli.profiler.chain import Chain
 from pdcli.rundir import RunDir, artifact_inputs_hash, read_json
 
 PLAN = "plan.json"
-Echo = Callable[[str], None]
-
-
-def _quiet(_: str) -> None:
-    pass
 
 
 def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
@@ -109,26 +105,6 @@ def ensure_plan(cfg: Config, run: RunDir, chain: Chain, force: bool = False) -> 
     plan = make_plan(calibrated_chain(chain, calibration), cfg, profile_sha)
     run.write_json(PLAN, plan, inputs_hash)
     return plan, False
-
-
-def ensure_all(
-    cfg: Config, run: RunDir, force: bool = False, echo: Echo = _quiet, progress: bool = False
-) -> tuple[Chain, dict[str, Any], dict[str, Any]]:
-    """Profile, plan and compile as needed; `force` redoes all three."""
-    from pdcli.compiler.step import ensure_stages
-    from pdcli.profiler.step import ensure_profile
-
-    chain, reused = ensure_profile(cfg, run, force=force, progress=progress)
-    echo(f"profile: {'reused' if reused else 'measured'} {run / 'profile.json'}")
-    plan, reused = ensure_plan(cfg, run, chain, force=force)
-    echo(f"plan:    {'reused' if reused else 'wrote'} {run / PLAN}")
-    from pdcli.planner.render import plan_notes
-
-    for note in plan_notes(plan):
-        echo(f"         {note}")
-    manifest, reused = ensure_stages(cfg, run, plan, force=force)
-    echo(f"compile: {'reused' if reused else 'wrote'} {run / 'stages'}")
-    return chain, plan, manifest
 
 
 def load_plan_file(path: Path) -> dict[str, Any]:

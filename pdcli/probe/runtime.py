@@ -120,7 +120,7 @@ def run_stage_actions(cfg: Any, stages_dir: Path, stage_id: int, num_stages: int
     from pdcli.runtime.comm import Mailbox
     from pdcli.runtime.executor import Executor, StageContext
     from pdcli.runtime.metrics import Timeline
-    from pdcli.runtime.optim import build_optimizer
+    from pdcli.torchutil.optim import build_optimizer
     from pdcli.runtime.placement import Placement
     from pdcli.schedule import ScheduleSpec, build_for
     from pdcli.runtime.stageio import StageIO

@@ -1,0 +1,86 @@
+"""The profile step: reuse `profile.json` when its inputs are unchanged, else measure and write it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from pdcli.config.schema import Config
+from pdcli.errors import UserError
+from pdcli.profiler.chain import Chain
+from pdcli.probe.profile import (
+    cpu_threads_per_worker,
+    pipeline_probe_minibatches,
+    profile_batch_size,
+    profile_config,
+    profile_device,
+)
+from pdcli.rundir import RunDir, artifact_inputs_hash
+
+PROFILE_ARTIFACT = "profile.json"
+
+
+MEASURES = 5
+"""What the profiler measures, counted up when it measures more (2: each position's
+`wgrad_ms`; 3: the runtime probe; 4: each position's module name and the `pipe_split()`
+markers; 5: what stages hold, `meta.held_memory`), so a run directory profiled by an older pd is measured
+again, not reused."""
+
+
+TRAINING_ONLY = {"data": ("eval_path", "eval_fraction"), "optim": ("schedule", "clip_grad_norm")}
+"""Config fields that change what training computes but not what the profile measures (clipping's
+norm and its small all-reduce per update are not in the profile's optimizer step)."""
+
+
+def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | None) -> str:
+    """Hash of everything the profile depends on: model, data, optimizer, profile settings,
+    batch, device, and what the profiler measures."""
+    section: dict[str, Any] = {
+        "measures": MEASURES,
+        "model": asdict(cfg.model),
+        "data": {k: v for k, v in asdict(cfg.data).items() if k not in TRAINING_ONLY["data"]},
+        "optim": {k: v for k, v in asdict(cfg.optim).items() if k not in TRAINING_ONLY["optim"]},
+        "profile": asdict(cfg.profile),
+        "microbatch_size": profile_batch_size(cfg),
+        "device": device.type,
+        "num_threads": num_threads,
+    }
+    if cfg.profile.runtime_probe:  # the probe runs the schedule's microbatches as training will
+        section["probe"] = {"num_microbatches": cfg.schedule.num_microbatches, "precision": cfg.train.precision,
+                            "recompute": cfg.train.recompute, "seed": cfg.train.seed}
+        pipeline_minibatches = pipeline_probe_minibatches(cfg)
+        section["probe"]["pipeline_minibatches"] = pipeline_minibatches
+        if pipeline_minibatches:  # a real run of the schedule on this cluster's links
+            section["probe"].update(schedule=asdict(cfg.schedule), batch_size=cfg.data.batch_size,
+                                    devices=cfg.num_devices, levels=[asdict(x) for x in cfg.cluster.levels],
+                                    train={k: getattr(cfg.train, k) for k in ("threads_per_worker", "spin_wait_ms", "transport")})
+    return artifact_inputs_hash(section)
+
+
+def ensure_profile(
+    cfg: Config, run: RunDir, force: bool = False, progress: bool = True
+) -> tuple[Chain, bool]:
+    """The run's profile chain and whether it was reused (inputs unchanged, no `force`)."""
+    device = profile_device(cfg)
+    num_threads = cpu_threads_per_worker(cfg) if device.type == "cpu" else None
+    inputs_hash = profile_inputs_hash(cfg, device, num_threads)
+    if not force and run.fresh(PROFILE_ARTIFACT, inputs_hash):
+        return load_profile(run), True
+
+    chain = profile_config(cfg, device, num_threads, inputs_hash, progress=progress)
+    run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
+    return chain, False
+
+
+def load_profile(run: RunDir) -> Chain:
+    """The run's `profile.json` (checked against the manifest) as a Chain."""
+    obj = run.read_json(PROFILE_ARTIFACT)
+    try:
+        return Chain.from_json(obj)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"{run / PROFILE_ARTIFACT}: not a pd profile ({type(e).__name__}: {e})",
+            hint="delete it and run `pd profile` again (or pass --force)",
+        ) from None

@@ -1,0 +1,35 @@
+"""The train step's inputs: the profile, the plan and the stages, each reused while its inputs are
+unchanged. Training itself is never reused: `pdcli.runtime.job` launches it on what these made."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pdcli.config.schema import Config
+from pdcli.planner.render import plan_notes
+from pdcli.profiler.chain import Chain
+from pdcli.rundir import RunDir
+from pdcli.steps.compile import STAGES, ensure_stages
+from pdcli.steps.plan import PLAN, ensure_plan
+from pdcli.steps.profile import PROFILE_ARTIFACT, ensure_profile
+
+Echo = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def ensure_all(
+    cfg: Config, run: RunDir, force: bool = False, echo: Echo = _quiet, progress: bool = False
+) -> tuple[Chain, dict[str, Any], dict[str, Any]]:
+    """Profile, plan and compile as needed; `force` redoes all three."""
+    chain, reused = ensure_profile(cfg, run, force=force, progress=progress)
+    echo(f"profile: {'reused' if reused else 'measured'} {run / PROFILE_ARTIFACT}")
+    plan, reused = ensure_plan(cfg, run, chain, force=force)
+    echo(f"plan:    {'reused' if reused else 'wrote'} {run / PLAN}")
+    for note in plan_notes(plan):
+        echo(f"         {note}")
+    manifest, reused = ensure_stages(cfg, run, plan, force=force)
+    echo(f"compile: {'reused' if reused else 'wrote'} {run / STAGES}")
+    return chain, plan, manifest

@@ -1,7 +1,10 @@
-"""The `pd` app in-process (typer's CliRunner): exit codes and messages of user errors."""
+"""The `pd` app in-process (typer's CliRunner; `--debug`'s traceback in a process of its own):
+exit codes and messages of user errors."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -53,5 +56,13 @@ def test_user_errors_exit_2_without_traceback(tmp_path: Path) -> None:
 
 
 def test_debug_shows_the_exception(tmp_path: Path) -> None:
-    result = invoke("--debug", "config", "show", str(tmp_path / "missing.yaml"))
-    assert result.exit_code != 0 and result.exception is not None
+    """With --debug a user error keeps its traceback. CliRunner catches the exception before
+    it is printed, so the command runs as `pd` does, in a process of its own."""
+    missing = str(tmp_path / "missing.yaml")
+    shown = subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "--debug", "config", "show", missing],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert shown.returncode == 1, shown.stderr
+    assert "Traceback (most recent call last)" in shown.stderr
+    assert f"pdcli.errors.UserError: recipe not found: {missing}" in shown.stderr
+    plain = invoke("config", "show", missing)
+    assert plain.exit_code == 2 and "Traceback" not in plain.output

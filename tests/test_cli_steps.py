@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pdcli.cli import app
+from pdcli.profiler.chain import Chain, ChainNode
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "recipes/quickstart.yaml")
@@ -71,15 +72,20 @@ def test_hand_edited_artifact_is_refused(root: str, tmp_path: Path) -> None:
     assert invoke("plan", QUICKSTART, root, "--force").exit_code == 0
 
 
+def fixed_profile(path: Path, batch_size: int = 64) -> str:
+    """A profile the test writes (8 equal layers, no measured runtime costs): plans made from
+    it are the same under any load of the host."""
+    nodes = tuple(ChainNode(name=f"n{i}", label=f"l{i}", fwd_ms=1.0, bwd_ms=2.0, parameter_bytes=50_000,
+                            activation_bytes=16_000) for i in range(8))
+    path.write_text(json.dumps(Chain(nodes=nodes, cut_bytes=(16_000,) * 7, meta={"batch_size": batch_size}).to_json()))
+    return str(path)
+
+
 def test_plan_diff_exit_codes(root: str, tmp_path: Path) -> None:
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    # the profile's cost model (no runtime probe): on this 2-core host the measured one rightly
-    # predicts nothing from 4 workers, and this test is about the diff. Both plans read one
-    # profile: two profiles measured apart differ by the host's load, not by the plan
-    legacy = "profile.runtime_probe=false"
-    assert invoke("plan", QUICKSTART, root, legacy, "-o", str(a)).exit_code == 0
-    profile = str(tmp_path / "quickstart" / "profile.json")
-    assert invoke("plan", QUICKSTART, root, legacy, "--gpus", "4", "--profile", profile, "-o", str(b)).exit_code == 0
+    profile = fixed_profile(tmp_path / "profile.json")
+    assert invoke("plan", QUICKSTART, root, "--profile", profile, "-o", str(a)).exit_code == 0
+    assert invoke("plan", QUICKSTART, root, "--gpus", "4", "--profile", profile, "-o", str(b)).exit_code == 0
     same = invoke("plan", "diff", str(a), str(a))
     assert same.exit_code == 0, same.output
     changed = invoke("plan", "diff", str(a), str(b), "--format", "markdown")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import nn
 
-from pdcli.models.init import init_relu_net
+from pdcli.models.vgg import VGG
 
 # Below this image side the 11x11/stride-4 stem would shrink the image to nothing.
 SMALL_IMAGE_SIZE = 64
@@ -14,18 +14,9 @@ def _conv_out(side: int, kernel: int, stride: int, padding: int) -> int:
     return (side + 2 * padding - kernel) // stride + 1
 
 
-class AlexNet(nn.Module):
-    """Features, flatten, classifier."""
-
-    def __init__(self, features: nn.Sequential, classifier: nn.Sequential) -> None:
-        super().__init__()
-        self.features = features
-        self.flatten = nn.Flatten()
-        self.classifier = classifier
-        init_relu_net(self)
-
-    def forward(self, images: Tensor) -> Tensor:
-        return self.classifier(self.flatten(self.features(images)))
+class AlexNet(VGG):
+    """VGG's frame (features, flatten, classifier, the same init) around AlexNet's layers; its
+    own class so that profiles and traces name the model AlexNet."""
 
 
 def alexnet(

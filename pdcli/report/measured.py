@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from pdcli.errors import UserError
 from pdcli.runtime.evaluation import EVAL_KEYS, is_eval_line
 from pdcli.runtime.events import read_events
+from pdcli.runtime.metrics import read_metrics
 
 TRAIN_DIR = "train"
 SUMMARY_FILE = "summary.json"  # pdcli.runtime.session.SUMMARY_FILE
@@ -151,19 +152,6 @@ def _read_json(path: Path, next_step: str) -> Any:
         raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})", hint=f"re-run `{next_step}`") from None
 
 
-def read_metrics_lines(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of metrics.jsonl (a half-written last line is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 def completion_times_ms(first_stage: Sequence[RankTrace], num_microbatches: int) -> list[float]:
     """When each minibatch completed: the end of the last backward (and, with a split backward,
     the last WeightGrads) of its microbatches on the first stage, as the simulator counts it.
@@ -213,7 +201,7 @@ def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage
             actions_ms=dict(sorted(actions.items())),
         ))
     first = [r for rank, r in ranks.items() if stage_of_rank.get(rank) == 0]
-    lines = read_metrics_lines(train_dir / METRICS_FILE)
+    lines = read_metrics(train_dir / METRICS_FILE)
     accuracy = summary.get("final_accuracy")
     return Measured(
         schedule=str(summary["schedule"]), num_steps=steps, batch_size=batch_size, num_microbatches=num_microbatches,

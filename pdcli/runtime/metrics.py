@@ -210,7 +210,8 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Every complete line of a metrics.jsonl (a half-written last line is skipped)."""
+    """Every complete line of a JSON-lines file (metrics.jsonl, events.jsonl; a half-written last
+    line is skipped)."""
     if not path.exists():
         return []
     out = []

@@ -56,10 +56,10 @@ def test_profile_exports_pipedream_graph_that_plans_alike(root: str, tmp_path: P
     assert [(s["start"], s["end"], s["replicas"]) for s in from_graph["stages"]] == [
         (s["start"], s["end"], s["replicas"]) for s in own_plan["stages"]
     ]
-    # graph.txt has no field for the profiled batch (a microbatch of 16 here): its costs are
-    # per microbatch, the run's own profile is scaled to the minibatch of 64
+    # graph.txt has no field for the profiled batch (a microbatch of 16 here): the export
+    # writes the costs of the minibatch of 64, the batch the run's own profile is scaled to
     ratio = own_plan["pipeline"]["time_per_minibatch_ms"] / from_graph["pipeline"]["time_per_minibatch_ms"]
-    assert ratio == pytest.approx(4.0, rel=1e-3)
+    assert ratio == pytest.approx(1.0, rel=1e-3)
 
 
 def test_hand_edited_artifact_is_refused(root: str, tmp_path: Path) -> None:

@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from typer.testing import CliRunner
+
+from pdcli.cli import app
 from pdcli.errors import UserError
+from pdcli.profiler.antichain import TooManyStates, antichain_states
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain, ChainNode
 from pdcli.profiler.graphtxt import (
@@ -192,3 +196,21 @@ def test_a_truncated_copy_of_a_shared_profile_is_refused_at_a_line(shared: Path,
     result = CliRunner().invoke(app, ["plan", "--profile", str(truncated), "--gpus", "4"])
     assert result.exit_code == 2 and f"error: {truncated}:" in result.output, result.output
     assert "Traceback" not in result.output and "truncated" in result.output
+
+
+@pytest.mark.skipif(not (SHARED / "inception_v3/graph.txt").exists(), reason="../shared/pipedream-profiles absent")
+def test_a_graph_past_the_state_limit_stops_with_exit_2(tmp_path: Path) -> None:
+    """inception_v3's linearization has 221,564 states (PipeDream runs out of memory on it): pd
+    stops at plan.max_states, at once, with one message naming the limit."""
+    profile = SHARED / "inception_v3/graph.txt"
+    result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--gpus", "4", f"run.root={tmp_path}",
+                                      "plan.cost_model=pipedream", "plan.max_states=500"])
+    assert result.exit_code == 2, result.output
+    assert "more than 500 states (plan.max_states=500)" in result.output and "Traceback" not in result.output
+    with pytest.raises(TooManyStates):
+        antichain_states(load_graph(profile), max_states=500)
+    # a graph within the limit plans as before
+    vgg = SHARED / "vgg16/graph.txt"
+    assert len(antichain_states(load_graph(vgg), max_states=40).states) == 40
+    with pytest.raises(TooManyStates):
+        antichain_states(load_graph(vgg), max_states=39)

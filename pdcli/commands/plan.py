@@ -45,14 +45,28 @@ def gpus_override(cfg: Config, gpus: int) -> list[str]:
     ]
 
 
-def read_profile(path: Path) -> Chain:
-    """A chain from our profile.json or from PipeDream's graph.txt."""
+STATE_PAIR_BYTES = 256
+"""The search's memory per pair of chain positions (measured: 2000 positions, about 1 GB)."""
+
+
+def read_profile(path: Path, max_states: int) -> Chain:
+    """A chain from our profile.json or from PipeDream's graph.txt (at most `max_states`
+    antichain states, `plan.max_states`)."""
     if not path.exists():
         raise UserError(f"--profile: file not found: {path}")
     if path.suffix == ".txt":
+        from pdcli.profiler.antichain import TooManyStates
         from pdcli.profiler.graphtxt import graph_to_chain, load_graph
 
-        return graph_to_chain(load_graph(path))
+        try:
+            return graph_to_chain(load_graph(path), max_states=max_states)
+        except TooManyStates as e:
+            raise UserError(
+                f"{path}: {e.message} (plan.max_states={e.limit}); the search over them would need more "
+                "memory than that limit allows",
+                hint=f"raise plan.max_states (memory grows with its square: {e.limit} is about "
+                     f"{e.limit ** 2 * STATE_PAIR_BYTES / 2 ** 30:.1f} GB), or compress the graph's parallel branches first, "
+                     "as PipeDream's preprocessing does") from None
     try:
         return Chain.from_json(read_json(path, "profile"))
     except (KeyError, TypeError, ValueError) as e:
@@ -89,7 +103,7 @@ def plan(
     from pdcli.steps.plan import ensure_plan, make_plan
 
     if profile_file is not None:
-        chain = read_profile(profile_file)
+        chain = read_profile(profile_file, cfg.plan.max_states)
         plan_json = make_plan(chain, cfg, sha256_file(profile_file))
         target = out or run / "plan.json"
         atomic_write_json(target, plan_json)

@@ -33,8 +33,8 @@ def profile(
     if export_graph is not None:
         from pdcli.profiler.graphtxt import chain_to_graph, write_graph
 
-        write_graph(chain_to_graph(chain), export_graph)
-        echo_err(f"wrote {export_graph} (PipeDream graph.txt)")
+        write_graph(chain_to_graph(chain, loaded.config.data.batch_size), export_graph)
+        echo_err(f"wrote {export_graph} (PipeDream graph.txt, times of a {loaded.config.data.batch_size}-sample minibatch)")
     if fmt == "json":
         typer.echo(json.dumps(chain.to_json(), indent=1))
         return

@@ -131,6 +131,10 @@ class PlanConfig:
     """Fix cuts by chain position (where stages 1.. start, e.g. [9]); null = search."""
     replicas: Optional[List[int]] = None
     """Fix the replicas of each stage (e.g. [3, 1]: one entry per stage); null = search."""
+    max_states: int = 2000
+    """PipeDream graph.txt profiles: the most antichain states (chain positions) the
+    linearization may make; past it `pd plan` stops with exit 2 (the search's memory grows
+    with their square: 2000 take about 1 GB)."""
 
 
 @dataclass
@@ -334,6 +338,7 @@ def check_values(cfg: Config) -> list[str]:
     positive("profile.probe_minibatches", cfg.profile.probe_minibatches)
     positive("profile.pipeline_probe_minibatches", cfg.profile.pipeline_probe_minibatches, allow_zero=True)
     positive("plan.num_stages", cfg.plan.num_stages)
+    positive("plan.max_states", cfg.plan.max_states)
     for i, item in enumerate(cfg.plan.split_points or []):
         try:
             split_point_fields(item)

@@ -30,6 +30,15 @@ UNUSED_SINK_PREFIX = "__getitem__"
 """graph.txt: a sink whose description starts so is an unused output (dropped)."""
 
 
+class TooManyStates(UserError):
+    """The linearization would make more states than it was allowed (it stops there, before
+    the states and their ancestor sets fill the memory)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the graph's antichain linearization has more than {limit} states")
+        self.limit = limit
+
+
 @dataclass(frozen=True)
 class AntichainState:
     """One position of the linearization, with sums over the graph nodes it covers."""
@@ -155,7 +164,8 @@ def _dfs_topological(order: list[int], out: dict[int, list[int]]) -> list[int]:
     return post[::-1]
 
 
-def antichain_states(graph: Graph) -> Linearization:
+def antichain_states(graph: Graph, max_states: int | None = None) -> Linearization:
+    """PipeDream's states of `graph`, in its order; TooManyStates past `max_states` (None: no limit)."""
     names = [n.node_id for n in graph.nodes]
     index = {name: i for i, name in enumerate(names)}
     succ: list[list[int]] = [[] for _ in names]
@@ -201,6 +211,8 @@ def antichain_states(graph: Graph) -> Linearization:
             if key not in ids:
                 ids[key] = len(antichains)
                 antichains.append(nxt)
+                if max_states is not None and len(antichains) > max_states:
+                    raise TooManyStates(max_states)
             out_edges.setdefault(sid, []).append(ids[key])
             insertion.setdefault(sid)
             insertion.setdefault(ids[key])

@@ -218,9 +218,10 @@ def write_graph(graph: Graph, path: str | Path) -> None:
 # -- chain <-> graph ------------------------------------------------------------------------
 
 
-def graph_to_chain(graph: Graph, source: str = "") -> Chain:
-    """Linearize `graph` into PipeDream's antichain states, one chain position per state."""
-    lin = antichain_states(graph)
+def graph_to_chain(graph: Graph, source: str = "", max_states: int | None = None) -> Chain:
+    """Linearize `graph` into PipeDream's antichain states, one chain position per state
+    (`TooManyStates` past `max_states`)."""
+    lin = antichain_states(graph, max_states)
     by_id = {n.node_id: n for n in graph.nodes}
     seen: set[str] = set()
     nodes: list[ChainNode] = []
@@ -271,16 +272,22 @@ def _mask_hex(bits: Sequence[int] | Any) -> str:
     return format(value, "x")
 
 
-def chain_to_graph(chain: Chain) -> Graph:
-    """One of our chains as a linear graph.txt (an `Input0` node first, then one node per position)."""
-    nodes = [GraphNode("node0", "Input0", 0.0, 0.0, (float(chain.input_bytes),), 0.0)]
+def chain_to_graph(chain: Chain, batch_size: int | None = None) -> Graph:
+    """One of our chains as a linear graph.txt (an `Input0` node first, then one node per
+    position). graph.txt has no field for the batch it was measured at: PipeDream's
+    convention, and `pd plan --profile graph.txt`'s, is the minibatch that will be planned,
+    so with `batch_size` (that minibatch) times and activation bytes are scaled from the
+    batch the chain was profiled at (`meta.batch_size`) to it."""
+    profiled = chain.meta.get("batch_size")
+    scale = batch_size / float(profiled) if batch_size and profiled else 1.0
+    nodes = [GraphNode("node0", "Input0", 0.0, 0.0, (float(chain.input_bytes) * scale,), 0.0)]
     for i, n in enumerate(chain.nodes):
         desc = " ".join(n.label.replace(" -- ", " - ").split()) or n.name
         if desc.startswith((INPUT_PREFIX, UNUSED_SINK_PREFIX)):
             desc = f"layer {desc}"  # these prefixes make PipeDream drop the node
         act = chain.cut_bytes[i] if i < len(chain.cut_bytes) else n.activation_bytes
         nodes.append(
-            GraphNode(f"node{i + 1}", desc, float(n.fwd_ms), float(n.bwd_ms), (float(act),),
+            GraphNode(f"node{i + 1}", desc, float(n.fwd_ms) * scale, float(n.bwd_ms) * scale, (float(act) * scale,),
                       float(n.parameter_bytes))
         )
     edges = tuple((f"node{i}", f"node{i + 1}") for i in range(len(chain.nodes)))

@@ -201,7 +201,10 @@ def fit_shared(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any], comput
         if replayed is None:
             return runtime
         low, high = (mid, high) if replayed < compute_ms else (low, mid)
-    return at((low * high) ** 0.5)
+    # the replay's compute can jump inside the last bracket (the cores' queue changes order):
+    # take whichever end computes closest to the run
+    ends = [at(low), at(high)]
+    return min(ends, key=lambda r: abs((replayed_compute_ms(r, chain, plan) or 0.0) - compute_ms))
 
 
 def replayed_compute_ms(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> float | None:
@@ -235,4 +238,5 @@ def fit_latency(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any], targe
     for _ in range(LATENCY_BISECTIONS):
         mid = (low + high) / 2
         low, high = (mid, high) if replayed_ms(at(mid), chain, plan) < target_ms else (low, mid)
-    return at((low + high) / 2)
+    # the replay's time can jump inside the last bracket: take the end closest to the target
+    return min((at(low), at(high)), key=lambda r: abs(replayed_ms(r, chain, plan) - target_ms))

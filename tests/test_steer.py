@@ -295,3 +295,13 @@ def test_cuts_on_the_command_line_replace_the_recipes_stage_count(tmp_path: Path
     result = runner.invoke(app, [*common, "plan.num_stages=2"])
     assert result.exit_code == 2 and "2 fixed cuts make 3 stages but plan.num_stages is 2" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_profile_with_more_positions_than_plan_max_states_is_refused(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(named_chain().to_json()))  # 10 positions
+    common = ["plan", QUICKSTART, "--profile", str(profile), f"run.root={tmp_path}"]
+    result = CliRunner().invoke(app, [*common, "plan.max_states=9"])
+    assert result.exit_code == 2 and "the profile has 10 positions, more than plan.max_states=9" in result.output
+    assert "Traceback" not in result.output
+    assert CliRunner().invoke(app, [*common, "plan.max_states=10"]).exit_code == 0

@@ -45,16 +45,13 @@ def gpus_override(cfg: Config, gpus: int) -> list[str]:
     ]
 
 
-STATE_PAIR_BYTES = 256
-"""The search's memory per pair of chain positions (measured: 2000 positions, about 1 GB)."""
-
-
 def read_profile(path: Path, max_states: int) -> Chain:
     """A chain from our profile.json or from PipeDream's graph.txt (at most `max_states`
     antichain states, `plan.max_states`)."""
     if not path.exists():
         raise UserError(f"--profile: file not found: {path}")
     if path.suffix == ".txt":
+        from pdcli.planner.options import search_memory_text
         from pdcli.profiler.antichain import TooManyStates
         from pdcli.profiler.graphtxt import graph_to_chain, load_graph
 
@@ -65,7 +62,7 @@ def read_profile(path: Path, max_states: int) -> Chain:
                 f"{path}: {e.message} (plan.max_states={e.limit}); the search over them would need more "
                 "memory than that limit allows",
                 hint=f"raise plan.max_states (memory grows with its square: {e.limit} is about "
-                     f"{e.limit ** 2 * STATE_PAIR_BYTES / 2 ** 30:.1f} GB), or compress the graph's parallel branches first, "
+                     f"{search_memory_text(e.limit)}), or compress the graph's parallel branches first, "
                      "as PipeDream's preprocessing does") from None
     try:
         return Chain.from_json(read_json(path, "profile"))

@@ -132,8 +132,8 @@ class PlanConfig:
     replicas: Optional[List[int]] = None
     """Fix the replicas of each stage (e.g. [3, 1]: one entry per stage); null = search."""
     max_states: int = 2000
-    """PipeDream graph.txt profiles: the most antichain states (chain positions) the
-    linearization may make; past it `pd plan` stops with exit 2 (the search's memory grows
+    """The most chain positions the search takes (a PipeDream graph.txt: antichain states, the
+    linearization stops there); past it `pd plan` stops with exit 2 (the search's memory grows
     with their square: 2000 take about 1 GB)."""
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pdcli.errors import UserError
 from pdcli.planner.evaluate import ACTIONS_KEY, PlanEval, batch_scale, evaluate_pd, evaluate_pipedream
-from pdcli.planner.options import COST_PIPEDREAM, PlanOptions
+from pdcli.planner.options import COST_PIPEDREAM, PlanOptions, search_memory_text
 from pdcli.planner.pipedream import pipedream_data_parallel_s, pipedream_search
 from pdcli.planner.plan import Plan, Stage
 from pdcli.planner.search import pd_search
@@ -24,6 +24,10 @@ def _steering(chain: Chain, topology: Topology, options: PlanOptions) -> Steerin
     n, devices = len(chain.nodes), topology.num_devices
     if n == 0:
         raise UserError("the profile has no positions to plan")
+    if options.max_positions is not None and n > options.max_positions:
+        raise UserError(f"the profile has {n} positions, more than plan.max_states={options.max_positions}",
+                        hint=f"raise plan.max_states if this machine has the memory (the search over {n} "
+                             f"positions takes about {search_memory_text(n)})")
     if devices < 1:
         raise UserError(f"the cluster has {devices} devices; a plan needs at least 1")
     steer = steering_of(chain, options.boundaries, options.split_points, options.pipe_splits, options.replicas,

@@ -11,6 +11,13 @@ from pdcli.schedule.spec import PIPEDREAM, SCHEDULES, switch_problems
 
 COST_PD = "pd"
 COST_PIPEDREAM = "pipedream"
+POSITION_PAIR_BYTES = 256
+"""The search's memory per pair of chain positions (measured: 2000 positions, about 1 GB)."""
+
+
+def search_memory_text(positions: int) -> str:
+    """About how much memory the search over `positions` chain positions takes, for messages."""
+    return f"{positions ** 2 * POSITION_PAIR_BYTES / 2 ** 30:.1f} GB"
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,9 @@ class PlanOptions:
     vertical_sync: bool = False
     """`schedule.vertical_sync` (pipedream): a stage holds the weight versions stage 0's
     microbatches pin (see `ScheduleSpec.stash_depth`)."""
+    max_positions: int | None = None
+    """`plan.max_states`: the most chain positions the search takes (its memory grows with
+    their square, `POSITION_PAIR_BYTES` per pair); None = no limit."""
     profile_sha256: str | None = None
     """Recorded in the plan's inputs when given."""
 

@@ -37,6 +37,7 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
         recompute=cfg.train.recompute,
         split_backward=cfg.schedule.split_backward_on,
         vertical_sync=cfg.schedule.vertical_sync,
+        max_positions=cfg.plan.max_states,
         profile_sha256=profile_sha256,
     )
 

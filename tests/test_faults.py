@@ -38,7 +38,7 @@ GENEROUS_S = 60.0
 
 def test_sign_of_life_is_read_back_and_a_finished_rank_is_never_silent(tmp_path: Path) -> None:
     beat = Heartbeat(status_path(tmp_path, 3))
-    beat.beat(2, "Forward(microbatch_id=5)")
+    beat.beat(2, "F5@v0")
     life = read_life(tmp_path, 3)
     assert life is not None and life[0] == os.getpid() and 0 <= life[1] < GENEROUS_S
     beat.alive(done=True)
@@ -144,7 +144,7 @@ def _wait_training(run_dir: Path, ranks: int) -> dict[int, int]:
             p = status_path(run_dir / "train", r)
             text = p.read_bytes().decode(errors="replace") if p.exists() else ""
             step = re.search(r"step=(\d+)", text)
-            if "Forward" in text or "Backward" in text or (step is not None and int(step.group(1)) > 0):
+            if re.search(r"\b[FB]\d+@v\d+", text) or (step is not None and int(step.group(1)) > 0):
                 training.add(r)
         time.sleep(0.05)
     pids = worker_pids(run_dir)

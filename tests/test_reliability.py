@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -287,7 +288,7 @@ def test_worker_killed_from_outside_stops_the_job_fast(tmp_path: Path) -> None:
         while time.monotonic() < deadline:  # wait until rank 1 is training
             status = (status_path(run_dir / "train", 1).read_bytes().decode(errors="replace")
                       if status_path(run_dir / "train", 1).exists() else "")
-            if "Forward" in status or "Backward" in status:
+            if re.search(r"\b[FB]\d+@v\d+", status):  # a Forward or Backward, in the actions' text form
                 break
             time.sleep(0.2)
         pids = worker_pids(run_dir)

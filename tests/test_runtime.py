@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pdcli.errors import UserError
 from pdcli.rundir import RunDir
 from pdcli.runtime import checkpoint
 from pdcli.runtime.comm import MessageLayout, TensorSpec, message_tag
+from pdcli.schedule import parse_action
 from pdcli.runtime.watchdog import FAULT_ENV
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.sockets import TRANSPORT_ENV
@@ -208,7 +210,7 @@ def test_failed_worker_stops_the_job_naming_rank_stage_and_action(
     first_line = message.splitlines()[0]  # the root cause comes first
     assert "rank 1 (stage 1, replica 0)" in first_line, message
     assert "step=2" in first_line or "at step 2" in first_line, message
-    assert "Forward" in first_line or "Backward" in first_line, message  # the action it died in
+    assert re.search(r"\b[FB]\d+@v\d+\b", first_line), message  # the action it died in (text form: F3@v1)
     assert ("exit code 3" if mode == "exit" else "made no progress") in first_line, message
     assert elapsed_s < 60, f"failure took {elapsed_s:.1f} s to stop the job"
     assert processes_mentioning(str(run_dir)) == []
@@ -235,6 +237,8 @@ def test_run_outputs_metrics_trace_checkpoint_and_summary(tmp_path: Path) -> Non
     spans = [e for e in trace if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1, 2}
     assert {"Forward", "Backward", "OptimizerStep", "AllReduceGrads"} <= {e["name"] for e in spans}
+    # each span names its action in the text form, which parses back to an action of its type
+    assert all(type(parse_action(e["args"]["action"])).__name__ == e["name"] for e in spans)
     assert checkpoint.complete_steps(run_dir / "train") == [2, 3]  # every step, the last 2 kept
     state = checkpoint.load_model_state(run_dir / "train", cfg.train.steps)
     assert sorted(state) == sorted(ToyNet(2).state_dict())

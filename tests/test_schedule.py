@@ -446,3 +446,10 @@ def test_the_rules_table_says_what_the_spec_does(name: str) -> None:
             assert all(spec.update_delay(k) == 0 for k in range(len(replicas)))
     with pytest.raises(UserError, match="'zb' is not one of"):
         rules("zb")
+
+
+def test_which_action_texts_wait_for_a_peer() -> None:
+    from pdcli.schedule.actions import waits_for_peer
+
+    assert [waits_for_peer(t) for t in ("RA3<-r0", "RG3<-r1", "AR#2", "F3@v1", "SA3->r0", "U#2/4", "connect")] == [
+        True, True, True, False, False, False, False]

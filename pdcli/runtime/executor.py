@@ -169,8 +169,9 @@ class Executor:
         tl = self.ctx.timeline
         for index, action in enumerate(self.actions):
             self._post_ahead(index)
+            text = S.action_text(action)
             if self.ctx.heartbeat is not None:
-                self.ctx.heartbeat.beat(self.steps_done, repr(action))
+                self.ctx.heartbeat.beat(self.steps_done, text)
             if self._fault is not None and self.steps_done >= self._fault[0] and isinstance(action, (S.Forward, S.Backward)):
                 inject_fault(self._fault[1])  # in compute: a hang there is the cause, not a symptom
             start_s = tl.now()
@@ -178,7 +179,7 @@ class Executor:
             if self._evaluating[index]:  # evaluation time stays out of the training timeline and its totals
                 self.eval_s += tl.now() - start_s
             else:
-                tl.add(type(action).__name__, action_category(action), start_s, tl.now())
+                tl.add(type(action).__name__, action_category(action), start_s, tl.now(), text)
             if on_step is not None and isinstance(action, S.OptimizerStep):
                 on_step(self.steps_done)
         self.ctx.mailbox.drain()

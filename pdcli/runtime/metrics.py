@@ -68,7 +68,8 @@ class Timeline:
     def now(self) -> float:
         return time.perf_counter()
 
-    def add(self, name: str, category: str, start_s: float, end_s: float) -> None:
+    def add(self, name: str, category: str, start_s: float, end_s: float, label: str | None = None) -> None:
+        """A span; `label` (an action's text form, `F3@v1`) goes to the trace event's args."""
         dur_s = end_s - start_s
         attr = f"{category}_ms"
         setattr(self.stats, attr, getattr(self.stats, attr) + dur_s * S_TO_MS)
@@ -82,6 +83,7 @@ class Timeline:
                     "dur": dur_s * S_TO_US,
                     "pid": self.stats.rank,
                     "tid": 0,
+                    **({"args": {"action": label}} if label is not None else {}),
                 }
             )
 

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pdcli.schedule.actions import waits_for_peer
+
 STATUS_BYTES = 512
 ACTION_BYTES = 384
 """The status file: the current step and action in its first ACTION_BYTES, the sign of life after."""
@@ -53,8 +55,9 @@ CHECKPOINT_FAULT_ENV = "PD_TEST_CHECKPOINT_FAULT"
 checkpoint of minibatch `step`: right after writing its stage file (`written`: the checkpoint
 stays incomplete, a crash mid-write) or once the checkpoint is complete (`complete`)."""
 CHECKPOINT_FAULT_POINTS = ("written", "complete")
-WAITING_ACTIONS = ("RecvActivations", "RecvGrads", "AllReduceGrads", "init_process_group", "connect", "checkpoint", "report")
-"""Actions that wait for other ranks: a timeout there points at a peer."""
+WAITING_STEPS = ("init_process_group", "connect", "checkpoint", "report")
+"""Steps outside the action lists that wait for other ranks (with the receives and all-reduces,
+`schedule.actions.waits_for_peer`): a timeout there points at a peer."""
 STARTUP_ACTIONS = ("init_process_group", "load_stage", "connect")
 STARTUP_MIN_TIMEOUT_S = 60.0
 """Start-up (imports, process group, loading the stage) is slow on a loaded host and is not a
@@ -231,7 +234,7 @@ class Watchdog(threading.Thread):
             stuck_s = time.monotonic() - self.heartbeat.started_s
             starting = self.heartbeat.action in STARTUP_ACTIONS
             if stuck_s > (max(self.timeout_s, STARTUP_MIN_TIMEOUT_S) if starting else self.timeout_s):
-                waiting = self.heartbeat.action.startswith(WAITING_ACTIONS)
+                waiting = self.heartbeat.action.startswith(WAITING_STEPS) or waits_for_peer(self.heartbeat.action)
                 if waiting and self.stop_silent_peers(FROZEN_S):
                     continue  # the silent peer is the cause; its death stops the job
                 message = (

@@ -177,6 +177,19 @@ _PATTERNS = [(re.compile("^" + re.sub(r"\\{(\w+)\\}", r"(?P<\1>\\d+)", re.escape
              for kind, form in _TEXT_FORMS.items()]
 
 
+PEER_WAITS: tuple[type, ...] = (RecvActivations, RecvGrads, AllReduceGrads)
+"""Actions that wait for another rank."""
+
+
+def waits_for_peer(text: str) -> bool:
+    """Whether the action whose text form is `text` waits for another rank (False for text
+    that is not an action)."""
+    try:
+        return isinstance(parse_action(text), PEER_WAITS)
+    except ValueError:
+        return False
+
+
 def action_text(action: Action) -> str:
     """The compact text form of `action` (see the module docstring)."""
     return _TEXT_FORMS[type(action)].format(**{f.name: getattr(action, f.name) for f in fields(action)})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -398,10 +399,10 @@ def test_two_network_namespaces_run_one_job_and_a_killed_worker_stops_both(
 
     # kill -9 a worker in namespace 1 while both train: both nodes stop, naming it
     status = b / "mh" / "train" / "status" / "rank1.txt"
-    status.unlink()  # the first run's: it said Forward already
+    status.unlink()  # the first run's: it named a forward already
     node0, node1 = nodes("train.steps=3000", "train.timeout_s=20")  # long enough to be killed in
     deadline_s = time.monotonic() + JOB_TIMEOUT_S
-    while time.monotonic() < deadline_s and not ("Forward" in (status.read_text() if status.exists() else "")
+    while time.monotonic() < deadline_s and not (re.search(r"\bF\d+@v\d+", status.read_text() if status.exists() else "")
                                                  and 1 in worker_pids(b)):
         time.sleep(0.2)
     pid = worker_pids(b)[1]

@@ -78,10 +78,10 @@ from typing import Any
 
 import numpy as np
 
-from pdcli.schedule.spec import FLUSH_SCHEDULES, rules
 from pdcli.planner.runtime_costs import RuntimeCosts
-from pdcli.schedule.simulator import StageCost, simulate
 from pdcli.schedule import ScheduleSpec
+from pdcli.schedule.simulator import StageCost, simulate
+from pdcli.schedule.spec import FLUSH_SCHEDULES, rules
 
 MS_PER_S = 1000.0
 SHARE_DIGITS = 6

@@ -13,16 +13,16 @@ from pdcli.planner.costs import (
 )
 from pdcli.planner.memory import StageMemory, VerticalSync, stage_memory
 from pdcli.planner.options import PlanOptions
-from pdcli.schedule.spec import FLUSH_SCHEDULES
 from pdcli.planner.pipedream import ALLREDUCE_FACTOR, TRANSFER_FACTOR, PdStage
 from pdcli.planner.search import (
     backward_split, compute_scale_of, covered_or_zeros, optimizer_step_matrix, oversubscription_of, runtime_of,
 )
-from pdcli.schedule.simulator import Simulation, StageCost, simulate
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
 from pdcli.profiler.chain import Chain
 from pdcli.schedule import ScheduleSpec
+from pdcli.schedule.simulator import Simulation, StageCost, simulate
+from pdcli.schedule.spec import FLUSH_SCHEDULES
 
 TERM_NAMES = ("fwd_ms", "bwd_ms", "compute_ms", "optimizer_ms", "sync_ms", "comm_in_ms", "comm_out_ms",
               "stage_time_ms")

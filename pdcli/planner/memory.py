@@ -89,7 +89,13 @@ def weight_versions(schedule: str, devices_from: Any, replicas: Any, vertical_sy
         return np.full(np.shape(devices_from), buffers)
     if vertical_sync is not None:
         return _synced_versions(vertical_sync, devices_from, replicas)
-    return -(-np.asarray(devices_from) // np.asarray(replicas))  # one per microbatch in flight: ceil division
+    return _in_flight(devices_from, replicas)  # one per microbatch in flight
+
+
+def _in_flight(devices_from: Any, replicas: Any) -> Any:
+    """Microbatches one replica has in flight in 1F1B order: the devices from its stage to the
+    end over its replicas, rounded up (`ScheduleSpec.num_in_flight`)."""
+    return -(-np.asarray(devices_from) // np.asarray(replicas))
 
 
 def _synced_versions(sync: VerticalSync, devices_from: Any, replicas: Any) -> np.ndarray:
@@ -98,7 +104,7 @@ def _synced_versions(sync: VerticalSync, devices_from: Any, replicas: Any) -> np
     values = []
     for dev_from, reps in pairs.tolist():
         if not 1 <= reps <= dev_from <= sync.devices:  # cells no plan on these devices uses
-            values.append(-(-dev_from // max(reps, 1)))
+            values.append(_in_flight(dev_from, max(reps, 1)))
         elif dev_from == sync.devices:
             values.append(vertical_sync_versions(sync.devices, reps, dev_from, reps))
         else:
@@ -111,7 +117,7 @@ def activation_sets(schedule: str, devices_from: Any, replicas: Any, num_microba
     """How many microbatch activation sets one replica of a stage holds at its peak, as
     `ScheduleSpec.stash_depth` (without a split backward; the flush schedules' peaks, split
     or not, come from their action lists: `timeline_peaks`)."""
-    devices_first = -(-np.asarray(devices_from) // np.asarray(replicas))  # ceil division
+    devices_first = _in_flight(devices_from, replicas)
     share = num_microbatches // np.asarray(replicas)
     in_flight = rules(schedule).in_flight
     if in_flight == "devices":

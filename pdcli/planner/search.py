@@ -37,10 +37,10 @@ from pdcli.planner.costs import (
 )
 from pdcli.planner.memory import VerticalSync, stage_memory
 from pdcli.planner.options import PlanOptions
-from pdcli.schedule.spec import FLUSH_SCHEDULES, rules
 from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
+from pdcli.schedule.spec import FLUSH_SCHEDULES, rules
 
 StageCost = Callable[[int, int], np.ndarray]
 """(suffix devices d, replicas r) -> cost of [i, e) as first stage, shape (L or 1, n, n + 1)."""

@@ -21,10 +21,10 @@ from typing import Any
 
 from pdcli.planner.costs import updates_per_minibatch
 from pdcli.planner.evaluate import ACTIONS_KEY, replay_stage_costs
-from pdcli.schedule.spec import FLUSH_SCHEDULES
-from pdcli.schedule.simulator import Simulation, StageCost, simulate
 from pdcli.runtime.metrics import CATEGORIES, COMM, COMPUTE, IDLE, action_category
 from pdcli.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads
+from pdcli.schedule.simulator import Simulation, StageCost, simulate
+from pdcli.schedule.spec import FLUSH_SCHEDULES
 
 MAX_SIMULATED_STEPS = 200
 """Longer runs are simulated over this many minibatches (per-minibatch values barely change)."""

@@ -17,7 +17,7 @@ microbatch 1 under id 3, `EE#10` end of the evaluation after 10 minibatches.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Mapping, TypeVar, Union
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def waits_for_peer(text: str) -> bool:
 
 def action_text(action: Action) -> str:
     """The compact text form of `action` (see the module docstring)."""
-    return _TEXT_FORMS[type(action)].format(**{f.name: getattr(action, f.name) for f in fields(action)})
+    return _TEXT_FORMS[type(action)].format_map(vars(action))  # as cheap as repr: the executor calls it per action
 
 
 def parse_action(text: str) -> Action:

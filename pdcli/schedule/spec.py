@@ -1,9 +1,9 @@
-"""Pipeline schedules as data: typed actions and the ordered action list of every process.
+"""The rules of each schedule: `RULES` (what the planner, the config and the runtime ask) and
+`ScheduleSpec`, everything that fixes a run's action lists (`pdcli.schedule.lower` builds
+them, `pdcli.schedule.actions` defines their actions).
 
 A process is one replica of one stage. Its list fixes the order of everything it does,
-so the numerics of a run never depend on timing. The executor interprets a list with
-a table `{ActionType: handler}` (see `dispatch`); the checker and the simulator replay
-the same lists.
+so the numerics of a run never depend on timing.
 
 Words: a *minibatch* is one batch of the data loader (`num_microbatches` microbatches).
 Microbatch `k` of minibatch `t` has the global id `t * num_microbatches + k`.

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from pdcli.planner import PlanOptions, Topology, plan_chain
+from pdcli.planner.evaluate import batch_scale, evaluate_pd
 from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, TERMS, Affine, ModeCosts, RuntimeCosts
+from pdcli.planner.search import pd_search
+from pdcli.planner.space import SplitSpace
 from pdcli.schedule.simulator import StageCost, simulate
 from pdcli.profiler.chain import Chain, ChainNode
 from pdcli.probe.runtime import fit_affine, probe_boundaries
@@ -153,3 +156,35 @@ def test_replay_refines_the_searched_split() -> None:
     for other in range(1, len(c.nodes)):
         if other != cut:
             assert predicted_ms(c, boundaries=(other,)) >= plan.time_per_minibatch_ms * (1 - 1e-9) or abs(other - cut) > 2
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b", "2bw"])
+def test_replay_ranks_the_stage_counts(schedule: str) -> None:
+    """The search's own pick (data parallelism here, by its stage-time model) is not what the
+    plan keeps when another stage count's best replays faster: the plan is at least as fast
+    as every stage count's searched plan, replayed."""
+    c = chain(n=12)
+    topology = Topology.flat(4, 1e9)
+    options = PlanOptions(schedule=schedule, num_microbatches=4, batch_size=64, split_backward=schedule == "1f1b")
+    plan = plan_chain(c, topology, options)
+    space, scale = SplitSpace.from_chain(c), batch_scale(c.meta, options)
+    per_count = []
+    for count in range(1, 5):
+        found = pd_search(space, topology, dataclasses.replace(options, num_stages=count), scale)
+        assert found is not None
+        partition = [(s.start, s.end, s.replicas) for s in found.stages]
+        per_count.append(evaluate_pd(space, topology, options, scale, partition).time_per_minibatch_ms)
+    assert plan.time_per_minibatch_ms <= min(per_count) * (1 + 1e-9)
+    assert plan.time_per_minibatch_ms < per_count[0] * 0.99  # faster than the search's pick, 1 stage x 4
+    assert pd_search(space, topology, options, scale).stages[0].replicas == 4
+
+
+def test_the_unconstrained_best_is_never_slower_than_the_users_split() -> None:
+    """The user's split is a plan without constraints too: when the free search's plan replays
+    slower, the user's is the unconstrained best (0% faster, not a negative gain)."""
+    c = chain(n=12)
+    for boundary in (10, 11):
+        options = PlanOptions(schedule="pipedream", num_microbatches=4, batch_size=64, boundaries=(boundary,))
+        plan = plan_chain(c, Topology.flat(2, 1e9), options)
+        free = plan.pipeline["unconstrained"]
+        assert free["boundaries"] == [boundary] and free["faster_pct"] == 0.0

@@ -10,7 +10,7 @@ from pdcli.planner.evaluate import ACTIONS_KEY, PlanEval, batch_scale, evaluate_
 from pdcli.planner.options import COST_PIPEDREAM, PlanOptions, search_memory_text
 from pdcli.planner.pipedream import pipedream_data_parallel_s, pipedream_search
 from pdcli.planner.plan import Plan, Stage
-from pdcli.planner.search import pd_search
+from pdcli.planner.search import SearchResult, pd_search
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.steer import Steering, cut_names, steering_of
 from pdcli.planner.topology import Topology
@@ -90,6 +90,38 @@ def refine_by_replay(space: SplitSpace, topology: Topology, options: PlanOptions
     return best
 
 
+REPLAY_SLACK = 1.25
+"""The replay re-ranks the search's best plan of each stage count whose searched time is
+within this factor of the overall best's."""
+
+
+def rank_by_replay(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
+                   found: SearchResult) -> PlanEval:
+    """The search ranks plans by its stage-time model; the replay of the action lists is what
+    the plan reports. Among the search's plan and its best plan of every other stage count
+    within REPLAY_SLACK (when the stage count is free), each refined by `refine_by_replay`,
+    the fastest replay; the search's plan wins ties."""
+    candidates = [found]
+    if options.num_stages is None and options.replicas is None:
+        for count in range(1, min(space.num_positions, topology.num_devices) + 1):
+            other = pd_search(space, topology, dataclasses.replace(options, num_stages=count), scale)
+            if other is not None and other.objective <= found.objective * REPLAY_SLACK:
+                candidates.append(other)
+    best: PlanEval | None = None
+    seen = set()
+    for candidate in candidates:
+        partition = tuple((s.start, s.end, s.replicas) for s in candidate.stages)
+        if partition in seen:
+            continue
+        seen.add(partition)
+        result = refine_by_replay(space, topology, options, scale, evaluate_pd(space, topology, options, scale,
+                                                                                 partition))
+        if best is None or result.time_per_minibatch_ms < best.time_per_minibatch_ms:
+            best = result
+    assert best is not None
+    return best
+
+
 def plan_chain(chain: Chain, topology: Topology, options: PlanOptions) -> Plan:
     """The best plan for `chain` on `topology` under `options` (UserError if none fits): the
     search places whatever the user did not fix (`pdcli.planner.steer`). When the user fixed a
@@ -105,6 +137,8 @@ def plan_chain(chain: Chain, topology: Topology, options: PlanOptions) -> Plan:
             unconstrained, _ = _best(space, topology, free, scale, Steering())
         except UserError:  # nothing fits without the constraints either: no comparison to make
             unconstrained = None
+        if unconstrained is not None and result.time_per_minibatch_ms < unconstrained.time_per_minibatch_ms:
+            unconstrained = result  # the user's plan is a plan without constraints too
     return _assemble(chain, space, topology, options, result, data_parallel_ms, steer, unconstrained)
 
 
@@ -132,9 +166,9 @@ def _best(space: SplitSpace, topology: Topology, options: PlanOptions, scale: fl
     found_pd = pd_search(fixed, topology, search_options, scale)
     if found_pd is None:
         raise _infeasible(fixed, topology, search_options, scale)
-    result = evaluate_pd(fixed, topology, options, scale, [(s.start, s.end, s.replicas) for s in found_pd.stages])
     if fixed.runtime is not None:
-        result = refine_by_replay(fixed, topology, options, scale, result)
+        return rank_by_replay(fixed, topology, search_options, scale, found_pd), whole.time_per_minibatch_ms
+    result = evaluate_pd(fixed, topology, options, scale, [(s.start, s.end, s.replicas) for s in found_pd.stages])
     return result, whole.time_per_minibatch_ms
 
 

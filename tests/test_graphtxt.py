@@ -199,16 +199,24 @@ def test_a_truncated_copy_of_a_shared_profile_is_refused_at_a_line(shared: Path,
 
 
 @pytest.mark.skipif(not (SHARED / "inception_v3/graph.txt").exists(), reason="../shared/pipedream-profiles absent")
-def test_a_graph_past_the_state_limit_stops_with_exit_2(tmp_path: Path) -> None:
-    """inception_v3's linearization has 221,564 states (PipeDream runs out of memory on it): pd
-    stops at plan.max_states, at once, with one message naming the limit."""
+def test_a_graph_past_the_state_limit_switches_to_prefixes_then_stops_with_exit_2(tmp_path: Path) -> None:
+    """inception_v3's linearization has 221,564 states (PipeDream runs out of memory on it): past
+    plan.max_states pd plans over the prefixes of a topological order (325, one per layer) and
+    says so; when those exceed the limit too it stops with one message naming the limit."""
     profile = SHARED / "inception_v3/graph.txt"
-    result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--gpus", "4", f"run.root={tmp_path}",
-                                      "plan.cost_model=pipedream", "plan.max_states=500"])
+    base = ["plan", "--profile", str(profile), "--gpus", "4", f"run.root={tmp_path}", "plan.cost_model=pipedream"]
+    result = CliRunner().invoke(app, [*base, "plan.max_states=300"])
     assert result.exit_code == 2, result.output
-    assert "more than 500 states (plan.max_states=500)" in result.output and "Traceback" not in result.output
+    assert "more than 300 states, and its 325 layers" in result.output and "(plan.max_states=300)" in result.output
+    assert "Traceback" not in result.output
     with pytest.raises(TooManyStates):
         antichain_states(load_graph(profile), max_states=500)
+    result = CliRunner().invoke(app, [*base, "plan.max_states=500", "--out", str(tmp_path / "plan.json")])
+    assert result.exit_code == 0, result.output
+    assert "search space: cuts restricted to prefixes of one topological order" in result.output
+    inputs = json.loads((tmp_path / "plan.json").read_text())["inputs"]
+    assert inputs["search_space"]["method"] == "topological_prefixes"
+    assert "plan.max_states=500" in inputs["search_space"]["reason"]
     # a graph within the limit plans as before
     vgg = SHARED / "vgg16/graph.txt"
     assert len(antichain_states(load_graph(vgg), max_states=40).states) == 40

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdcli.planner import PlanOptions, Topology, plan_chain
+from pdcli.planner.plan import Plan
+from pdcli.profiler.antichain import antichain_states, prefix_states
 from pdcli.profiler.chain import Chain
 from pdcli.profiler.graphtxt import graph_to_chain, load_graph
 
@@ -66,3 +68,79 @@ def test_data_parallel_baseline_matches_single_device_time() -> None:
     assert plan.pipeline["data_parallel_time_per_minibatch_ms"] == pytest.approx(
         profile["single_device_time_s"] * 1000.0, rel=RELATIVE_TOLERANCE)
     assert plan.time_per_minibatch_ms == pytest.approx(profile["single_device_time_s"] * 1000.0)
+
+
+MAX_STATES = 2000
+"""`plan.max_states`'s default: inception_v3 has far more antichain states."""
+INCEPTION_CLUSTERS = {
+    "flat4": [{"devices": 4, "bandwidth_bytes_per_s": 1e10}],
+    "flat16": [{"devices": 16, "bandwidth_bytes_per_s": 1e10}],
+    "h4x4": [{"devices": 4, "bandwidth_bytes_per_s": 1e10}, {"devices": 4, "bandwidth_bytes_per_s": 1e9}],
+}
+
+
+@lru_cache(maxsize=None)
+def inception() -> tuple[Chain, int]:
+    graph = load_graph(SHARED / "inception_v3" / "graph.txt")
+    return graph_to_chain(graph, max_states=MAX_STATES), len(graph.nodes)
+
+
+def check_valid(plan: Plan, chain: Chain, graph_nodes: int, devices: int) -> None:
+    """Contiguous stages over the whole chain, every graph node in exactly one stage, no rank twice."""
+    assert plan.stages[0].start == 0 and plan.stages[-1].end == len(chain)
+    assert all(a.end == b.start and a.start < a.end for a, b in zip(plan.stages, plan.stages[1:]))
+    names = [m for s in plan.stages for m in s.node_names]
+    assert len(names) == len(set(names)) == graph_nodes
+    ranks = [r for s in plan.stages for r in s.ranks]
+    assert len(ranks) == len(set(ranks)) and max(ranks) < devices
+
+
+def test_inception_plans_over_prefixes_at_least_as_well_as_pipedream_compressed() -> None:
+    """inception_v3 uncompressed: past plan.max_states the positions are the prefixes of one
+    topological order, one per layer (bounded however many antichains the graph has), and
+    the plan on 4 flat devices is at least as good as PipeDream's after its branch
+    compression (0.17461 s)."""
+    chain, graph_nodes = inception()
+    assert chain.meta["search_space"]["method"] == "topological_prefixes"
+    assert len(chain) < graph_nodes  # one position per layer besides the dropped input
+    compressed = expected()["unplannable_by_pipedream"]["inception_v3"]["pipedream_compressed"]
+    plan = plan_chain(chain, Topology.from_levels(INCEPTION_CLUSTERS["flat4"]), PlanOptions(cost_model="pipedream"))
+    assert plan.time_per_minibatch_ms / 1000.0 <= compressed["flat4_time_per_minibatch_s"] * (1 + 1e-9)
+    assert plan.inputs["search_space"]["method"] == "topological_prefixes"
+    check_valid(plan, chain, graph_nodes, 4)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cluster", sorted(INCEPTION_CLUSTERS))
+@pytest.mark.parametrize("cost_model", ["pipedream", "pd"])
+def test_inception_plans_on_every_cluster(cluster: str, cost_model: str) -> None:
+    chain, graph_nodes = inception()
+    topology = Topology.from_levels(INCEPTION_CLUSTERS[cluster])
+    plan = plan_chain(chain, topology, PlanOptions(cost_model=cost_model, num_microbatches=4))
+    check_valid(plan, chain, graph_nodes, topology.num_devices)
+    assert plan.time_per_minibatch_ms < plan.pipeline["data_parallel_time_per_minibatch_ms"] * 1.001
+
+
+@pytest.mark.parametrize("profile", ["vgg16", "resnet50", "gnmt"])
+def test_prefix_states_are_antichain_states_of_the_same_cost(profile: str) -> None:
+    """A prefix state covering the same layers as one of PipeDream's states sends the same
+    bytes and sums the same costs (the restricted space prices a cut as the exact one does),
+    and the restricted optimum is never below the exact one."""
+    graph = load_graph(SHARED / expected()["profiles"][profile]["graph"])
+    exact = {frozenset(s.covered): s for s in antichain_states(graph).states}
+    prefixes = prefix_states(graph).states
+    matched = 0
+    for state in prefixes:
+        twin = exact.get(frozenset(state.covered))
+        if twin is not None:
+            matched += 1
+            assert state.output_activation_bytes == pytest.approx(twin.output_activation_bytes)
+            assert state.fwd_ms == pytest.approx(twin.fwd_ms) and state.parameter_bytes == pytest.approx(
+                twin.parameter_bytes)
+    assert matched >= 2
+    restricted = graph_to_chain(graph, prefixes=True)
+    assert len(restricted) == len(prefixes) and restricted.meta["search_space"]
+    topology = Topology.flat(4)
+    options = PlanOptions(cost_model="pipedream", use_fewer_devices=False)
+    best = plan_chain(chain_of(profile), topology, options).time_per_minibatch_ms
+    assert plan_chain(restricted, topology, options).time_per_minibatch_ms >= best * (1 - 1e-9)

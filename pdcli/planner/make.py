@@ -11,7 +11,7 @@ from pdcli.planner.options import COST_PIPEDREAM, PlanOptions, search_memory_tex
 from pdcli.planner.pipedream import pipedream_data_parallel_s, pipedream_search
 from pdcli.planner.plan import Plan, Stage
 from pdcli.planner.search import SearchResult, pd_search
-from pdcli.planner.space import SplitSpace
+from pdcli.planner.space import SplitSpace, search_space_inputs
 from pdcli.planner.steer import Steering, cut_names, steering_of
 from pdcli.planner.topology import Topology
 from pdcli.profiler.chain import Chain
@@ -259,5 +259,6 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
         inputs["fixed_cuts"] = list(steer.cuts)
     if options.profile_sha256:
         inputs["profile_sha256"] = options.profile_sha256
+    inputs.update(search_space_inputs(chain))
     warnings = replica_warnings(topology, result) if steer.replicas is not None else []
     return Plan(inputs=inputs, stages=tuple(stages), pipeline=pipeline, warnings=tuple(warnings))

@@ -76,6 +76,14 @@ def plan_notes(plan_json: dict[str, Any]) -> list[str]:
     return ([line] if line else []) + [f"warning: {w}" for w in plan_json.get("warnings", ())]
 
 
+def search_space_lines(inputs: dict[str, Any]) -> list[str]:
+    """A plan that is the best over a restricted space says so (`inputs.search_space`)."""
+    space = inputs.get("search_space")
+    if not space:
+        return []
+    return [f"search space: {space.get('note', space.get('method', 'restricted'))} ({space.get('reason', '')})"]
+
+
 def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "text") -> str:
     plan_json = plan.to_json() if isinstance(plan, Plan) else plan
     if fmt == "json":
@@ -105,7 +113,7 @@ def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "te
     split = " with split backward" if inputs.get("split_backward") else ""
     head = (f"plan: {len(rows)} stages, schedule {inputs.get('schedule', '?')}{split}, "
             f"cost model {inputs.get('cost_model', '?')} ({BOTTLENECK_MARK} = bottleneck)")
-    lines = [summary_line(plan_json["pipeline"]), *plan_notes(plan_json)]
+    lines = [summary_line(plan_json["pipeline"]), *plan_notes(plan_json), *search_space_lines(inputs)]
     stale = staleness_line(plan_json)
     return f"{head}\n\n{table}\n\n" + "\n".join(lines + ([stale] if stale else []))
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.profiler.chain import HELD_META, Chain, ChainNode
+from pdcli.profiler.graphtxt import SEARCH_SPACE_META
 
 
 def held_activation_bytes(nodes: tuple[ChainNode, ...]) -> list[float]:
@@ -33,6 +34,14 @@ def held_activation_bytes(nodes: tuple[ChainNode, ...]) -> list[float]:
     return [float(x.activation_bytes) for x in nodes]
 
 ANTICHAIN_META = "antichain_dag"
+
+
+def search_space_inputs(chain: Chain) -> dict[str, Any]:
+    """What a plan's `inputs` record about a restricted search space: `search_space` (the
+    chain's `meta["search_space"]`, see `pdcli.profiler.graphtxt.linearize`) when its
+    positions are not every split point, else nothing (plans of exact chains stay as they were)."""
+    restricted = chain.meta.get(SEARCH_SPACE_META) if isinstance(chain.meta, dict) else None
+    return {SEARCH_SPACE_META: dict(restricted)} if restricted else {}
 
 
 class Activations(NamedTuple):

@@ -34,8 +34,8 @@ class TooManyStates(UserError):
     """The linearization would make more states than it was allowed (it stops there, before
     the states and their ancestor sets fill the memory)."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the graph's antichain linearization has more than {limit} states")
+    def __init__(self, limit: int, detail: str = "") -> None:
+        super().__init__(f"the graph's antichain linearization has more than {limit} states{detail}")
         self.limit = limit
 
 
@@ -164,8 +164,9 @@ def _dfs_topological(order: list[int], out: dict[int, list[int]]) -> list[int]:
     return post[::-1]
 
 
-def antichain_states(graph: Graph, max_states: int | None = None) -> Linearization:
-    """PipeDream's states of `graph`, in its order; TooManyStates past `max_states` (None: no limit)."""
+def _prune(graph: Graph) -> tuple[list[str], list[list[int]], list[list[int]], set[int], list[int], list[int]]:
+    """(names, succ, pred, alive, inputs, unused sinks): the graph without PipeDream's dropped
+    `Input*` sources and then `__getitem__*` sinks."""
     names = [n.node_id for n in graph.nodes]
     index = {name: i for i, name in enumerate(names)}
     succ: list[list[int]] = [[] for _ in names]
@@ -191,6 +192,12 @@ def antichain_states(graph: Graph, max_states: int | None = None) -> Linearizati
         remove(n)
     if not alive:
         raise UserError("the graph has no layers besides inputs and unused outputs")
+    return names, succ, pred, alive, inputs, sinks
+
+
+def antichain_states(graph: Graph, max_states: int | None = None) -> Linearization:
+    """PipeDream's states of `graph`, in its order; TooManyStates past `max_states` (None: no limit)."""
+    names, succ, pred, alive, inputs, sinks = _prune(graph)
     dag = _Dag(sorted(alive), succ, pred, names)
 
     first: tuple[int, ...] = (min(n for n in alive if not pred[n]),)
@@ -251,6 +258,70 @@ def antichain_states(graph: Graph, max_states: int | None = None) -> Linearizati
                 parameter_bytes=float(sum(nodes[n].parameter_bytes for n in covered)),
                 activation_bytes=float(sum(nodes[n].total_activation_bytes for n in covered)),
                 output_activation_bytes=float(sum(nodes[n].total_activation_bytes for n in aug)),
+            )
+        )
+    return Linearization(
+        states=tuple(states),
+        inputs=tuple(names[n] for n in inputs),
+        unused_sinks=tuple(names[n] for n in sinks),
+    )
+
+
+def _branch_order(alive: list[int], succ: list[list[int]], pred: list[list[int]], names: list[str]) -> list[int]:
+    """A topological order that runs each branch to its join before starting the next:
+    depth-first from the first sources, a node is placed once all its predecessors are
+    (so a join waits for every branch), children in file order."""
+    _topological_order(alive, succ, pred, names)  # refuses a cycle with the node to look at
+    waiting = {n: len(set(pred[n])) for n in alive}
+    order: list[int] = []
+    stack = sorted((n for n in alive if waiting[n] == 0), reverse=True)
+    while stack:
+        n = stack.pop()
+        order.append(n)
+        for s in sorted(set(succ[n]), reverse=True):
+            waiting[s] -= 1
+            if waiting[s] == 0:
+                stack.append(s)
+    return order
+
+
+def prefix_states(graph: Graph) -> Linearization:
+    """The prefixes of one topological order of `graph` (`_branch_order`) as states: a
+    restricted space in which PipeDream's states are the down-sets that are such prefixes.
+
+    Every prefix is a down-set, so every range of positions is a valid stage (no ancestor
+    condition); a state's output is what PipeDream sends after that down-set: the sizes of
+    its augmented antichain (`_Dag.augment` of the prefix's maximal layers, PipeDream's
+    counting included), so a cut costs what it costs among the exact states. The states are
+    one per graph node, however many antichains the graph has; a plan over them is the best
+    among plans whose cuts are prefixes of this order (every cut between fork-join blocks,
+    and, inside a block, cuts that finish the earlier branches)."""
+    names, succ, pred, alive, inputs, sinks = _prune(graph)
+    dag = _Dag(sorted(alive), succ, pred, names)
+    order = _branch_order(sorted(alive), succ, pred, names)
+    nodes = graph.nodes
+    unplaced = {n: len(set(succ[n])) for n in order}  # successors not yet in the prefix
+    maximal: dict[int, None] = {}
+    states: list[AntichainState] = []
+    fwd = bwd = params = acts = 0.0
+    for j, n in enumerate(order):
+        for p in set(pred[n]):
+            unplaced[p] -= 1
+            maximal.pop(p, None)
+        maximal[n] = None
+        fwd += nodes[n].fwd_ms
+        bwd += nodes[n].bwd_ms
+        params += nodes[n].parameter_bytes
+        acts += nodes[n].total_activation_bytes
+        aug = dag.augment(tuple(maximal))
+        states.append(
+            AntichainState(
+                name=f"prefix_{j}",
+                antichain=tuple(names[m] for m in aug),
+                covered=tuple(names[m] for m in order[: j + 1]),
+                ancestors=tuple(range(j)),
+                fwd_ms=fwd, bwd_ms=bwd, parameter_bytes=params, activation_bytes=acts,
+                output_activation_bytes=float(sum(nodes[m].total_activation_bytes for m in aug)),
             )
         )
     return Linearization(

@@ -11,6 +11,11 @@ Because the antichain DAG can branch (ResNet, GNMT), a prefix of the chain is no
 state's covered set. The exact structure PipeDream's search uses is therefore kept in
 `chain.meta["antichain_dag"]` (ancestor and covered-node bit masks, covered totals);
 `pdcli.planner.space.SplitSpace` reads it.
+
+A branchy graph (Inception) can have hundreds of thousands of antichain states. Past
+`plan.max_states` of them (the enumeration stops there) the positions switch to the prefixes
+of one topological order, one per layer (`pdcli.profiler.antichain.prefix_states`); the
+chain then says so in `meta["search_space"]`, and so do the plan and its table.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pdcli.errors import UserError
-from pdcli.profiler.antichain import INPUT_PREFIX, UNUSED_SINK_PREFIX, antichain_states
+from pdcli.profiler.antichain import (
+    INPUT_PREFIX, UNUSED_SINK_PREFIX, Linearization, TooManyStates, antichain_states, prefix_states,
+)
 from pdcli.profiler.chain import Chain, ChainNode
 from pdcli.profiler.graph import Graph, GraphNode
 
@@ -218,10 +225,41 @@ def write_graph(graph: Graph, path: str | Path) -> None:
 # -- chain <-> graph ------------------------------------------------------------------------
 
 
-def graph_to_chain(graph: Graph, source: str = "", max_states: int | None = None) -> Chain:
-    """Linearize `graph` into PipeDream's antichain states, one chain position per state
-    (`TooManyStates` past `max_states`)."""
-    lin = antichain_states(graph, max_states)
+SEARCH_SPACE_META = "search_space"
+"""`meta` key present when the chain's positions are a restricted space (`prefix_states`):
+what it is and why; absent when they are PipeDream's exact antichain states."""
+PREFIXES = "topological_prefixes"
+
+
+def linearize(graph: Graph, max_states: int | None = None,
+              prefixes: bool = False) -> tuple[Linearization, dict[str, Any] | None]:
+    """PipeDream's exact antichain states of `graph` when there are at most `max_states` of
+    them (None: no limit), else (or with `prefixes`) the prefixes of one topological order
+    (`prefix_states`, one state per layer), with the meta that says so; `TooManyStates` when
+    even those exceed the limit. The enumeration stops at the limit, so a branchy graph costs
+    at most `max_states` states before the switch."""
+    reason = "asked for"
+    if not prefixes:
+        try:
+            return antichain_states(graph, max_states), None
+        except TooManyStates as e:
+            reason = f"more than plan.max_states={e.limit} antichain states"
+    lin = prefix_states(graph)
+    if max_states is not None and len(lin.states) > max_states:
+        raise TooManyStates(max_states, f", and its {len(lin.states)} layers are more positions than that too")
+    return lin, {
+        "method": PREFIXES,
+        "reason": reason,
+        "note": "cuts restricted to prefixes of one topological order (each branch run to its join): "
+                "the best plan among those, not over every antichain",
+    }
+
+
+def graph_to_chain(graph: Graph, source: str = "", max_states: int | None = None, prefixes: bool = False) -> Chain:
+    """Linearize `graph` into chain positions, one per state of `linearize` (PipeDream's
+    antichain states, or past `max_states` or with `prefixes` the restricted prefix states,
+    recorded in `meta[SEARCH_SPACE_META]`)."""
+    lin, restricted = linearize(graph, max_states, prefixes)
     by_id = {n.node_id: n for n in graph.nodes}
     seen: set[str] = set()
     nodes: list[ChainNode] = []
@@ -247,6 +285,7 @@ def graph_to_chain(graph: Graph, source: str = "", max_states: int | None = None
     meta: dict[str, Any] = {
         "source": SOURCE_NAME,
         "graph_file": Path(source).name if source else "",
+        **({SEARCH_SPACE_META: restricted} if restricted else {}),
         "unused_sinks": list(lin.unused_sinks),
         "antichain_dag": {
             "ancestors_hex": [_mask_hex(s.ancestors) for s in lin.states],

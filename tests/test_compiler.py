@@ -360,6 +360,7 @@ TINY: dict[str, tuple[dict[str, Any], Callable[[], tuple[Tensor, ...]]]] = {
         {"vocab_size": TOKENS, "max_seq_len": 8, "dim": 8, "num_layers": 2, "num_heads": 2, "mlp_ratio": 2},
         lambda: (torch.randint(0, TOKENS, (2, 6)),),
     ),
+    "inception": ({"width": 2, "image_size": 8, "num_classes": 4}, lambda: (torch.randn(2, 3, 8, 8),)),
 }
 
 

@@ -49,6 +49,7 @@ TINY: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
         "synthetic_tokens",
         {"vocab_size": 20, "seq_len": 12},
     ),
+    "inception": ({"width": 4, "image_size": 16, "num_classes": 10}, "synthetic_images", {"image_size": 16}),
 }
 
 # Which data config group feeds each model config group.
@@ -60,6 +61,7 @@ PAIRS = {
     "alexnet": "synthetic_images",
     "gnmt": "synthetic_seq2seq",
     "gpt": "synthetic_tokens",
+    "inception": "synthetic_images",
     "hf_gpt2": "token_file",
     "hf_llama": "token_file",
 }
@@ -148,6 +150,23 @@ def test_resnet_has_skip_connections_in_the_graph() -> None:
     assert len(adds) == 8  # one per BasicBlock
 
 
+def test_inception_blocks_concatenate_four_branches_of_one_input() -> None:
+    model, _, _ = tiny("inception")
+    traced = torch.fx.symbolic_trace(model)
+    cats = [n for n in traced.graph.nodes if n.op == "call_function" and n.target is torch.cat]
+    assert len(cats) == 4  # one per block (num_blocks=4)
+    for cat in cats:
+        branches = cat.args[0]
+        assert len(branches) == 4
+
+        def source(node: torch.fx.Node) -> torch.fx.Node:  # walk up a branch to where it forks
+            while len(node.all_input_nodes) == 1 and len(node.all_input_nodes[0].users) == 1:
+                node = node.all_input_nodes[0]
+            return node.all_input_nodes[0]
+
+        assert len({source(b) for b in branches}) == 1  # the four branches start at the block's input
+
+
 @pytest.mark.parametrize(
     "name, kwargs",
     [
@@ -155,6 +174,7 @@ def test_resnet_has_skip_connections_in_the_graph() -> None:
         ("resnet50", {"width": 2, "image_size": 64, "num_classes": 5}),
         ("alexnet", {"width": 0.0625, "image_size": 64, "num_classes": 5, "fc_hidden": 8}),
         ("vgg16", {"width": 0.0625, "image_size": 64, "num_classes": 5, "fc_hidden": 8, "batch_norm": True}),
+        ("inception", {"width": 2, "image_size": 64, "num_classes": 5}),
     ],
 )
 def test_image_models_with_the_large_image_stem(name: str, kwargs: dict[str, Any]) -> None:

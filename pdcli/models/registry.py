@@ -13,6 +13,7 @@ from pdcli.models.alexnet import alexnet
 from pdcli.models.factory import call_factory, check_kwargs, check_kwarg_types, import_target, lookup
 from pdcli.models.gnmt import gnmt
 from pdcli.models.gpt import gpt
+from pdcli.models.inception import inception
 from pdcli.models.mlp import mlp
 from pdcli.models.resnet import resnet18, resnet50
 from pdcli.models.vgg import vgg16
@@ -25,6 +26,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "alexnet": alexnet,
     "gnmt": gnmt,
     "gpt": gpt,
+    "inception": inception,
 }
 
 

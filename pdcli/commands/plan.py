@@ -80,6 +80,7 @@ def plan(
     fmt: FormatOpt = "text",
     run_name: RunNameOpt = None,
     fail_on_regression: Annotated[Optional[float], typer.Option("--fail-on-regression", help="diff: exit 1 only if predicted throughput drops by more than PCT percent.")] = None,
+    pareto: Annotated[bool, typer.Option("--pareto", help="Search the schedule and microbatches with the partition (as schedule.name=auto schedule.num_microbatches=auto, except what the command line fixes) and print the Pareto front of time, memory and staleness.")] = False,
     calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Refit the runtime's costs from this trained run directory (its trace.json), keep them in the run's calibration.json, and re-plan.")] = None,
 ) -> None:
     """Plan stages and replication: `pd plan RECIPE --gpus 8`, `pd plan --profile graph.txt --gpus 16`, `pd plan diff A B`."""
@@ -91,9 +92,10 @@ def plan(
     recipe = Path(args.pop(0)) if args and args[0].endswith((".yaml", ".yml")) else None
     if recipe is None and profile_file is None:
         raise UserError("pd plan needs a recipe (e.g. recipes/quickstart.yaml) or --profile FILE")
-    loaded, run = load(recipe, args, run_name)
+    extra = pareto_overrides(args) if pareto else []
+    loaded, run = load(recipe, args, run_name, extra=extra)
     if gpus is not None:
-        loaded, run = load(recipe, args, run_name, extra=gpus_override(loaded.config, gpus))
+        loaded, run = load(recipe, args, run_name, extra=extra + gpus_override(loaded.config, gpus))
     cfg = loaded.config
 
     from pdcli.planner import render_plan
@@ -117,7 +119,21 @@ def plan(
         echo_err(f"{'reused' if reused else 'wrote'} {run / 'plan.json'}" + (" (inputs unchanged; --force re-plans)" if reused else ""))
         if out is not None:
             atomic_write_json(out, plan_json)
+    if pareto:
+        from pdcli.planner.render import render_front
+
+        typer.echo(render_front(plan_json, fmt))
+        return
     typer.echo(render_plan(plan_json, chain, fmt))
+
+
+def pareto_overrides(args: list[str]) -> list[str]:
+    """`--pareto`: the schedule's name and microbatches left to the planner, except those the
+    command line sets."""
+    from pdcli.config.schema import SEARCHABLE
+
+    fixed = {a.split("=", 1)[0] for a in args if "=" in a}
+    return [f"{key}=auto" for key in SEARCHABLE if key not in fixed]
 
 
 def write_calibration(run: RunDir, chain: Chain, trained: Path) -> None:

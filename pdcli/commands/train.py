@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from typing_extensions import Annotated
 
+from omegaconf import OmegaConf
+
 from pdcli.commands.common import ForceOpt, OverridesArg, RecipeArg, RunNameOpt, echo_err, is_tty, load, user_errors
+from pdcli.config.schema import Config
+from pdcli.rundir import RunDir, atomic_write_text
 
 
 @user_errors
@@ -60,6 +64,7 @@ def train(
     except KeyboardInterrupt:  # Ctrl-C before the workers started (profiling, planning, compiling)
         echo_err("interrupted")
         raise typer.Exit(130) from None
+    cfg = resolved_by_plan(cfg, plan_json, run)
     echo_err(f"train:   {cfg.schedule.name}, {len(plan_json['stages'])} stages, {cfg.train.steps} steps -> {run / 'train'}"
              + (" (resuming)" if resume else ""))
     try:
@@ -78,3 +83,18 @@ def train(
         echo_err("train:   done; the last stage ran on another node: its run directory holds summary.json and metrics.jsonl")
         return
     typer.echo(format_summary(result))
+
+
+def resolved_by_plan(cfg: Config, plan_json: dict[str, Any], run: RunDir) -> Config:
+    """What `plan.search` left to the planner, set to the plan's choice; the run's config.yaml
+    (what the workers load) rewritten when it changed anything."""
+    from pdcli.steps.plan import config_of_plan
+
+    chosen = config_of_plan(cfg, plan_json)
+    if chosen != cfg:
+        atomic_write_text(run / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(chosen)))
+        search = plan_json.get("search") or {}
+        front = search.get("front") or []
+        echo_err(f"search:  chose {chosen.schedule.name}, {chosen.schedule.num_microbatches} microbatches "
+                 f"({len(front)} configurations on the Pareto front, `pd plan --pareto` shows them)")
+    return chosen

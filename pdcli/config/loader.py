@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pdcli.config.schema import GROUPS, Config, check_values
 from pdcli.config.validate import validate_tree
 from pdcli.errors import ConfigError, UserError
+from pdcli.schedule.spec import PIPEDREAM
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 COMMAND_LINE = "command line"
@@ -234,6 +235,7 @@ def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | No
         sources = {k: v for k, v in sources.items() if k != key and not k.startswith(key + ".")}
 
     notes = _cuts_over_stage_count(merged, sources)
+    _auto_to_search(merged, sources)
     plain: Any = OmegaConf.to_container(merged, resolve=False)
     assert isinstance(plain, dict)
     problems += validate_tree(plain, Config, sources)
@@ -272,6 +274,34 @@ def _cuts_over_stage_count(merged: Any, sources: dict[str, str]) -> list[str]:
             origin = sources.pop("plan.num_stages", "the recipe")
             return [f"{key} makes {len(cuts) + 1} stages: {origin}'s plan.num_stages: {num_stages} is not used"]
     return []
+
+
+AUTO = "auto"
+AUTO_STAND_IN_MICROBATCHES = 4
+"""`schedule.num_microbatches: auto` profiles with the largest divisor of the minibatch up to this."""
+
+
+def _auto_to_search(merged: Any, sources: dict[str, str]) -> None:
+    """`schedule.name: auto` and `schedule.num_microbatches: auto` hand the field to the planner:
+    it joins `plan.search`, and the field takes a stand-in value the profile's runtime probe runs
+    with (pipedream; the largest divisor of the minibatch up to AUTO_STAND_IN_MICROBATCHES).
+    `pd plan` picks the value; `pd train` runs the plan's."""
+    searched = [str(key) for key in OmegaConf.select(merged, "plan.search", default=None) or []]
+    batch = OmegaConf.select(merged, "data.batch_size", default=None)
+    stand_ins = {
+        "schedule.name": PIPEDREAM,
+        "schedule.num_microbatches": max((m for m in range(1, AUTO_STAND_IN_MICROBATCHES + 1)
+                                          if isinstance(batch, int) and batch > 0 and batch % m == 0), default=1),
+    }
+    for key, stand_in in stand_ins.items():
+        if OmegaConf.select(merged, key, default=None) != AUTO:
+            continue
+        OmegaConf.update(merged, key, stand_in, merge=False)
+        if key not in searched:
+            searched.append(key)
+            sources.setdefault("plan.search", sources.get(key, "recipe"))
+    if searched:
+        OmegaConf.update(merged, "plan.search", searched, merge=False)
 
 
 def _first_line(e: Exception) -> str:

@@ -131,6 +131,15 @@ class PlanConfig:
     """Fix cuts by chain position (where stages 1.. start, e.g. [9]); null = search."""
     replicas: Optional[List[int]] = None
     """Fix the replicas of each stage (e.g. [3, 1]: one entry per stage); null = search."""
+    search: List[str] = field(default_factory=list)
+    """Fields the planner chooses jointly with the partition (`schedule.name`,
+    `schedule.num_microbatches`): a recipe asks for it by setting them to `auto`."""
+    objective: str = "throughput"
+    """Which point of the searched configurations' Pareto front `pd plan` picks: `throughput`
+    (least time per minibatch) or `memory` (least peak memory of a device)."""
+    max_staleness: Optional[int] = None
+    """The most optimizer steps a minibatch's weights may lag (0: flush schedules only, exact
+    sequential semantics; 1 admits 2bw); null = any."""
     max_states: int = 2000
     """The most chain positions the search takes (a PipeDream graph.txt: antichain states, the
     linearization stops there); past it `pd plan` stops with exit 2 (the search's memory grows
@@ -271,6 +280,11 @@ class Config:
         return self.data.batch_size // self.schedule.num_microbatches
 
 
+SEARCHABLE = ("schedule.name", "schedule.num_microbatches")
+"""Config fields `auto` hands to the planner (`plan.search`)."""
+PLAN_OBJECTIVES = ("throughput", "memory")
+
+
 GROUPS = ("model", "data", "cluster", "profile", "plan", "schedule", "optim", "train", "run")
 
 
@@ -339,6 +353,13 @@ def check_values(cfg: Config) -> list[str]:
     positive("profile.pipeline_probe_minibatches", cfg.profile.pipeline_probe_minibatches, allow_zero=True)
     positive("plan.num_stages", cfg.plan.num_stages)
     positive("plan.max_states", cfg.plan.max_states)
+    positive("plan.max_staleness", cfg.plan.max_staleness, allow_zero=True)
+    choice("plan.objective", cfg.plan.objective, PLAN_OBJECTIVES)
+    for i, key in enumerate(cfg.plan.search):
+        choice(f"plan.search.{i}", key, SEARCHABLE)
+    if cfg.plan.search and cfg.plan.cost_model != "pd":
+        problems.append("plan.search: the configuration search needs plan.cost_model=pd (PipeDream's optimizer "
+                        "prices its own schedule only); set the schedule fields instead of `auto`")
     for i, item in enumerate(cfg.plan.split_points or []):
         try:
             split_point_fields(item)

@@ -1,7 +1,8 @@
 """`pd plan diff A B`: stage boundaries, replication, ranks, predicted time and memory.
 
-A diff is `changed` when the stages (boundaries, replicas, ranks, any prediction) or the
-pipeline predictions differ. Differences in `inputs` alone (e.g. another profile hash that
+A diff is `changed` when the stages (boundaries, replicas, ranks, any prediction), the
+pipeline predictions or what the run executes (RUN_INPUTS: the schedule, its microbatches, split
+backward) differ. Differences in other `inputs` alone (e.g. another profile hash that
 gives the same plan) are listed but do not count as a change. `regressed(pct)` is true when
 the predicted throughput of B is more than `pct` percent below A's.
 """
@@ -20,6 +21,11 @@ from pdcli.profiler.summary import format_bytes
 from pdcli.rundir import canonical_json
 
 STAGE_FIELDS = ("start", "end", "replicas", "ranks")
+RUN_INPUTS = ("schedule", "num_microbatches", "split_backward")
+"""Inputs the run executes as the plan says (the configuration search chooses them): a
+difference in one is a change like a moved boundary."""
+RUN_INPUT_DEFAULTS = {"split_backward": False}
+"""What a plan without the key means (plans without a split backward omit it)."""
 MISSING = "-"
 
 
@@ -84,6 +90,9 @@ def diff_plans(a: dict[str, Any], b: dict[str, Any]) -> PlanDiff:
         if pipe_a.get(key) != pipe_b.get(key):
             changes.append(f"pipeline {key}: {pipe_a.get(key)} -> {pipe_b.get(key)}")
     in_a, in_b = a.get("inputs", {}), b.get("inputs", {})
+    for key in RUN_INPUTS:
+        if in_a.get(key, RUN_INPUT_DEFAULTS.get(key)) != in_b.get(key, RUN_INPUT_DEFAULTS.get(key)):
+            changes.insert(0, f"{key}: {in_a.get(key)} -> {in_b.get(key)}")
     input_changes = tuple(
         f"inputs {key}: {in_a.get(key)} -> {in_b.get(key)}"
         for key in sorted(set(in_a) | set(in_b)) if in_a.get(key) != in_b.get(key)

@@ -10,7 +10,11 @@
      "stages": [{"stage_id", "start", "end", "first_node", "last_node", "node_names",
                  "replicas", "ranks", "split_point"?, "predicted": {PREDICTED_KEYS}}],
      "pipeline": {PIPELINE_KEYS},
-     "warnings"?: [str]}
+     "warnings"?: [str],
+     "search"?: {"space", "objective", "max_staleness", "configurations", "refused_for_memory",
+                 "front": [{"schedule", "num_microbatches", "split_backward", "stages", "replicas",
+                            "time_per_minibatch_ms", "throughput_samples_per_s", "peak_bytes",
+                            "staleness"}], "chosen": index into front}}
 
 `split_point` names the cut a stage starts at (`layer2`, `layer3:end`; see
 `pdcli.planner.steer`), when a module begins or ends there. `fixed_cuts` are the positions
@@ -117,6 +121,9 @@ class Plan:
     """PIPELINE_KEYS -> value."""
     warnings: tuple[str, ...] = ()
     """What the user fixed that the plan allows but advises against."""
+    search: dict[str, Any] | None = None
+    """When the planner chose the configuration too (`plan.search`): the space searched, the
+    objective, the Pareto front's rows and the chosen one (`pdcli.planner.pareto`)."""
 
     @property
     def num_stages(self) -> int:
@@ -136,6 +143,8 @@ class Plan:
         }
         if self.warnings:
             out["warnings"] = list(self.warnings)
+        if self.search is not None:
+            out["search"] = _clean(self.search)
         return out
 
     @classmethod
@@ -148,4 +157,5 @@ class Plan:
             stages=tuple(Stage.from_json(s) for s in obj["stages"]),
             pipeline=dict(obj.get("pipeline", {})),
             warnings=tuple(obj.get("warnings", ())),
+            search=obj.get("search"),
         )

@@ -132,3 +132,33 @@ def staleness_line(plan_json: dict[str, Any]) -> str | None:
         return None
     delays = ", ".join(str(spec.update_delay(k)) for k in range(len(stages)))
     return f"staleness: weights lag {delays} optimizer steps behind (stages 0..{len(stages) - 1}, {inputs['schedule']})"
+
+
+CHOSEN_MARK = "<-"
+
+
+def render_front(plan_json: dict[str, Any], fmt: str = "text") -> str:
+    """`pd plan --pareto`: one row per configuration on the plan's Pareto front (`search`), the
+    chosen one marked; json: the `search` block."""
+    search = plan_json.get("search")
+    if search is None:
+        raise UserError("this plan did not search the configuration (no `search` in plan.json)",
+                        hint="set schedule.name=auto or schedule.num_microbatches=auto, or pass --pareto")
+    if fmt == "json":
+        return canonical_json(search).rstrip("\n")
+    rows = []
+    for k, row in enumerate(search["front"]):
+        replicas = row["replicas"]
+        shape = f"{len(replicas)} ({'+'.join(str(r) for r in replicas)})"
+        rows.append([
+            CHOSEN_MARK if k == search["chosen"] else "", row["schedule"] + (" (split bwd)" if row["split_backward"] else ""),
+            row["num_microbatches"], shape, round(row["throughput_samples_per_s"]), row["time_per_minibatch_ms"],
+            format_bytes(row["peak_bytes"]), row["staleness"],
+        ])
+    headers = ["", "schedule", "M", "stages (replicas)", "samples/s", "ms/minibatch", "peak memory", "staleness"]
+    table = tabulate(rows, headers=headers, tablefmt=TABLE_STYLE[fmt], floatfmt=".4g")
+    bound = search.get("max_staleness")
+    head = (f"Pareto front: {len(rows)} of {search['configurations']} configurations "
+            f"({search['refused_for_memory']} did not fit in memory); objective {search['objective']}"
+            + (f", staleness <= {bound}" if bound is not None else "") + f" ({CHOSEN_MARK} = chosen)")
+    return f"{head}\n\n{table}"

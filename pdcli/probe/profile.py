@@ -69,6 +69,17 @@ def pipeline_probe_minibatches(cfg: Config) -> int:
 
 
 
+def batch_point_rows(cfg: Config) -> list[int]:
+    """Microbatch sizes measured besides the profiled one (`meta.batch_points`): those a search
+    over `schedule.num_microbatches` (`plan.search`) needs to interpolate every count it tries."""
+    if "schedule.num_microbatches" not in cfg.plan.search:
+        return []
+    from pdcli.planner.pareto import auto_microbatches
+    from pdcli.profiler.batch_points import point_rows
+
+    return point_rows(cfg.data.batch_size, auto_microbatches(cfg.data.batch_size), profile_batch_size(cfg))
+
+
 def profile_config(
     cfg: Config, device: torch.device, num_threads: int | None, config_hash: str, progress: bool = True
 ) -> Chain:
@@ -102,6 +113,18 @@ def profile_config(
             optimizer_factory=lambda module: build_optimizer(cfg.optim, module),
             optimizer_name=cfg.optim.name,
         )
+        rows = batch_point_rows(cfg)
+        if rows:
+            from pdcli.profiler.batch_points import BATCH_POINTS_META, batch_points_json
+
+            points = {}
+            for size in rows:
+                torch.manual_seed(cfg.train.seed)
+                batch = build_data(cfg.data, size).batch(PROFILE_BATCH_INDEX)
+                batch = Batch(inputs=tuple(t[:size] for t in batch.inputs), target=batch.target[:size])
+                points[size] = profile_model(build_model(cfg.model), batch, build_loss(cfg.model.loss), device,
+                                             warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, progress=False)
+            chain.meta[BATCH_POINTS_META] = batch_points_json(points)
         if cfg.profile.runtime_probe:
             from pdcli.planner.runtime_costs import RUNTIME_META
             from pdcli.probe.runtime import probe_pipeline, probe_runtime

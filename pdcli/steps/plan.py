@@ -92,8 +92,51 @@ def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str
     from pdcli.planner import Topology, plan_chain
 
     topology = Topology.from_levels(cfg.cluster.levels)
+    if cfg.plan.search:
+        return search_plan(chain, cfg, profile_sha256, topology).to_json()
     plan = plan_chain(chain, topology, plan_options(cfg, profile_sha256))
     return plan.to_json()
+
+
+def config_space(cfg: Config) -> Any:
+    """What `plan.search` leaves to the planner: every searched schedule (split backward on and
+    off for the flush ones unless `schedule.split_backward` is set) and microbatch count."""
+    from pdcli.planner.pareto import SEARCHED_SCHEDULES, ConfigSpace, auto_microbatches
+
+    searched = set(cfg.plan.search)
+    name_free = "schedule.name" in searched
+    schedules = SEARCHED_SCHEDULES if name_free else (cfg.schedule.name,)
+    if not name_free:
+        splits: tuple[bool, ...] = (cfg.schedule.split_backward_on,)
+    else:
+        splits = (True, False) if cfg.schedule.split_backward is None else (bool(cfg.schedule.split_backward),)
+    microbatches = (auto_microbatches(cfg.data.batch_size) if "schedule.num_microbatches" in searched
+                    else (cfg.schedule.num_microbatches,))
+    return ConfigSpace(tuple(schedules), microbatches, splits)
+
+
+def search_plan(chain: Chain, cfg: Config, profile_sha256: str | None, topology: Any) -> Any:
+    """The Pareto search over `config_space(cfg)` (`pdcli.planner.pareto`): the chosen plan."""
+    from pdcli.planner.pareto import search_configuration, searched_plan
+    from pdcli.profiler.batch_points import chain_at_rows
+
+    outcome = search_configuration(lambda rows: chain_at_rows(chain, rows), topology,
+                                   plan_options(cfg, profile_sha256), config_space(cfg),
+                                   cfg.plan.objective, cfg.plan.max_staleness)
+    return searched_plan(outcome, cfg.data.batch_size, cfg.plan.objective, cfg.plan.max_staleness)
+
+
+def config_of_plan(cfg: Config, plan: dict[str, Any]) -> Config:
+    """`cfg` with the fields `plan.search` left to the planner set to the plan's choice."""
+    if not cfg.plan.search:
+        return cfg
+    inputs = plan["inputs"]
+    schedule = dataclasses.replace(cfg.schedule, name=str(inputs["schedule"]),
+                                   num_microbatches=int(inputs["num_microbatches"]),
+                                   split_backward=bool(inputs.get("split_backward", False)))
+    if schedule.name != "pipedream":
+        schedule = dataclasses.replace(schedule, vertical_sync=False)
+    return dataclasses.replace(cfg, schedule=schedule)
 
 
 def ensure_plan(cfg: Config, run: RunDir, chain: Chain, force: bool = False) -> tuple[dict[str, Any], bool]:

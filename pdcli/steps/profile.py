@@ -11,6 +11,7 @@ from pdcli.config.schema import Config
 from pdcli.errors import UserError
 from pdcli.profiler.chain import Chain
 from pdcli.probe.profile import (
+    batch_point_rows,
     cpu_threads_per_worker,
     pipeline_probe_minibatches,
     profile_batch_size,
@@ -47,6 +48,9 @@ def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | No
         "device": device.type,
         "num_threads": num_threads,
     }
+    rows = batch_point_rows(cfg)
+    if rows:  # `meta.batch_points`
+        section["batch_points"] = rows
     if cfg.profile.runtime_probe:  # the probe runs the schedule's microbatches as training will
         section["probe"] = {"num_microbatches": cfg.schedule.num_microbatches, "precision": cfg.train.precision,
                             "recompute": cfg.train.recompute, "seed": cfg.train.seed}

@@ -10,7 +10,7 @@ from pdcli.planner.render import plan_notes
 from pdcli.profiler.chain import Chain
 from pdcli.rundir import RunDir
 from pdcli.steps.compile import STAGES, ensure_stages
-from pdcli.steps.plan import PLAN, ensure_plan
+from pdcli.steps.plan import PLAN, config_of_plan, ensure_plan
 from pdcli.steps.profile import PROFILE_ARTIFACT, ensure_profile
 
 Echo = Callable[[str], None]
@@ -23,13 +23,15 @@ def _quiet(_: str) -> None:
 def ensure_all(
     cfg: Config, run: RunDir, force: bool = False, echo: Echo = _quiet, progress: bool = False
 ) -> tuple[Chain, dict[str, Any], dict[str, Any]]:
-    """Profile, plan and compile as needed; `force` redoes all three."""
+    """Profile, plan and compile as needed; `force` redoes all three. What `plan.search` left to
+    the planner is compiled as the plan chose it (`config_of_plan`)."""
     chain, reused = ensure_profile(cfg, run, force=force, progress=progress)
     echo(f"profile: {'reused' if reused else 'measured'} {run / PROFILE_ARTIFACT}")
     plan, reused = ensure_plan(cfg, run, chain, force=force)
     echo(f"plan:    {'reused' if reused else 'wrote'} {run / PLAN}")
     for note in plan_notes(plan):
         echo(f"         {note}")
+    cfg = config_of_plan(cfg, plan)
     manifest, reused = ensure_stages(cfg, run, plan, force=force)
     echo(f"compile: {'reused' if reused else 'wrote'} {run / STAGES}")
     return chain, plan, manifest

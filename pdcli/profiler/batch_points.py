@@ -1,0 +1,81 @@
+"""A profile measured at several batch sizes, and the chain priced at any of them (pure, no torch).
+
+A chain's times are those of its `meta.batch_size` rows; the planner scales them linearly to
+the minibatch. Small microbatches do not run at the rate of large ones (a 32-row matmul on a
+CPU runs at a fraction of a 256-row one's rate, and a GPU kernel the same), so a search over
+microbatch counts needs each position's time at several sizes: `meta.batch_points` holds them,
+and `chain_at_rows` interpolates.
+
+    meta.batch_points = {"rows": [r1, ...], "fwd_ms": [[per position] per size],
+                         "bwd_ms": [...], "wgrad_ms": [...]}
+
+`chain_at_rows(chain, rows)` keeps every byte count (they scale linearly with rows, exactly)
+and replaces each position's times by its time at `rows` scaled to `meta.batch_size` rows, so
+that the planner's linear batch scale gives the time of a minibatch of microbatches of `rows`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Any, Sequence
+
+from pdcli.profiler.chain import Chain
+
+BATCH_POINTS_META = "batch_points"
+TIME_FIELDS = ("fwd_ms", "bwd_ms", "wgrad_ms")
+
+
+def batch_points_json(points: dict[int, Chain]) -> dict[str, Any]:
+    """`meta.batch_points` from chains of the same model profiled at other sizes (rows -> chain)."""
+    rows = sorted(points)
+    return {"rows": rows, **{f: [[float(getattr(n, f)) for n in points[r].nodes] for r in rows] for f in TIME_FIELDS}}
+
+
+def measured_rows(chain: Chain) -> list[int]:
+    """The batch sizes the chain's times were measured at (its own and `meta.batch_points`)."""
+    own = chain.meta.get("batch_size")
+    points = chain.meta.get(BATCH_POINTS_META) or {}
+    return sorted({*(int(r) for r in points.get("rows", [])), *([int(own)] if own else [])})
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """y at x, piecewise linear through the sorted points (xs, ys); outside them, proportional
+    to x from the nearest point (the linear batch scale of a single measurement)."""
+    if x <= xs[0]:
+        return ys[0] * x / xs[0]
+    if x >= xs[-1]:
+        return ys[-1] * x / xs[-1]
+    k = bisect.bisect_right(xs, x)
+    x0, x1, y0, y1 = xs[k - 1], xs[k], ys[k - 1], ys[k]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def chain_at_rows(chain: Chain, rows: int) -> Chain:
+    """`chain` priced for microbatches of `rows` samples (unchanged without `meta.batch_points`)."""
+    own = chain.meta.get("batch_size")
+    points = chain.meta.get(BATCH_POINTS_META)
+    if not points or not own or rows == own:
+        return chain
+    table: dict[int, dict[str, list[float]]] = {
+        int(r): {f: list(points[f][k]) for f in TIME_FIELDS} for k, r in enumerate(points["rows"])}
+    table[int(own)] = {f: [float(getattr(n, f)) for n in chain.nodes] for f in TIME_FIELDS}
+    xs = sorted(table)
+    nodes = []
+    for i, node in enumerate(chain.nodes):
+        values = {f: interpolate(xs, [table[x][f][i] for x in xs], rows) * own / rows for f in TIME_FIELDS}
+        nodes.append(dataclasses.replace(node, **values))
+    return dataclasses.replace(chain, nodes=tuple(nodes))
+
+
+def point_rows(batch_size: int, microbatches: Sequence[int], profiled: int, most: int = 4) -> list[int]:
+    """Microbatch sizes to measure besides `profiled` so that every count in `microbatches`
+    interpolates: the smallest and the largest, and between them up to `most` in all,
+    spread evenly on a log scale."""
+    sizes = sorted({batch_size // m for m in microbatches if batch_size % m == 0})
+    if len(sizes) <= most:
+        chosen = sizes
+    else:
+        step = (len(sizes) - 1) / (most - 1)
+        chosen = sorted({sizes[round(k * step)] for k in range(most)})
+    return [r for r in chosen if r != profiled]

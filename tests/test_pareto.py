@@ -1,0 +1,185 @@
+"""The configuration search (`pdcli.planner.pareto`): the front, the recipe's constraints, the
+objectives, the microbatch pricing from batch points, `auto` in a recipe, `pd plan --pareto`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdcli.cli import app
+from pdcli.config.loader import load_config
+from pdcli.errors import ConfigError, UserError
+from pdcli.planner import PlanOptions, Topology
+from pdcli.planner.pareto import (
+    ConfigSpace, Point, auto_microbatches, dominates, pareto_front, search_configuration, stage_delays,
+)
+from pdcli.planner.plan import Plan
+from pdcli.profiler.batch_points import BATCH_POINTS_META, chain_at_rows, interpolate, point_rows
+from pdcli.profiler.chain import Chain, ChainNode
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "recipes/quickstart.yaml")
+ALL = ConfigSpace(("pipedream", "2bw", "1f1b", "gpipe"), (1, 2, 4, 8), (True, False))
+
+
+def chain(n: int = 8, rows: int = 8, points: dict[int, float] | None = None) -> Chain:
+    """n positions profiled at `rows`; `points`: other sizes -> their time as a factor of the
+    linear scale (1.0: linear; 2.0 at small sizes: small microbatches run at half the rate)."""
+    nodes = tuple(ChainNode(name=f"n{i}", label=f"layer{i}", fwd_ms=1.0 + 0.1 * i, bwd_ms=2.0 + 0.2 * i,
+                            parameter_bytes=4_000_000, activation_bytes=800_000, backward_memory_bytes=800_000,
+                            optimizer_ms=0.05) for i in range(n))
+    meta: dict = {"batch_size": rows}
+    if points:
+        meta[BATCH_POINTS_META] = {
+            "rows": sorted(points),
+            **{f: [[getattr(node, f) * r / rows * points[r] for node in nodes] for r in sorted(points)]
+               for f in ("fwd_ms", "bwd_ms", "wgrad_ms")}}
+    return Chain(nodes=nodes, cut_bytes=(400_000,) * (n - 1), meta=meta)
+
+
+def search(c: Chain, space: ConfigSpace = ALL, devices: int = 2, **kw: object):  # type: ignore[no-untyped-def]
+    base = PlanOptions(batch_size=32, use_fewer_devices=True, **{k: v for k, v in kw.items()
+                                                                 if k == "memory_bytes_per_device"})
+    rest = {k: v for k, v in kw.items() if k != "memory_bytes_per_device"}
+    return search_configuration(lambda rows: chain_at_rows(c, rows), Topology.flat(devices, 1e9), base, space,
+                                **rest)  # type: ignore[arg-type]
+
+
+def _point(t: float, m: float, s: int) -> Point:
+    return Point(config=None, plan=None, time_per_minibatch_ms=t, peak_bytes=m, staleness=s)  # type: ignore[arg-type]
+
+
+def test_the_front_holds_exactly_the_points_nothing_dominates() -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        points = [_point(rng.randint(1, 6), rng.randint(1, 6), rng.randint(0, 2)) for _ in range(rng.randint(1, 12))]
+        front = pareto_front(points)
+        assert all(not dominates(p, f) for f in front for p in points)
+        for p in points:  # every point left out is dominated by, or equal to, one on the front
+            assert any(dominates(f, p) or f.objectives() == p.objectives() for f in front)
+        assert len({f.objectives() for f in front}) == len(front)
+
+
+def test_search_finds_a_front_and_every_point_is_planned_for_its_configuration() -> None:
+    outcome = search(chain())
+    assert outcome.searched == len(ALL.configurations()) == 4 * 2 + 2 * 4 * 2
+    assert len(outcome.front) >= 2
+    for p in outcome.front:
+        assert p.plan.inputs["schedule"] == p.config.schedule
+        assert p.plan.inputs["num_microbatches"] == p.config.num_microbatches
+        assert p.staleness == max(stage_delays(p.config.schedule, p.config.num_microbatches,
+                                               [s.replicas for s in p.plan.stages]))
+        assert p.peak_bytes == max(s.predicted["total_bytes"] for s in p.plan.stages)
+    assert outcome.chosen.time_per_minibatch_ms == min(p.time_per_minibatch_ms for p in outcome.front)
+
+
+def test_the_recipes_fields_are_constraints() -> None:
+    c = chain()
+    fixed = search(c, ConfigSpace(("1f1b",), (1, 2, 4, 8), (True,)))
+    assert {p.config.schedule for p in fixed.front} == {"1f1b"} and all(p.config.split_backward for p in fixed.front)
+    exact = search(c, max_staleness=0)
+    assert all(p.staleness == 0 and p.config.schedule in ("1f1b", "gpipe") for p in exact.front)
+    free = search(c)
+    assert any(p.staleness > 0 for p in free.front)  # the bound above removed something
+    peaks = sorted(p.peak_bytes for p in free.front)
+    limit = (peaks[0] + peaks[-1]) / 2
+    bounded = search(c, memory_bytes_per_device=limit)
+    assert bounded.refused > 0 and all(p.peak_bytes <= limit for p in bounded.front)
+    smallest = search(c, objective="memory")
+    assert smallest.chosen.peak_bytes == min(p.peak_bytes for p in smallest.front) == peaks[0]
+
+
+def test_nothing_fitting_names_the_limit_and_the_smallest_peak() -> None:
+    with pytest.raises(UserError, match=r"cluster.memory_bytes_per_device=1000 bytes.*smallest peak among them"):
+        search(chain(), memory_bytes_per_device=1000.0)
+    with pytest.raises(UserError, match="plan.max_staleness=0"):
+        search(chain(), ConfigSpace(("pipedream", "2bw"), (2, 4), (False,)), max_staleness=0)
+
+
+def test_batch_points_interpolate_and_price_each_microbatch_size() -> None:
+    assert interpolate([2, 8], [4.0, 10.0], 4) == pytest.approx(6.0)
+    assert interpolate([2, 8], [4.0, 10.0], 16) == pytest.approx(20.0)  # beyond: proportional
+    assert interpolate([2, 8], [4.0, 10.0], 1) == pytest.approx(2.0)
+    linear = chain()
+    assert chain_at_rows(linear, 2) is linear  # no batch points: the linear scale as before
+    slow_small = chain(points={1: 3.0, 2: 2.0, 4: 1.2, 32: 1.0})
+    at2 = chain_at_rows(slow_small, 2)
+    assert at2.nodes[3].fwd_ms == pytest.approx(linear.nodes[3].fwd_ms * 2.0)  # per profiled row: 2x the rate
+    at3 = chain_at_rows(slow_small, 3)
+    assert at3.nodes[0].bwd_ms == pytest.approx((2 * 2.0 * 2 / 8 + (4 * 1.2 * 2 / 8 - 2 * 2.0 * 2 / 8) / 2) * 8 / 3)
+    assert chain_at_rows(slow_small, 8).nodes == slow_small.nodes
+    # priced linearly, more microbatches only shrink the bubble: the search takes the most;
+    # with small microbatches measured slow it takes fewer, bigger ones
+    space = ConfigSpace(("1f1b",), (1, 2, 4, 8, 16, 32), (False,))
+    assert search(linear, space).chosen.config.num_microbatches == 32
+    assert search(slow_small, space).chosen.config.num_microbatches < 32
+    assert point_rows(256, auto_microbatches(256), profiled=64) == [8, 32, 256]
+
+
+def test_auto_in_a_recipe_hands_the_field_to_the_planner() -> None:
+    cfg = load_config(QUICKSTART, ["schedule.name=auto", "schedule.num_microbatches=auto"]).config
+    assert cfg.plan.search == ["schedule.name", "schedule.num_microbatches"]
+    assert cfg.schedule.name == "pipedream" and cfg.data.batch_size % cfg.schedule.num_microbatches == 0
+    assert load_config(QUICKSTART).config.plan.search == []
+    with pytest.raises(ConfigError, match=r"plan.search.0: 'optim.lr' is not one of"):
+        load_config(QUICKSTART, ["plan.search=[optim.lr]"])
+    with pytest.raises(ConfigError, match="plan.objective"):
+        load_config(QUICKSTART, ["plan.objective=fastest"])
+    with pytest.raises(ConfigError, match="needs plan.cost_model=pd"):
+        load_config(QUICKSTART, ["schedule.name=auto", "plan.cost_model=pipedream", "~plan.num_stages"])
+
+
+def test_pd_plan_pareto_prints_the_front_and_plan_json_records_it(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(chain(points={2: 1.6, 32: 0.9}).to_json()))
+    runner = CliRunner()
+    root, out = f"run.root={tmp_path}", tmp_path / "auto.json"
+    shown = runner.invoke(app, ["plan", QUICKSTART, root, "--profile", str(profile), "--pareto", "-o", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert "Pareto front:" in shown.output and "<-" in shown.output and "staleness" in shown.output
+    plan = json.loads(out.read_text())
+    search_block = plan["search"]
+    chosen = search_block["front"][search_block["chosen"]]
+    assert (chosen["schedule"], chosen["num_microbatches"]) == (plan["inputs"]["schedule"],
+                                                               plan["inputs"]["num_microbatches"])
+    assert Plan.from_json(plan).search == search_block
+    as_json = runner.invoke(app, ["plan", QUICKSTART, root, "--profile", str(profile), "--pareto", "schedule.name=gpipe",
+                                  "--format", "json", "-o", str(tmp_path / "gpipe.json")])
+    assert as_json.exit_code == 0, as_json.output
+    assert {row["schedule"] for row in json.loads(as_json.stdout)["front"]} == {"gpipe"}
+    changed = runner.invoke(app, ["plan", "diff", str(out), str(tmp_path / "gpipe.json")])
+    assert changed.exit_code == 1 and "schedule: " in changed.output or "plans differ" in changed.output
+    diff_json = json.loads(runner.invoke(app, ["plan", "diff", str(out), str(tmp_path / "gpipe.json"),
+                                               "--format", "json"]).stdout)
+    assert any(line.startswith("schedule: ") for line in diff_json["changes"]) == (chosen["schedule"] != "gpipe")
+    plain = runner.invoke(app, ["plan", QUICKSTART, root, "--profile", str(profile), "-o", str(tmp_path / "p.json")])
+    assert plain.exit_code == 0 and "search" not in json.loads((tmp_path / "p.json").read_text())
+
+
+def test_a_search_that_fits_nothing_exits_2_naming_the_limit(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(chain().to_json()))
+    result = CliRunner().invoke(app, ["plan", QUICKSTART, f"run.root={tmp_path}", "--profile", str(profile),
+                                      "--pareto", "cluster.memory_bytes_per_device=1000"])
+    assert result.exit_code == 2
+    assert "cluster.memory_bytes_per_device" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pd_train_runs_the_configuration_the_plan_chose(tmp_path: Path) -> None:
+    """Trained as the plan chose, and the numbers of that configuration's single-process reference."""
+    from test_steer_train import assert_matches_reference, train
+
+    plan, run = train(tmp_path, "recipes/quickstart.yaml", "schedule.name=auto", "schedule.num_microbatches=auto")
+    resolved = load_config(run / "config.yaml").config
+    assert (resolved.schedule.name, resolved.schedule.num_microbatches) == (
+        plan["inputs"]["schedule"], plan["inputs"]["num_microbatches"])
+    assert resolved.plan.search == ["schedule.name", "schedule.num_microbatches"]
+    assert plan["search"]["front"][plan["search"]["chosen"]]["schedule"] == resolved.schedule.name
+    assert_matches_reference(run, [s["replicas"] for s in plan["stages"]])

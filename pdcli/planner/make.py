@@ -122,12 +122,13 @@ def rank_by_replay(space: SplitSpace, topology: Topology, options: PlanOptions, 
     return best
 
 
-def plan_chain(chain: Chain, topology: Topology, options: PlanOptions) -> Plan:
+def plan_chain(chain: Chain, topology: Topology, options: PlanOptions, space: SplitSpace | None = None) -> Plan:
     """The best plan for `chain` on `topology` under `options` (UserError if none fits): the
     search places whatever the user did not fix (`pdcli.planner.steer`). When the user fixed a
-    cut or the replicas, the plan also records the best plan without any of it."""
+    cut or the replicas, the plan also records the best plan without any of it. `space`: the
+    chain's SplitSpace when the caller plans the same chain several times."""
     steer = _steering(chain, topology, options)
-    space = SplitSpace.from_chain(chain)
+    space = SplitSpace.from_chain(chain) if space is None else space
     scale = batch_scale(chain.meta, options)
     result, data_parallel_ms = _best(space, topology, options, scale, steer)
     unconstrained = None

@@ -20,6 +20,7 @@ from pdcli.errors import UserError
 from pdcli.planner.make import plan_chain
 from pdcli.planner.options import PlanOptions
 from pdcli.planner.plan import Plan, round_float
+from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
 from pdcli.profiler.chain import Chain
 from pdcli.schedule import ScheduleSpec
@@ -147,16 +148,18 @@ def search_points(chain_at: Callable[[int], Chain], topology: Topology, base: Pl
     """(every configuration of `space` that fits, how many did not): `chain_at(rows)` is the
     profile priced at a microbatch of `rows` samples."""
     points, refused = [], 0
-    chains: dict[int, Chain] = {}
+    chains: dict[int, tuple[Chain, SplitSpace]] = {}
     for config in space.configurations():
         rows = base.batch_size // config.num_microbatches
         if rows not in chains:
-            chains[rows] = chain_at(rows)
+            chain = chain_at(rows)
+            chains[rows] = (chain, SplitSpace.from_chain(chain))
         options = dataclasses.replace(base, schedule=config.schedule, num_microbatches=config.num_microbatches,
                                       split_backward=config.split_backward,
                                       vertical_sync=base.vertical_sync and config.schedule == PIPEDREAM)
         try:
-            points.append(_point(config, plan_chain(chains[rows], topology, options)))
+            chain, split_space = chains[rows]
+            points.append(_point(config, plan_chain(chain, topology, options, split_space)))
         except UserError:
             refused += 1
     return points, refused

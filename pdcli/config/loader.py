@@ -20,7 +20,9 @@ from omegaconf.errors import OmegaConfBaseException
 from pdcli.config.schema import GROUPS, Config, check_values
 from pdcli.config.validate import validate_tree
 from pdcli.errors import ConfigError, UserError
-from pdcli.schedule.spec import PIPEDREAM
+from pdcli.schedule.handwritten import check_lines
+from pdcli.schedule.orders import device_lines
+from pdcli.schedule.spec import PIPEDREAM, SCHEDULES, rules
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 COMMAND_LINE = "command line"
@@ -249,10 +251,41 @@ def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | No
         key = getattr(e, "full_key", "") or "?"
         raise ConfigError([f"{sources.get(str(key), origin)}: {key}: {_first_line(e)}"]) from None
     assert isinstance(config, Config)
+    file_problem = _read_schedule_file(config, recipe_path)
     value_problems = [_with_source(p, sources, origin) for p in check_values(config)]
     if value_problems:
-        raise ConfigError(value_problems)
+        raise ConfigError(value_problems + ([file_problem.message] if file_problem else []))
+    if file_problem:
+        raise file_problem
     return Loaded(config=config, sources=sources, recipe=recipe_path, notes=notes)
+
+
+def _read_schedule_file(config: Config, recipe: Path | None) -> UserError | None:
+    """A hand-written schedule (`schedule.name: file`): `schedule.path` read into `schedule.orders`
+    (when null; relative to the current directory, else to the recipe's) and the lines checked
+    (`pdcli.schedule.handwritten`); what is wrong, if anything."""
+    schedule = config.schedule
+    if schedule.name not in SCHEDULES or not rules(schedule.name).hand_written:
+        return None
+    if schedule.orders is None and schedule.path is not None:
+        given = Path(schedule.path).expanduser()
+        tried = [given] if given.is_absolute() else [Path.cwd() / given, *([recipe.parent / given] if recipe else [])]
+        found = next((p for p in tried if p.is_file()), None)
+        if found is None:
+            return UserError(f"schedule.path: {schedule.path} not found (looked for {', '.join(map(str, tried))})",
+                             hint="give the schedule file's path, relative to the current directory or the recipe")
+        try:
+            schedule.orders = device_lines(found.read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            return UserError(f"schedule.path: cannot read {found} ({e})")
+    if schedule.orders is None or schedule.num_microbatches < 1:
+        return None  # check_values names what is missing
+    try:
+        check_lines(schedule.orders, schedule.num_microbatches, schedule.split_backward_on,
+                    schedule.path or "schedule.orders")
+    except UserError as e:
+        return e
+    return None
 
 
 CUT_KEYS = ("plan.split_points", "plan.boundaries")

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from pdcli.schedule.spec import FLUSH_SCHEDULES, PIPEDREAM, SCHEDULES, switch_problems
+from pdcli.schedule.spec import FLUSH_SCHEDULES, FILE, PIPEDREAM, SCHEDULES, rules, switch_problems
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 COST_MODELS = ("pd", "pipedream")
@@ -149,13 +149,19 @@ class PlanConfig:
 @dataclass
 class ScheduleConfig:
     name: str = PIPEDREAM
-    """`pipedream` (1F1B + weight stashing), `1f1b` (flush), `gpipe`, `2bw`."""
+    """`pipedream` (1F1B + weight stashing), `1f1b` (flush), `gpipe`, `2bw`, `file` (hand-written: `path`)."""
     num_microbatches: int = 4
     """Microbatches per minibatch (flush schedules, 2BW accumulation, pipedream in-flight)."""
     vertical_sync: bool = False
     """pipedream only: every stage uses the weight version stage 0 used for a minibatch."""
     split_backward: Optional[bool] = None
-    """gpipe/1f1b: Linear weight gradients run later, filling the flush's bubble; null = on for them."""
+    """gpipe/1f1b/file: Linear weight gradients run later, filling the flush's bubble; null = on for them."""
+    path: Optional[str] = None
+    """file: the schedule file, one line of actions per device (relative to the current directory,
+    else to the recipe's); read when the config loads, into `orders`."""
+    orders: Optional[List[str]] = None
+    """file: the device lines of `path` (filled in when the config loads and null; the run directory's
+    config.yaml carries them to every worker); or the lines themselves, without a file."""
 
     @property
     def split_backward_on(self) -> bool:
@@ -380,6 +386,7 @@ def check_values(cfg: Config) -> list[str]:
             f"data.batch_size: {cfg.data.batch_size} is not divisible by "
             f"schedule.num_microbatches={cfg.schedule.num_microbatches}; pick a multiple"
         )
+    problems += _written_schedule_problems(cfg)
     fixes = {"vertical_sync": "set it to false", "split_backward": "set it to null or false"}
     for switch, why in switch_problems(cfg.schedule.name, cfg.schedule.vertical_sync,
                                        bool(cfg.schedule.split_backward)).items():
@@ -390,4 +397,25 @@ def check_values(cfg: Config) -> list[str]:
         problems.append(
             f"model.target: {cfg.model.target!r} must look like `package.module:factory`"
         )
+    return problems
+
+
+def _written_schedule_problems(cfg: Config) -> list[str]:
+    """A hand-written schedule (`schedule.name: file`) has its lines, one device per stage and a
+    line per stage (the lines themselves are checked as the loader reads them)."""
+    schedule, plan = cfg.schedule, cfg.plan
+    if schedule.name not in SCHEDULES or not rules(schedule.name).hand_written:
+        return []
+    if schedule.orders is None:
+        return [] if schedule.path is not None else [
+            f"schedule.name: {FILE} needs the schedule file (one line of actions per device); "
+            "set schedule.path=my_schedule.txt"]
+    problems = []
+    if not rules(schedule.name).replicable and plan.replicas is not None and any(r != 1 for r in plan.replicas):
+        problems.append(f"plan.replicas: {list(plan.replicas)}, but schedule.name={FILE} runs one device per stage "
+                        f"(a line of {schedule.path or 'schedule.orders'} each); leave plan.replicas unset")
+    if plan.num_stages is not None and plan.num_stages != len(schedule.orders):
+        problems.append(f"plan.num_stages: {plan.num_stages} stages, but {schedule.path or 'schedule.orders'} has "
+                        f"{len(schedule.orders)} device lines (one per stage); set plan.num_stages="
+                        f"{len(schedule.orders)} or write a line per stage")
     return problems

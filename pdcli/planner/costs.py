@@ -81,7 +81,7 @@ import numpy as np
 from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.schedule import ScheduleSpec
 from pdcli.schedule.simulator import StageCost, simulate
-from pdcli.schedule.spec import FLUSH_SCHEDULES, rules
+from pdcli.schedule.spec import FLUSH_SCHEDULES, rules, stand_in
 
 MS_PER_S = 1000.0
 SHARE_DIGITS = 6
@@ -184,7 +184,7 @@ def replayed_bubble_factor(schedule: str, num_microbatches: int, num_stages: int
     microbatch costs fwd_share + (1 - fwd_share) (of which wgrad_share is W); at least 1 (each
     stage runs all its work), which the search's pruning relies on."""
     wgrad_share = min(wgrad_share, 1.0 - fwd_share)  # rounding must not make B - W negative
-    spec = ScheduleSpec.make(schedule, num_stages, num_microbatches, REPLAYED_MINIBATCHES, split_backward=True)
+    spec = ScheduleSpec.make(stand_in(schedule), num_stages, num_microbatches, REPLAYED_MINIBATCHES, split_backward=True)
     cost = StageCost(fwd_ms=fwd_share, bwd_ms=1.0 - fwd_share, wgrad_ms=wgrad_share)
     replay = simulate(spec, [cost] * num_stages)
     return max(1.0, replay.time_per_minibatch_ms / num_microbatches)

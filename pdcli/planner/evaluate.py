@@ -22,7 +22,7 @@ from pdcli.planner.topology import Topology
 from pdcli.profiler.chain import Chain
 from pdcli.schedule import ScheduleSpec
 from pdcli.schedule.simulator import Simulation, StageCost, simulate
-from pdcli.schedule.spec import FLUSH_SCHEDULES
+from pdcli.schedule.spec import FLUSH_SCHEDULES, stand_in
 
 TERM_NAMES = ("fwd_ms", "bwd_ms", "compute_ms", "optimizer_ms", "sync_ms", "comm_in_ms", "comm_out_ms",
               "stage_time_ms")
@@ -109,14 +109,18 @@ def _actions_ms(a: ActionCosts, split: bool, allreduce_ms: float) -> dict[str, f
 
 def replay(stages: Sequence[StageEval], options: PlanOptions, cores: int | None) -> Simulation | None:
     """The plan's action lists replayed with its stages' `actions_ms`; None when the runtime
-    has no lists for it (microbatches that do not spread evenly over a stage's replicas)."""
+    has no lists for it (microbatches that do not spread evenly over a stage's replicas). A
+    hand-written schedule replays its written orders (`options.orders`) when it has one per
+    stage, else its stand-in's lists (`ScheduleRules.stand_in`: a plan the run would refuse)."""
     num_stages = len(stages)
     if any(options.num_microbatches % st.replicas for st in stages):
         return None
     steps = max(REPLAY_MIN_MINIBATCHES, 2 * num_stages + 2)
     split = options.split_backward and options.schedule in FLUSH_SCHEDULES
-    spec = ScheduleSpec.make(options.schedule, num_stages, options.num_microbatches, steps,
-                             [s.replicas for s in stages], split_backward=split)
+    written = len(options.orders) == num_stages and all(st.replicas == 1 for st in stages)
+    spec = ScheduleSpec.make(options.schedule if written else stand_in(options.schedule), num_stages,
+                             options.num_microbatches, steps, [s.replicas for s in stages], split_backward=split,
+                             orders=options.orders if written else ())
     costs = replay_stage_costs([st.actions_ms or {} for st in stages], options.num_microbatches)
     return simulate(spec, costs, cores=cores)
 

@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from pdcli.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads, build_for
-from pdcli.schedule.spec import rules, vertical_sync_versions
+from pdcli.schedule.spec import rules, stand_in, vertical_sync_versions
 
 HALF_PRECISION_ACTIVATION_FACTOR = 0.5
 """Saved activations (and the weight copy) under bf16/fp16 autocast, relative to fp32."""
@@ -138,7 +138,7 @@ def held_points(schedule: str, num_stages: int, num_microbatches: int, stage_id:
     holds its microbatch and the gradients it made; gradients live from the first Backward
     (with a split backward, the first WeightGrads: the Linear layers' weights are most of a
     stage's) to the OptimizerStep."""
-    spec = ScheduleSpec.make(schedule, num_stages, num_microbatches, 1, split_backward=split_backward)
+    spec = ScheduleSpec.make(stand_in(schedule), num_stages, num_microbatches, 1, split_backward=split_backward)
     seen: set[tuple[int, int, int, int]] = set()
     for eager in (False, True) if eager_sends is None else (eager_sends,):
         before, waiting, grads = 0, 0, 0

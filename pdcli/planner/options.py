@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pdcli.config.schema import COST_MODELS, PRECISIONS
 from pdcli.errors import UserError
 from pdcli.planner.steer import SplitPoint
+from pdcli.schedule.orders import Order
 from pdcli.schedule.spec import PIPEDREAM, SCHEDULES, switch_problems
 
 COST_PD = "pd"
@@ -23,7 +24,7 @@ def search_memory_text(positions: int) -> str:
 @dataclass(frozen=True)
 class PlanOptions:
     schedule: str = PIPEDREAM
-    """`pipedream`, `1f1b`, `gpipe` or `2bw`."""
+    """`pipedream`, `1f1b`, `gpipe`, `2bw` or `file` (hand-written: `orders`)."""
     num_microbatches: int = 1
     """Microbatches per minibatch."""
     batch_size: int = 1
@@ -66,6 +67,10 @@ class PlanOptions:
     their square, `POSITION_PAIR_BYTES` per pair); None = no limit."""
     profile_sha256: str | None = None
     """Recorded in the plan's inputs when given."""
+    orders: tuple[Order, ...] = ()
+    """`file`: each stage's written order (`pdcli.schedule.ScheduleSpec.orders`). The search prices
+    the schedule as its stand-in (`1f1b`, `ScheduleRules.stand_in`); the replay of a plan with as
+    many stages as orders runs these (`pdcli.planner.evaluate.replay`)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:

@@ -14,6 +14,8 @@ from pdcli.errors import UserError
 from pdcli.report.compare import Comparison, ReplanCommands, compare
 from pdcli.report.measured import TRAIN_DIR, load_measured
 from pdcli.report.predicted import predict
+from pdcli.schedule.orders import Order, read_orders
+from pdcli.schedule.spec import SCHEDULES, rules
 from pdcli.runtime.launch import LAUNCH_FILE, PLAN_KEY
 
 PLAN_FILE = "plan.json"
@@ -66,6 +68,15 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def written_orders(schedule: dict[str, Any], name: str, num_microbatches: int, num_stages: int) -> tuple[Order, ...]:
+    """A hand-written schedule's orders from the run's config.yaml `schedule` section (none when
+    it has none, or not one per stage)."""
+    lines = schedule.get("orders") if name in SCHEDULES and rules(name).hand_written else None
+    if not lines or len(lines) != num_stages:
+        return ()
+    return read_orders(lines, num_microbatches, True, schedule.get("path") or "schedule.orders")  # checked as the run loaded
+
+
 def read_trained_plan(run_dir: Path, commands: ReplanCommands) -> dict[str, Any]:
     """The plan the run trained with (train/launch.json), else plan.json."""
     train_dir = run_dir / TRAIN_DIR
@@ -98,8 +109,10 @@ def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, c
     if len(measured.stages) != len(plan["stages"]):
         raise UserError(f"{train_dir}: the run measured {len(measured.stages)} stages, its plan has {len(plan['stages'])}",
                         hint=f"the plan changed after training: re-run `{commands.train()}`")
-    vertical_sync = bool(_read_config(run_dir).get("schedule", {}).get("vertical_sync", False))
-    predicted = predict(plan, measured.schedule, num_microbatches, measured.num_steps, vertical_sync)
+    schedule = _read_config(run_dir).get("schedule", {})
+    vertical_sync = bool(schedule.get("vertical_sync", False))
+    predicted = predict(plan, measured.schedule, num_microbatches, measured.num_steps, vertical_sync,
+                        written_orders(schedule, measured.schedule, num_microbatches, len(plan["stages"])))
     from pdcli.report.predicted import runtime_costed
 
     comparison = compare(predicted, measured, threshold_pct, commands,

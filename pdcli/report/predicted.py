@@ -17,14 +17,15 @@ compute.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from pdcli.planner.costs import updates_per_minibatch
 from pdcli.planner.evaluate import ACTIONS_KEY, replay_stage_costs
 from pdcli.runtime.metrics import CATEGORIES, COMM, COMPUTE, IDLE, action_category
 from pdcli.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads
 from pdcli.schedule.simulator import Simulation, StageCost, simulate
-from pdcli.schedule.spec import FLUSH_SCHEDULES
+from pdcli.schedule.orders import Order
+from pdcli.schedule.spec import FLUSH_SCHEDULES, stand_in
 
 MAX_SIMULATED_STEPS = 200
 """Longer runs are simulated over this many minibatches (per-minibatch values barely change)."""
@@ -108,13 +109,14 @@ def plan_splits_backward(plan: dict[str, Any], schedule: str) -> bool:
 
 
 def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_steps: int,
-            vertical_sync: bool = False) -> Predicted:
-    """The plan's numbers for a run of `num_steps` minibatches of `schedule`."""
+            vertical_sync: bool = False, orders: Sequence[Order] = ()) -> Predicted:
+    """The plan's numbers for a run of `num_steps` minibatches of `schedule` (a hand-written
+    one: its written `orders`, else its stand-in's, see `ScheduleRules.stand_in`)."""
     steps = max(1, min(num_steps, MAX_SIMULATED_STEPS))
     replicas = [int(s["replicas"]) for s in plan["stages"]]
     split = plan_splits_backward(plan, schedule)
-    spec = ScheduleSpec.make(schedule, len(replicas), num_microbatches, steps, replicas, vertical_sync,
-                             split_backward=split)
+    spec = ScheduleSpec.make(schedule if orders else stand_in(schedule), len(replicas), num_microbatches, steps,
+                             replicas, vertical_sync, split_backward=split, orders=orders)
     runtime = runtime_costed(plan)
     cores = (plan["pipeline"].get("replay") or {}).get("cores") if runtime else None
     sim = simulate(spec, stage_costs(plan, schedule, num_microbatches), cores=cores)

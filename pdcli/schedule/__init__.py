@@ -4,6 +4,7 @@
   version, stash depth, drain points, what is valid);
 - `actions`: the typed actions a process runs and their compact text form;
 - `lower`: a schedule's compute order lowered into every process's full action list;
+- `orders`, `handwritten`: a hand-written schedule (`file`): its lines read, and checked before it runs;
 - `checker`: proof that a set of lists runs (matching messages, no deadlock, the declared
   versions and stash depths);
 - `simulator`: the same lists replayed with costs, a predicted timeline.
@@ -18,12 +19,12 @@ from pdcli.schedule.actions import (
 )
 from pdcli.schedule.lower import build_all, build_for, build_schedule, one_f_one_b, sends_first, stash_depth
 from pdcli.schedule.spec import (
-    FLUSH_SCHEDULES, GPIPE, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, TWO_BW, ScheduleSpec, StashDepth, drain_points,
+    FILE, FLUSH_SCHEDULES, GPIPE, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, TWO_BW, ScheduleSpec, StashDepth, drain_points,
     eval_points, replica_for,
 )
 
 __all__ = [
-    "Action", "ACTION_TYPES", "AllReduceGrads", "Backward", "EndEval", "EvalForward", "FLUSH_SCHEDULES", "Forward",
+    "Action", "ACTION_TYPES", "AllReduceGrads", "Backward", "EndEval", "EvalForward", "FILE", "FLUSH_SCHEDULES", "Forward",
     "FreeWeights", "GPIPE", "LoadMicrobatch", "ONE_F_ONE_B", "OptimizerStep", "PIPEDREAM", "RecvActivations",
     "RecvGrads", "SCHEDULES", "ScheduleSpec", "SendActivations", "SendGrads", "StashDepth", "StashWeights", "TWO_BW",
     "UnknownActionError", "WeightGrads", "action_text", "build_all", "build_for", "build_schedule", "dispatch", "drain_points",

@@ -30,6 +30,15 @@ class ScheduleError(AssertionError):
     """The action lists are wrong (a bug in a schedule); the message lists every problem."""
 
 
+class Deadlock(ScheduleError):
+    """No process can advance: `stuck` holds the (rank, index) of each unfinished process's next action."""
+
+    def __init__(self, message: str, stuck: tuple[Slot, ...], send_mode: SendMode) -> None:
+        super().__init__(message)
+        self.stuck = stuck
+        self.send_mode = send_mode
+
+
 class SendMode(Enum):
     """How a send completes."""
 
@@ -122,7 +131,9 @@ def lockstep(lists_by_rank: Sequence[Sequence[Action]], spec: ScheduleSpec,
                 f"rank {rank} (stage, replica {spec.stage_replica_of(rank)}) at "
                 f"#{heads[rank]} {head(rank)!r}"
                 for rank in range(spec.num_ranks) if head(rank) is not None)
-            raise ScheduleError(f"deadlock ({send_mode.value} sends): {stuck}")
+            raise Deadlock(f"deadlock ({send_mode.value} sends): {stuck}",
+                           tuple((rank, heads[rank]) for rank in range(spec.num_ranks) if head(rank) is not None),
+                           send_mode)
     if posted:
         raise ScheduleError(f"sends never received: {sorted(posted.values())}")
 

@@ -7,6 +7,7 @@ weight gradients and evaluations, into the full action list of every process.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from functools import lru_cache
 from typing import Sequence
@@ -37,9 +38,26 @@ def one_f_one_b(microbatch_ids: Sequence[int], num_in_flight: int) -> list[Forwa
     return order
 
 
+def _written_order(spec: ScheduleSpec, stage_id: int) -> list[Action]:
+    """A written order (`file`, `ScheduleSpec.orders`) for every minibatch, each followed by its
+    optimizer step (one replica per stage: no all-reduce)."""
+    m = spec.num_microbatches
+    out: list[Action] = []
+    for t in range(spec.num_steps):
+        for action in spec.orders[stage_id]:
+            mb = t * m + action.microbatch_id
+            out.append(WeightGrads(mb) if isinstance(action, WeightGrads)
+                       else type(action)(mb, spec.weight_version(stage_id, mb)))
+        out.append(OptimizerStep(t, m))
+    return out
+
+
 @lru_cache(maxsize=256)
 def _compute_order(spec: ScheduleSpec, stage_id: int, replica_id: int) -> tuple[Action, ...]:
-    """Forward/Backward/AllReduceGrads/OptimizerStep of one process, versions filled in."""
+    """Forward/Backward/AllReduceGrads/OptimizerStep of one process (and a written order's
+    WeightGrads), versions filled in."""
+    if spec.orders:
+        return tuple(_written_order(spec, stage_id))
     own = spec.microbatches_of(stage_id, replica_id)
     if spec.is_flush:  # a flush per minibatch: the pipeline drains before each step
         per_replica = spec.num_microbatches // spec.replicas[stage_id]
@@ -163,7 +181,8 @@ def _add_weight_stashing(actions: list[Action]) -> list[Action]:
 def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Action]:
     """split_backward: a WeightGrads for every Backward, in microbatch order, where it fills time.
 
-    Each Backward's W waits in a queue; the oldest leaves the queue (1) right before a
+    Each Backward's W waits in a queue; the oldest (the lowest microbatch: a written order may
+    backward out of microbatch order) leaves the queue (1) right before a
     RecvGrads, where the stage would otherwise wait for the next stage's gradient (the
     pipeline's drain), and (2) when more than `weight_grad_lag` are queued; the rest run
     before the optimizer step (and its all-reduce), which needs them all. The last stage
@@ -183,7 +202,7 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
             out.append(WeightGrads(queued.pop(0)))
         out.append(action)
         if isinstance(action, Backward):
-            queued.append(action.microbatch_id)
+            bisect.insort(queued, action.microbatch_id)
             while len(queued) > spec.weight_grad_lag:
                 out.append(WeightGrads(queued.pop(0)))
     return out
@@ -258,7 +277,7 @@ def build_for(spec: ScheduleSpec, stage_id: int, replica_id: int = 0, start_mini
     actions = _add_communication(spec, stage_id, compute)
     if eager_sends:
         actions = sends_first(actions)
-    if spec.split_backward:
+    if spec.places_weight_grads(stage_id):
         actions = _add_weight_grads(spec, actions)
     actions = _add_weight_stashing(actions)
     if spec.eval_after:

@@ -55,10 +55,12 @@ from functools import lru_cache
 from typing import Protocol, Sequence
 
 from pdcli.errors import UserError
+from pdcli.schedule.actions import Backward, Forward, WeightGrads
+from pdcli.schedule.orders import Order, read_orders
 
 
-GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW = "gpipe", "1f1b", "pipedream", "2bw"
-SCHEDULES = (PIPEDREAM, ONE_F_ONE_B, GPIPE, TWO_BW)
+GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW, FILE = "gpipe", "1f1b", "pipedream", "2bw", "file"
+SCHEDULES = (PIPEDREAM, ONE_F_ONE_B, GPIPE, TWO_BW, FILE)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,18 @@ class ScheduleRules:
     """How many microbatches one replica of a stage holds at its peak (split backward aside):
     `all` (its share of the minibatch), `devices` (the devices from it to the end over its
     replicas, as PipeDream's 1F1B warm-up), `devices_upto_all` (that, at most its share)."""
+    stand_in: str | None = None
+    """Set for a schedule whose order the user writes (`file`, `ScheduleSpec.orders`): the
+    schedule whose lists stand in for it where only the name is known. The planner's search
+    prices `file` as `1f1b` (its bubble and memory); `pd plan`'s replay of the chosen plan and
+    the run use the written order."""
+    replicable: bool = True
+    """Stages may run replicated (data parallel); a written order has one device per stage."""
+
+    @property
+    def hand_written(self) -> bool:
+        """The order is the user's (`ScheduleSpec.orders`), not fixed by the name."""
+        return self.stand_in is not None
 
     @property
     def stashes_weights(self) -> bool:
@@ -90,6 +104,8 @@ RULES: dict[str, ScheduleRules] = {
     ONE_F_ONE_B: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="devices_upto_all"),
     GPIPE: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="all"),
     TWO_BW: ScheduleRules(flush=False, step_per_microbatch=False, weight_buffers=2, in_flight="devices"),
+    FILE: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="devices_upto_all",
+                        stand_in=ONE_F_ONE_B, replicable=False),
 }
 """Every schedule's rules; `ScheduleSpec` holds the rest of its definition (weight versions,
 stash depths) and `pdcli.schedule.lower` its compute order."""
@@ -104,6 +120,11 @@ def rules(name: str) -> ScheduleRules:
     return RULES[name]
 
 
+def stand_in(name: str) -> str:
+    """The schedule whose lists price `name` where its own are not at hand (`ScheduleRules.stand_in`)."""
+    return rules(name).stand_in or name
+
+
 def switch_problems(name: str, vertical_sync: bool = False, split_backward: bool = False) -> dict[str, str]:
     """The switches schedule `name` does not take: {switch: why} (empty when all fit). Config
     validation, the planner's options and `ScheduleSpec` all ask this one rule."""
@@ -111,7 +132,7 @@ def switch_problems(name: str, vertical_sync: bool = False, split_backward: bool
     if vertical_sync and name != PIPEDREAM:
         problems["vertical_sync"] = f"vertical_sync only applies to {PIPEDREAM}, not {name!r}"
     if split_backward and name not in FLUSH_SCHEDULES:
-        problems["split_backward"] = (f"split_backward only applies to {' and '.join(FLUSH_SCHEDULES)}, not {name!r} "
+        problems["split_backward"] = (f"split_backward only applies to {', '.join(FLUSH_SCHEDULES)}, not {name!r} "
                                       f"(it fills the flush's bubble; {name} has none)")
     return problems
 
@@ -154,6 +175,8 @@ class ScheduleSettings(Protocol):
     name: str
     num_microbatches: int
     vertical_sync: bool
+    path: str | None
+    orders: list[str] | None
 
     @property
     def split_backward_on(self) -> bool: ...
@@ -186,26 +209,37 @@ class ScheduleSpec:
     increasing, inside [0, num_steps]; pipedream/2bw: those inside (0, num_steps) are drain points."""
     num_eval_microbatches: int = 0
     """Held-out microbatches per evaluation (a multiple of num_microbatches)."""
+    orders: tuple[Order, ...] = ()
+    """`file` only: each stage's compute order for one minibatch (Forward, Backward and
+    WeightGrads of microbatches 0 .. M-1 on version 0, see `pdcli.schedule.orders`), which the
+    lowering repeats for every minibatch, each followed by its optimizer step."""
 
     @classmethod
     def make(cls, name: str, num_stages: int, num_microbatches: int, num_steps: int,
              replicas: Sequence[int] | None = None, vertical_sync: bool = False,
              drain_after: Sequence[int] = (), split_backward: bool = False,
-             eval_after: Sequence[int] = (), num_eval_microbatches: int = 0) -> ScheduleSpec:
+             eval_after: Sequence[int] = (), num_eval_microbatches: int = 0,
+             orders: Sequence[Order] = ()) -> ScheduleSpec:
         """A spec with `replicas=None` meaning one replica per stage."""
         reps = tuple(replicas) if replicas is not None else (1,) * num_stages
         evals = tuple(eval_after) if num_eval_microbatches else ()
         return cls(name, num_stages, num_microbatches, num_steps, reps, vertical_sync, tuple(drain_after),
-                   split_backward, evals, num_eval_microbatches if evals else 0)
+                   split_backward, evals, num_eval_microbatches if evals else 0, tuple(orders))
 
     @classmethod
     def from_config(cls, schedule: ScheduleSettings, replicas: Sequence[int], num_steps: int,
                     drain_after: Sequence[int] = (), eval_after: Sequence[int] = (),
                     num_eval_microbatches: int = 0) -> ScheduleSpec:
         """The spec of a run of the config's `schedule` section on stages with `replicas`."""
+        orders = read_orders(schedule.orders or [], schedule.num_microbatches, schedule.split_backward_on,
+                             schedule.path or "schedule.orders") if schedule.orders else ()
+        if orders and len(orders) != len(replicas):
+            raise UserError(f"{schedule.path or 'schedule.orders'}: {len(orders)} device lines, but the plan has "
+                            f"{len(replicas)} stages", hint="write one line per stage, or plan that many stages "
+                            f"(plan.num_stages={len(orders)})")
         return cls.make(schedule.name, len(replicas), schedule.num_microbatches, num_steps, replicas,
                         schedule.vertical_sync, drain_after, schedule.split_backward_on, eval_after,
-                        num_eval_microbatches)
+                        num_eval_microbatches, orders)
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -230,6 +264,8 @@ class ScheduleSpec:
         if self.num_eval_microbatches % self.num_microbatches:
             problems.append(f"num_eval_microbatches={self.num_eval_microbatches} is not whole minibatches "
                             f"of {self.num_microbatches}")
+        if not problems:
+            problems += self._order_problems()
         if problems:
             raise UserError("; ".join(problems))
         for stage_id, r in enumerate(self.replicas):
@@ -244,6 +280,26 @@ class ScheduleSpec:
                     f"{self.num_microbatches // r + 1}, so two weight buffers cannot hold them")
         if problems:
             raise UserError("; ".join(problems), hint="use more microbatches per minibatch")
+
+    def _order_problems(self) -> list[str]:
+        """What is wrong with `orders` for this schedule (the lines themselves are checked by
+        `pdcli.schedule.orders` and `pdcli.schedule.handwritten`)."""
+        if not rules(self.name).hand_written:
+            return [f"{self.name}: orders are only for {FILE}"] if self.orders else []
+        if len(self.orders) != self.num_stages:
+            return [f"{self.name}: {len(self.orders)} orders for {self.num_stages} stages (one per stage)"]
+        if not rules(self.name).replicable and max(self.replicas) > 1:
+            return [f"{self.name}: one replica per stage (a written order per device), got replicas "
+                    f"{list(self.replicas)}; leave plan.replicas unset"]
+        if not self.split_backward and any(isinstance(a, WeightGrads) for order in self.orders for a in order):
+            return [f"{self.name}: WeightGrads in the orders need split_backward"]
+        return []
+
+    def places_weight_grads(self, stage_id: int) -> bool:
+        """Whether the lowering places `stage_id`'s WeightGrads (split backward, unless the stage's
+        written order has its own)."""
+        own = self.orders[stage_id] if self.orders else ()
+        return self.split_backward and not any(isinstance(a, WeightGrads) for a in own)
 
     # -- processes --
     @property
@@ -377,6 +433,8 @@ class ScheduleSpec:
     def stash_depth(self, stage_id: int) -> StashDepth:
         """Weight versions and activation sets one replica of `stage_id` holds at most."""
         per_replica = self.num_microbatches // self.replicas[stage_id]
+        if self.orders:
+            return StashDepth(1, self._written_depth(stage_id))
         in_flight = self.num_in_flight(stage_id)
         if self.name == GPIPE:
             return StashDepth(1, per_replica)
@@ -387,6 +445,19 @@ class ScheduleSpec:
         if not self.vertical_sync:  # one version per microbatch in flight
             return StashDepth(in_flight, in_flight)
         return StashDepth(self._vertical_sync_versions(stage_id), in_flight)
+
+    def _written_depth(self, stage_id: int) -> int:
+        """Activation sets `stage_id`'s written order holds at most: forwarded and not yet
+        backwarded (nor, with its own WeightGrads, weight-graded); with WeightGrads the lowering
+        places, at most `weight_grad_lag` more, and never more than the minibatch."""
+        held, peak = 0, 0
+        releases = WeightGrads if any(isinstance(a, WeightGrads) for a in self.orders[stage_id]) else Backward
+        for action in self.orders[stage_id]:
+            held += 1 if isinstance(action, Forward) else -1 if isinstance(action, releases) else 0
+            peak = max(peak, held)
+        if self.places_weight_grads(stage_id):
+            peak = min(peak + self.weight_grad_lag, self.num_microbatches)
+        return peak
 
     def _vertical_sync_versions(self, stage_id: int) -> int:
         # After its k-th forward a replica is at version k - n + 1 and still needs every

@@ -17,18 +17,27 @@ PLAN = "plan.json"
 
 
 def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
+    """The planner's options for `cfg`. A hand-written schedule (`schedule.orders`) plans one
+    device per stage and, unless the config fixes the stages, as many stages as it has lines."""
     from pdcli.planner import PlanOptions
+    from pdcli.planner.options import COST_PD
     from pdcli.planner.steer import SplitPoint
+    from pdcli.schedule.orders import read_orders
+    from pdcli.schedule.spec import rules
 
+    schedule = cfg.schedule
+    orders = read_orders(schedule.orders, schedule.num_microbatches, schedule.split_backward_on,
+                         schedule.path or "schedule.orders") if schedule.orders and rules(schedule.name).hand_written else ()
+    stages_fixed = cfg.plan.num_stages is not None or cfg.plan.boundaries is not None or bool(cfg.plan.split_points)
     return PlanOptions(
-        schedule=cfg.schedule.name,
-        num_microbatches=cfg.schedule.num_microbatches,
+        schedule=schedule.name,
+        num_microbatches=schedule.num_microbatches,
         batch_size=cfg.data.batch_size,
         memory_bytes_per_device=cfg.cluster.memory_bytes_per_device,
-        straight=cfg.plan.straight,
+        straight=cfg.plan.straight or not rules(schedule.name).replicable,
         use_fewer_devices=cfg.plan.use_fewer_devices,
         cost_model=cfg.plan.cost_model,
-        num_stages=cfg.plan.num_stages,
+        num_stages=len(orders) if orders and not stages_fixed and cfg.plan.cost_model == COST_PD else cfg.plan.num_stages,
         boundaries=tuple(cfg.plan.boundaries) if cfg.plan.boundaries is not None else None,
         split_points=tuple(SplitPoint.of(item) for item in cfg.plan.split_points or ()),
         pipe_splits=cfg.plan.pipe_splits,
@@ -39,6 +48,7 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
         vertical_sync=cfg.schedule.vertical_sync,
         max_positions=cfg.plan.max_states,
         profile_sha256=profile_sha256,
+        orders=orders,
     )
 
 
@@ -94,7 +104,12 @@ def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str
     topology = Topology.from_levels(cfg.cluster.levels)
     if cfg.plan.search:
         return search_plan(chain, cfg, profile_sha256, topology).to_json()
-    plan = plan_chain(chain, topology, plan_options(cfg, profile_sha256))
+    options = plan_options(cfg, profile_sha256)
+    plan = plan_chain(chain, topology, options)
+    if options.orders and len(plan.stages) != len(options.orders):
+        raise UserError(f"{cfg.schedule.path or 'schedule.orders'} has {len(options.orders)} device lines, but the plan "
+                        f"has {len(plan.stages)} stages", hint=f"plan {len(options.orders)} stages "
+                        f"(plan.num_stages, plan.boundaries, plan.split_points) or write a line per stage")
     return plan.to_json()
 
 

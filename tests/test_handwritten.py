@@ -125,6 +125,11 @@ def test_pd_train_refuses_replicas_and_a_stage_count_the_file_does_not_have(tmp_
     missing = runner.invoke(app, ["train", QUICKSTART, f"run.root={tmp_path}", "schedule.name=file",
                                   "schedule.path=no_such_schedule.txt"])
     assert missing.exit_code == 2 and "schedule.path: no_such_schedule.txt not found" in missing.output
+    searched = runner.invoke(app, ["train", QUICKSTART, f"run.root={tmp_path}", "schedule.name=file",
+                                   f"schedule.path={EXAMPLE}", "schedule.num_microbatches=auto"])
+    assert searched.exit_code == 2 and "schedule.num_microbatches: `auto` does not go with schedule.name=file" \
+        in searched.output, searched.output
+    assert not list(tmp_path.iterdir())  # nothing ran
 
 
 def test_the_path_resolves_beside_the_recipe_and_the_lines_reach_the_resolved_config(tmp_path: Path) -> None:

@@ -411,6 +411,9 @@ def _written_schedule_problems(cfg: Config) -> list[str]:
             f"schedule.name: {FILE} needs the schedule file (one line of actions per device); "
             "set schedule.path=my_schedule.txt"]
     problems = []
+    if "schedule.num_microbatches" in plan.search:
+        problems.append(f"schedule.num_microbatches: `auto` does not go with schedule.name={FILE}: the lines of "
+                        f"{schedule.path or 'schedule.orders'} fix the microbatches; give their count")
     if not rules(schedule.name).replicable and plan.replicas is not None and any(r != 1 for r in plan.replicas):
         problems.append(f"plan.replicas: {list(plan.replicas)}, but schedule.name={FILE} runs one device per stage "
                         f"(a line of {schedule.path or 'schedule.orders'} each); leave plan.replicas unset")

@@ -16,7 +16,7 @@ from pdcli.errors import UserError
 from pdcli.planner.evaluate import StageEval, replay
 from pdcli.planner.memory import StageMemory
 from pdcli.planner.options import PlanOptions
-from pdcli.schedule import ScheduleSpec, WeightGrads, build_all
+from pdcli.schedule import ScheduleSpec, WeightGrads, build_all, build_for
 from pdcli.schedule.checker import check_schedules
 from pdcli.schedule.handwritten import check_lines
 from pdcli.schedule.orders import device_lines
@@ -46,6 +46,8 @@ def test_the_example_file_lowers_to_the_lists_of_1f1b() -> None:
         builtin = ScheduleSpec.make("1f1b", 2, 4, 3, split_backward=split, eval_after=(0, 3), num_eval_microbatches=4)
         for eager in (False, True):
             assert build_all(written, eager_sends=eager) == build_all(builtin, eager_sends=eager)
+        for stage_id in (0, 1):  # a resumed run continues the same lists
+            assert build_for(written, stage_id, start_minibatch=2) == build_for(builtin, stage_id, start_minibatch=2)
         assert written.stash_depth(0) == builtin.stash_depth(0) and written.stash_depth(1) == builtin.stash_depth(1)
 
 

@@ -187,7 +187,7 @@ class ScheduleSpec:
     """Everything that fixes the action lists of a run; rejects what no schedule can run."""
 
     name: str
-    """`gpipe`, `1f1b`, `pipedream` or `2bw`."""
+    """`gpipe`, `1f1b`, `pipedream`, `2bw` or `file` (a written order: `orders`)."""
     num_stages: int
     """Pipeline stages S."""
     num_microbatches: int
@@ -202,7 +202,7 @@ class ScheduleSpec:
     """Minibatch counts after which the pipeline drains (checkpoint points), increasing,
     inside (0, num_steps); see `drain_points`. No effect on gpipe/1f1b (they always drain)."""
     split_backward: bool = False
-    """gpipe and 1f1b only: each Backward leaves the weight gradients of its Linear layers
+    """Flush schedules only: each Backward leaves the weight gradients of its Linear layers
     to a WeightGrads action placed where the stage would wait (see `_add_weight_grads`)."""
     eval_after: tuple[int, ...] = ()
     """Minibatch counts after which the held-out split is evaluated (see `eval_points`),

@@ -160,7 +160,7 @@ def test_quickstart_trains_and_learns(root: str, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", ["vgg16", "resnet18", "gnmt", "gpt"])
+@pytest.mark.parametrize("name", ["vgg16", "resnet18", "gnmt", "gpt", "inception"])
 def test_paper_recipes_run_end_to_end_on_cpu(name: str, root: str, tmp_path: Path) -> None:
     recipe = str(REPO / f"recipes/{name}.yaml")
     result = invoke("train", recipe, root, "train.steps=2", "profile.repeats=2", "profile.warmup=1")

@@ -144,3 +144,71 @@ def test_prefix_states_are_antichain_states_of_the_same_cost(profile: str) -> No
     options = PlanOptions(cost_model="pipedream", use_fewer_devices=False)
     best = plan_chain(chain_of(profile), topology, options).time_per_minibatch_ms
     assert plan_chain(restricted, topology, options).time_per_minibatch_ms >= best * (1 - 1e-9)
+
+
+def levels_of(inner: int, outer: int = 1) -> list[dict]:
+    levels = [{"devices": inner, "bandwidth_bytes_per_s": 1e10}]
+    return levels + ([{"devices": outer, "bandwidth_bytes_per_s": 1e9}] if outer > 1 else [])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("profile", ["resnet50", "gnmt"])
+def test_parametric_top_level_finds_the_tables_optimum(profile: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bisection on the bottleneck that solves a big outermost level finds the optimum the
+    (machines^2) table finds, using every device unless fewer are allowed."""
+    import pdcli.planner.pipedream as pipedream
+
+    for inner, outer in ((16, 1), (33, 1), (4, 4), (8, 3)) if profile == "gnmt" else ((16, 1), (8, 3)):
+        topology = Topology.from_levels(levels_of(inner, outer))
+        for fewer in (False, True):
+            options = PlanOptions(cost_model="pipedream", use_fewer_devices=fewer)
+            monkeypatch.setattr(pipedream, "PARAMETRIC_MACHINES", 10 ** 9)
+            table = plan_chain(chain_of(profile), topology, options)
+            monkeypatch.setattr(pipedream, "PARAMETRIC_MACHINES", 0)
+            bisected = plan_chain(chain_of(profile), topology, options)
+            assert bisected.time_per_minibatch_ms == pytest.approx(table.time_per_minibatch_ms, rel=1e-12)
+            used = sum(s.replicas for s in bisected.stages)
+            assert used == topology.num_devices or fewer
+            if len(topology.levels) == 1:
+                worst = max(s.predicted["stage_time_ms"] for s in bisected.stages)
+                assert worst == pytest.approx(bisected.time_per_minibatch_ms, rel=1e-9)
+
+
+RESNET50_1024_FLAT_MS = 0.47247257491416467
+"""PipeDream's model on ResNet-50 and 1,024 flat devices, as the full (machines^2) table found it
+(in 213 s and 1.4 GB)."""
+
+
+@pytest.mark.timeout(120)
+def test_resnet50_on_1024_devices_with_either_cost_model() -> None:
+    chain = chain_of("resnet50")
+    flat = Topology.from_levels(levels_of(1024))
+    plan = plan_chain(chain, flat, PlanOptions(cost_model="pipedream", use_fewer_devices=False))
+    assert plan.time_per_minibatch_ms == pytest.approx(RESNET50_1024_FLAT_MS, rel=1e-12)
+    check_valid(plan, chain, sum(len(x.members) for x in chain.nodes), 1024)
+    assert sum(s.replicas for s in plan.stages) == 1024
+    nodes = Topology.from_levels(levels_of(8, 128))
+    for cost_model in ("pipedream", "pd"):  # pd: at most 240 stages of 4 replicas, so fewer devices
+        options = PlanOptions(cost_model=cost_model, num_microbatches=4, use_fewer_devices=True)
+        plan = plan_chain(chain, nodes, options)
+        check_valid(plan, chain, sum(len(x.members) for x in chain.nodes), 1024)
+        # more nodes than 8 x 16 never make the best plan slower (fewer devices are allowed)
+        smaller = plan_chain(chain, Topology.from_levels(levels_of(8, 16)), options)
+        assert plan.time_per_minibatch_ms <= smaller.time_per_minibatch_ms * (1 + 1e-12)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_flush_schedules_bounded_stage_counts_keep_the_optimum(schedule: str) -> None:
+    """A flush schedule's search runs only the stage counts whose bubble can still win; with a
+    memory limit (here one that never binds) it runs every count: both find the same plan."""
+    for levels in (levels_of(16), levels_of(4, 4), levels_of(8, 3)):
+        topology = Topology.from_levels(levels)
+        options = PlanOptions(cost_model="pd", schedule=schedule, num_microbatches=4)
+        capped = plan_chain(chain_of("resnet50"), topology, options)
+        every = plan_chain(chain_of("resnet50"), topology,
+                           PlanOptions(cost_model="pd", schedule=schedule, num_microbatches=4,
+                                       memory_bytes_per_device=1e30))
+        assert capped.time_per_minibatch_ms == every.time_per_minibatch_ms
+        assert [(s.start, s.end, s.replicas) for s in capped.stages] == \
+            [(s.start, s.end, s.replicas) for s in every.stages]

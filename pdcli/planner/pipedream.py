@@ -120,6 +120,113 @@ def _minmax_update(time: np.ndarray, split_k: np.ndarray, split_m: np.ndarray, r
         lo += len(rows)
 
 
+PARAMETRIC_MACHINES = 64
+"""The outermost level with more machines than this (and no memory limit, replicas allowed)
+is solved by `_top_level_parametric` instead of the (machines^2 n^2) table."""
+
+
+def _replicas_needed(ct: np.ndarray, allreduce: np.ndarray, comm: np.ndarray, limit: float,
+                     machines: int) -> np.ndarray:
+    """Fewest replicas r <= machines with max((ct + allreduce (r - 1) / r) / r, comm / r) <= limit,
+    elementwise (machines + 1 where none). Past r = 2 the cost never grows with r (the
+    all-reduce term (r - 1) / r^2 shrinks from r = 2 on), so r = 1 is tried, then a bisection
+    over [2, machines]."""
+    def cost(r: np.ndarray) -> np.ndarray:
+        return np.maximum((ct + allreduce * (r - 1) / r) / r, comm / r)
+
+    with np.errstate(invalid="ignore"):
+        one = cost(np.ones_like(ct)) <= limit
+        if machines < 2:
+            return np.where(one, 1, machines + 1)
+        lo = np.full(ct.shape, 1)  # cost(lo) > limit (or lo = 1)
+        hi = np.full(ct.shape, machines)
+        ok_max = cost(hi.astype(float)) <= limit
+        while True:
+            open_ = hi - lo > 1
+            if not open_.any():
+                break
+            mid = (lo + hi) // 2
+            fits = cost(mid.astype(float)) <= limit
+            hi = np.where(open_ & fits, mid, hi)
+            lo = np.where(open_ & ~fits, mid, lo)
+    return np.where(one, 1, np.where(ok_max, hi, machines + 1))
+
+
+def _top_level_parametric(ct: np.ndarray, psz: np.ndarray, oas: np.ndarray, split_ok: np.ndarray,
+                          machines: int, bw: float, within: int,
+                          options: PlanOptions) -> tuple[float, list[tuple[int, int, int]]] | None:
+    """The outermost level's best partition of every position on its machines, by bisection
+    on the bottleneck T instead of the table: a stage's cost is
+    `_level`'s (the first stage pays no transfers, only its all-reduce is divided by `within`),
+    which past 2 replicas never grows with them, so for a given T each stage needs a fewest
+    replicas and the fewest machines of a whole plan is a shortest path over the positions
+    (n^2 per T). The smallest T (bisected over the doubles' bit patterns, so exact) whose
+    plan needs at most `machines` is the optimum with at most that many; spare machines join a
+    stage that has 2 or more replicas (its cost does not grow). (optimum, stages) or None when
+    the plan needs all machines but spares cannot join without slowing a stage: the table
+    then decides."""
+    n = ct.shape[1]
+    first_ct, first_ar = ct[0], ALLREDUCE_FACTOR * psz[0] / bw / within
+    last_ct = ct[1:, :]  # [k, j]: positions k+1..j
+    last_ar = ALLREDUCE_FACTOR * psz[1:, :] / bw
+    comm_in = TRANSFER_FACTOR * oas / bw / ACTIVATION_COMPRESSION_RATIO
+    comm_out = np.where(np.arange(n) < n - 1, comm_in, 0.0)
+    comm = np.maximum(comm_in[:, None], comm_out[None, :])
+    later = np.triu(np.ones((n, n), dtype=bool), k=1) & split_ok
+    last_ct = np.where(later, last_ct, np.inf)
+
+    def plan(limit: float) -> tuple[int, list[tuple[int, int, int]]]:
+        first = _replicas_needed(first_ct, first_ar, np.zeros(n), limit, machines)
+        last = _replicas_needed(last_ct, last_ar, comm, limit, machines)
+        best = first.astype(np.int64)
+        parent = np.full(n, -1)
+        for j in range(1, n):
+            via = best[:j] + last[:j, j]
+            k = int(via.argmin())
+            if via[k] < best[j]:
+                best[j], parent[j] = via[k], k
+        stages, j = [], n - 1
+        while parent[j] >= 0:
+            k = int(parent[j])
+            stages.append((k + 1, j + 1, int(last[k, j])))
+            j = k
+        stages.append((0, j + 1, int(first[j])))
+        return int(best[n - 1]), stages[::-1]
+
+    def as_float(bits: int) -> float:
+        return float(np.array(bits, dtype=np.int64).view(np.float64))
+
+    def as_bits(value: float) -> int:
+        return int(np.array(value, dtype=np.float64).view(np.int64))
+
+    whole = float((first_ct[n - 1] + first_ar[n - 1] * (machines - 1) / machines) / machines)
+    if not np.isfinite(whole):
+        return None
+    lo, hi = 0, as_bits(whole)  # plan(whole) fits: one stage on every machine
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if plan(as_float(mid))[0] <= machines:
+            hi = mid
+        else:
+            lo = mid
+    used, stages = plan(as_float(hi))
+    spare = machines - used
+    if spare and not options.use_fewer_devices:
+        wide = [i for i, st in enumerate(stages) if st[2] >= 2]
+        if not wide:
+            return None
+        s, e, r = stages[wide[0]]
+        stages[wide[0]] = (s, e, r + spare)
+    costs = []
+    for s, e, r in stages:
+        if s == 0:
+            costs.append((first_ct[e - 1] + first_ar[e - 1] * (r - 1) / r) / r)
+        else:
+            costs.append(max((last_ct[s - 1, e - 1] + last_ar[s - 1, e - 1] * (r - 1) / r) / r,
+                             comm[s - 1, e - 1] / r))
+    return float(max(costs)), stages
+
+
 def _partition(table: LevelTable, start: int, end: int, machines: int) -> list[tuple[int, int, int]]:
     """(start, end, machines) of each stage of rows start..end-1 on all machines (in order)."""
     stages, j, m = [], end - 1, machines - 1
@@ -148,13 +255,25 @@ def pipedream_search(space: SplitSpace, topology: Topology, options: PlanOptions
     """PipeDream's optimum (seconds per minibatch) and its stages; None when infeasible."""
     ct, psz, asz = _matrices(space, scale)
     oas = space.cut_bytes * scale
+    n, levels = space.num_positions, topology.levels
     tables, within = [], 1
-    for index, level in enumerate(topology.levels):
+    for level in levels[:-1]:
         table = _level(ct, psz, asz, oas, space.split_ok, level.devices, level.bandwidth_bytes_per_s,
-                       within, options, final=index == len(topology.levels) - 1)
+                       within, options, final=False)
         tables.append(table)
         ct, within = table.time_s[:, :, -1].copy(), level.devices
-    best = float(tables[-1].time_s[0, space.num_positions - 1, -1])
+    top = levels[-1]
+    found = None
+    if top.devices > PARAMETRIC_MACHINES and options.memory_bytes_per_device is None and not options.straight:
+        found = _top_level_parametric(ct, psz, oas, space.split_ok, top.devices, top.bandwidth_bytes_per_s,
+                                      within, options)
+    if found is None:
+        table = _level(ct, psz, asz, oas, space.split_ok, top.devices, top.bandwidth_bytes_per_s, within,
+                       options, final=True)
+        best = float(table.time_s[0, n - 1, -1])
+        top_stages = _partition(table, 0, n, top.devices) if np.isfinite(best) else []
+    else:
+        best, top_stages = found
     if not np.isfinite(best):
         return None
     unit = [1]
@@ -164,7 +283,8 @@ def pipedream_search(space: SplitSpace, topology: Topology, options: PlanOptions
 
     def expand(lv: int, start: int, end: int, bases: list[int], path: tuple) -> None:
         offset = 0
-        for first, (s, e, nm) in enumerate(_partition(tables[lv], start, end, topology.levels[lv].devices)):
+        parts = top_stages if lv == len(levels) - 1 else _partition(tables[lv], start, end, levels[lv].devices)
+        for first, (s, e, nm) in enumerate(parts):
             new_bases = [b + (offset + q) * unit[lv] for b in bases for q in range(nm)]
             step = path + ((lv, s, e, nm, first == 0),)
             if lv == 0:
@@ -173,7 +293,7 @@ def pipedream_search(space: SplitSpace, topology: Topology, options: PlanOptions
                 expand(lv - 1, s, e, new_bases, step)
             offset += nm
 
-    expand(len(tables) - 1, 0, space.num_positions, [0], ())
+    expand(len(levels) - 1, 0, n, [0], ())
     return best, stages
 
 

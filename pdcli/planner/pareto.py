@@ -104,6 +104,7 @@ class Point:
         return {
             **self.config.to_json(),
             "stages": len(self.plan.stages),
+            "boundaries": [s.start for s in self.plan.stages[1:]],
             "replicas": [s.replicas for s in self.plan.stages],
             "time_per_minibatch_ms": round_float(time_ms),
             "throughput_samples_per_s": round_float(batch_size * 1000.0 / time_ms) if time_ms > 0 else 0.0,

@@ -12,7 +12,7 @@
      "pipeline": {PIPELINE_KEYS},
      "warnings"?: [str],
      "search"?: {"space", "objective", "max_staleness", "configurations", "refused_for_memory",
-                 "front": [{"schedule", "num_microbatches", "split_backward", "stages", "replicas",
+                 "front": [{"schedule", "num_microbatches", "split_backward", "stages", "boundaries", "replicas",
                             "time_per_minibatch_ms", "throughput_samples_per_s", "peak_bytes",
                             "staleness"}], "chosen": index into front}}
 

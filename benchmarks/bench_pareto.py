@@ -1,0 +1,185 @@
+"""The configuration search, trained: does `pd plan`'s choice of schedule and microbatches hold?
+
+For each case `pd plan --pareto` (schedule.name=auto, schedule.num_microbatches=auto) prints
+the Pareto front; then the chosen point, the point `plan.max_staleness=0` chooses (the best
+flush configuration), the case's listed configurations and (for the recipes) the front's
+other points up to `--top` are each trained for a short run with the configuration fixed
+(`schedule.*`, `plan.boundaries`, `plan.replicas`), interleaved over rounds, and their
+steady time per minibatch is measured as `pd report` reads it. Printed: predicted beside
+measured for every configuration, the chosen one's gap to the best measured, and the flush
+choice's gap to the best measured flush configuration. Writes `runs/benchmarks/pareto.json`;
+nothing is asserted.
+
+    .venv/bin/python benchmarks/bench_pareto.py [--cases runtime-shape gpt vgg16] [--rounds R] [--top K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _bench_common import BenchFailed, run_bounded, stderr_tail  # noqa: E402
+from bench_prediction import RUNTIME_SHAPE  # noqa: E402
+
+from pdcli.planner import Topology, plan_chain  # noqa: E402
+from pdcli.planner.evaluate import plan_options_of  # noqa: E402
+from pdcli.profiler.batch_points import chain_at_rows  # noqa: E402
+from pdcli.profiler.chain import Chain  # noqa: E402
+from pdcli.report import ReplanCommands, make_report  # noqa: E402
+from pdcli.rundir import atomic_write_json  # noqa: E402
+
+OUT = REPO / "runs" / "benchmarks" / "pareto.json"
+PD = Path(sys.executable).parent / "pd"
+TIMEOUT_S = 900.0
+Point = tuple[str, int, bool, tuple[int, ...], tuple[int, ...]]
+"""(schedule, microbatches, split backward, boundaries, replicas)."""
+SHAPE = tuple(o for o in RUNTIME_SHAPE if not o.startswith("schedule.num_microbatches"))
+CASES: dict[str, tuple[str, tuple[str, ...], int, tuple[Point, ...]]] = {
+    "runtime-shape": ("quickstart", SHAPE, 40, (
+        ("pipedream", 1, False, (9,), (1, 1)), ("pipedream", 8, False, (9,), (1, 1)),
+        ("1f1b", 4, True, (9,), (1, 1)), ("1f1b", 8, True, (9,), (1, 1)))),
+    "gpt": ("gpt", (), 24, ()),
+    "vgg16": ("vgg16", (), 30, ()),
+}
+"""Case -> (recipe, overrides, minibatches per run, configurations trained besides the front's):
+the runtime shape's are the ones issue 19 measured by hand (pipedream 1 x 256 and 8 x 32
+rows, 1f1b 4 x 64 and 8 x 32)."""
+
+
+def pd(*args: str) -> str:
+    code, out, err = run_bounded([str(PD), *args], TIMEOUT_S)
+    if code != 0:
+        raise BenchFailed(f"pd {args[0]} exit status {code}: {stderr_tail(err)}")
+    return out
+
+
+def point_of(row: dict[str, Any]) -> Point:
+    return (row["schedule"], int(row["num_microbatches"]), bool(row["split_backward"]),
+            tuple(row["boundaries"]), tuple(row["replicas"]))
+
+
+def overrides_of(point: Point) -> list[str]:
+    schedule, m, split, bounds, reps = point
+    return [f"schedule.name={schedule}", f"schedule.num_microbatches={m}",
+            f"schedule.split_backward={'true' if split else 'null' if schedule in ('pipedream', '2bw') else 'false'}",
+            "plan.num_stages=null", f"plan.boundaries=[{','.join(map(str, bounds))}]",
+            f"plan.replicas=[{','.join(map(str, reps))}]"]
+
+
+def label(point: Point) -> str:
+    schedule, m, split, bounds, reps = point
+    return f"{schedule}{' (split bwd)' if split else ''} M={m} cuts {list(bounds)} x{list(reps)}"
+
+
+def front_of(recipe: Path, root: Path, name: str, extra: tuple[str, ...], *more: str) -> dict[str, Any]:
+    out = pd("plan", str(recipe), f"run.root={root}", f"run.name={name}-plan", *extra,
+             "schedule.name=auto", "schedule.num_microbatches=auto", *more, "--pareto", "--format", "json")
+    return json.loads(out)
+
+
+def predict(plan_dir: Path, point: Point) -> float:
+    """The search's prediction for `point` (its profile priced at the point's microbatch size)."""
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    chain = Chain.from_json(json.loads((plan_dir / "profile.json").read_text()))
+    schedule, m, split, bounds, reps = point
+    options = dataclasses.replace(plan_options_of(plan), schedule=schedule, num_microbatches=m, split_backward=split,
+                                  boundaries=bounds, replicas=reps, num_stages=None,
+                                  memory_bytes_per_device=plan["inputs"].get("memory_bytes_per_device"))
+    topology = Topology.from_levels(plan["inputs"]["topology"]["levels"])
+    return plan_chain(chain_at_rows(chain, options.batch_size // m), topology, options).time_per_minibatch_ms
+
+
+def measure(recipe: Path, root: Path, name: str, steps: int, point: Point, extra: tuple[str, ...]) -> float:
+    overrides = [f"run.root={root}", f"run.name={name}", f"train.steps={steps}",
+                 f"train.log_every={max(1, steps // 4)}", *extra, *overrides_of(point)]
+    pd("train", str(recipe), *overrides)
+    c = make_report(root / name, ReplanCommands(str(recipe), tuple(overrides)), 25.0, charts=False).comparison
+    return c.measured.steady_time_per_minibatch_ms or c.measured.time_per_minibatch_ms
+
+
+def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:
+    recipe_name, extra, steps, listed = CASES[name]
+    recipe = REPO / "recipes" / f"{recipe_name}.yaml"
+    if recipe_name != "quickstart":
+        extra = (*extra, "plan.num_stages=null")
+    search = front_of(recipe, root, name, extra)
+    flush = front_of(recipe, root, name, extra, "plan.max_staleness=0")
+    predicted = {point_of(r): r for r in search["front"]}
+    predicted.update({point_of(r): r for r in flush["front"]})
+    chosen = point_of(search["front"][search["chosen"]])
+    chosen_flush = point_of(flush["front"][flush["chosen"]])
+    others = [p for p in (point_of(r) for r in search["front"]) if p not in (chosen, chosen_flush)]
+    trained = list(dict.fromkeys([chosen, chosen_flush, *listed, *others[: max(0, top - 2)]]))
+    predicted_ms = {p: predict(root / f"{name}-plan", p) for p in trained}
+    measured: dict[Point, list[float]] = {p: [] for p in trained}
+    for round_index in range(rounds):
+        for k, point in enumerate(trained):
+            print(f"{name}: {label(point)}, round {round_index + 1} ...", file=sys.stderr, flush=True)
+            try:
+                measured[point].append(measure(recipe, root, f"{name}-{k}", steps, point, extra))
+            except BenchFailed as e:
+                print(f"  failed: {e}", file=sys.stderr)
+    medians = {p: statistics.median(v) for p, v in measured.items() if v}
+    best = min(medians.values())
+    flush_points = [p for p in medians if p[0] in ("1f1b", "gpipe")]
+    best_flush = min((medians[p] for p in flush_points), default=None)
+    return {
+        "case": name, "front_points": len(search["front"]), "chosen": label(chosen), "chosen_flush": label(chosen_flush),
+        "gap_pct": (medians[chosen] / best - 1) * 100 if chosen in medians else None,
+        "flush_gap_pct": (medians[chosen_flush] / best_flush - 1) * 100
+        if best_flush and chosen_flush in medians else None,
+        "rows": [{"config": label(p), "chosen": p == chosen, "chosen_flush": p == chosen_flush,
+                  "on_front": p in predicted,
+                  "predicted_ms": predicted_ms[p],
+                  "peak_bytes": predicted[p]["peak_bytes"] if p in predicted else None,
+                  "staleness": predicted[p]["staleness"] if p in predicted else None,
+                  "measured_ms": medians.get(p), "measured_runs_ms": measured[p]} for p in trained],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--top", type=int, default=3, help="front points trained per case (chosen ones included)")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="pd-bench-pareto-") as tmp:
+        for name in args.cases:
+            try:
+                results.append(run_case(name, args.rounds, args.top, Path(tmp)))
+            except BenchFailed as e:
+                results.append({"case": name, "error": str(e)})
+    for r in results:
+        if "error" in r:
+            print(f"\n{r['case']}: failed: {r['error']}")
+            continue
+        gap = f"{r['gap_pct']:+.1f}%" if r["gap_pct"] is not None else "-"
+        flush_gap = f"{r['flush_gap_pct']:+.1f}%" if r["flush_gap_pct"] is not None else "-"
+        print(f"\n{r['case']}: {r['front_points']} points on the front; chosen {r['chosen']} ({gap} from the best "
+              f"measured); max_staleness=0 chose {r['chosen_flush']} ({flush_gap} from the best measured flush one)")
+        print(tabulate([[("* " if x["chosen"] else "") + ("0 " if x["chosen_flush"] else "") + x["config"],
+                         f"{x['predicted_ms']:.2f}" + ("" if x["on_front"] else " (off the front)"),
+                         f"{x['measured_ms']:.2f}" if x["measured_ms"] else "failed",
+                         " ".join(f"{v:.2f}" for v in x["measured_runs_ms"])] for x in r["rows"]],
+                       headers=["configuration (* chosen, 0 chosen at max_staleness=0)", "predicted ms/mb",
+                                "measured ms/mb (median)", "rounds"], disable_numparse=True))
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(OUT, {"results": results})
+    print(f"\nwrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()

@@ -38,8 +38,9 @@ def first_position(profile: dict, module: str) -> int:
 
 @pytest.mark.slow  # real processes over torch.distributed
 @pytest.mark.timeout(300)
-def test_cuts_between_branches_train_equal_to_the_reference(tmp_path: Path) -> None:
-    args = (RECIPE, f"run.root={tmp_path}", *QUICK, *SMALL)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_cuts_between_branches_train_equal_to_the_reference(tmp_path: Path, schedule: str) -> None:
+    args = (RECIPE, f"run.root={tmp_path}", *QUICK, *SMALL, f"schedule.name={schedule}")
     run = tmp_path / "inception"
     invoke("profile", *args)
     profile = json.loads((run / "profile.json").read_text())

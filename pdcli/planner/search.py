@@ -25,6 +25,7 @@ slower than the best plan so far is not replayed (the factor is at least 1).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable
@@ -32,8 +33,8 @@ from typing import Callable
 import numpy as np
 
 from pdcli.planner.costs import (
-    SplitShares, bubble_factor, compute_calibration, pd_stage_terms, runtime_action_costs, runtime_stage_terms,
-    split_shares,
+    SplitShares, backward_work, bubble_factor, compute_calibration, pd_stage_terms, runtime_action_costs,
+    runtime_stage_terms, split_shares,
 )
 from pdcli.planner.memory import VerticalSync, stage_memory
 from pdcli.planner.options import PlanOptions
@@ -138,7 +139,7 @@ class PdCosts:
         self.options, self.anchor, self.num_layers = options, anchor, num_layers
         compute_scale = compute_scale_of(space, scale)
         self.fwd = space.range_matrix(space.covered_fwd_ms) * compute_scale
-        self.bwd = space.range_matrix(space.covered_bwd_ms) * compute_scale
+        self.bwd = backward_work(self.fwd, space.range_matrix(space.covered_bwd_ms) * compute_scale, options.recompute)
         self.wgrad = space.range_matrix(covered_or_zeros(space, space.covered_wgrad_ms)) * compute_scale
         self.runtime = runtime_of(space, topology)
         self.first = (np.arange(n) == 0)[:, None]
@@ -156,6 +157,13 @@ class PdCosts:
         self.stages_from = np.arange(1, num_layers + 1, dtype=float)[:, None, None]
         self._time_cache: dict[tuple[float, ...], np.ndarray] = {}
         self.vertical_sync = search_vertical_sync(options, anchor)
+
+    def for_anchor(self, anchor: int) -> "PdCosts":
+        """These costs for another anchor, sharing the matrices and the cached stage times (a
+        time depends on the replicas and the links, not on where the plan ends)."""
+        other = copy.copy(self)
+        other.anchor, other.vertical_sync = anchor, search_vertical_sync(self.options, anchor)
+        return other
 
     def _link(self, a: int, b: int) -> float:
         return float(self.bw[a, b]) if 0 <= a and b < self.bw.shape[0] else np.inf
@@ -353,8 +361,11 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
     cap_layers = (layered and minimize == "time" and options.num_stages is None and split is None
                   and options.memory_bytes_per_device is None and options.replicas is None)
     cores = runtime.cores if runtime is not None else None
+    shared: PdCosts | None = None
     for anchor in _anchors(topology, options):
-        costs = PdCosts(space, topology, options, scale, anchor, num_layers)
+        if shared is None:
+            shared = PdCosts(space, topology, options, scale, anchor, num_layers)
+        costs = shared.for_anchor(anchor)
         runnable = tuple(r for r in range(1, anchor + 1) if costs.runnable(r))
         fn: StageCost = costs.time if minimize == "time" else costs.memory
         if options.replicas is not None:  # plan_chain fixes num_stages = len(replicas): layered

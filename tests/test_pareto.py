@@ -183,3 +183,35 @@ def test_pd_train_runs_the_configuration_the_plan_chose(tmp_path: Path) -> None:
     assert resolved.plan.search == ["schedule.name", "schedule.num_microbatches"]
     assert plan["search"]["front"][plan["search"]["chosen"]]["schedule"] == resolved.schedule.name
     assert_matches_reference(run, [s["replicas"] for s in plan["stages"]])
+
+
+@pytest.mark.parametrize("runtime", [False, True])
+def test_recompute_costs_a_second_forward_and_saves_memory(runtime: bool) -> None:
+    """`train.recompute` is priced both ways: a Backward that runs the forward again (more time)
+    and held microbatches that keep only their inputs (less memory)."""
+    from test_runtime_costs import RUNTIME, chain as runtime_chain
+
+    c = runtime_chain(RUNTIME.without("cores"), n=8) if runtime else chain()
+    topology = Topology.flat(2, 1e9)
+    from pdcli.planner import plan_chain
+
+    options = PlanOptions(schedule="gpipe", num_microbatches=4, batch_size=32, boundaries=(4,))
+    plain, again = (plan_chain(c, topology, dataclasses.replace(options, recompute=r)) for r in (False, True))
+    assert again.time_per_minibatch_ms > plain.time_per_minibatch_ms * 1.05
+    for a, b in zip(plain.stages, again.stages):
+        if runtime:  # the Backward action: the backward's line over forward + backward work
+            assert b.predicted["actions_ms"]["bwd_ms"] > a.predicted["actions_ms"]["bwd_ms"] * 1.2
+        else:
+            assert b.predicted["bwd_ms"] == pytest.approx(a.predicted["bwd_ms"] + a.predicted["fwd_ms"])
+        assert b.predicted["activations_bytes"] < a.predicted["activations_bytes"]
+
+
+def test_recompute_is_searched_when_auto() -> None:
+    cfg = load_config(QUICKSTART, ["train.recompute=auto"]).config
+    assert cfg.plan.search == ["train.recompute"] and cfg.train.recompute is False
+    outcome = search(chain(), ConfigSpace(("gpipe",), (4, 8), (False,), (False, True)))
+    assert outcome.searched == 4
+    on_front = {p.config.recompute for p in outcome.front}
+    assert on_front == {False, True}  # recompute: slower, and smaller
+    fastest, smallest = outcome.chosen, min(outcome.front, key=lambda p: p.peak_bytes)
+    assert not fastest.config.recompute and smallest.config.recompute

@@ -139,6 +139,13 @@ def updates_per_minibatch(schedule: str, num_microbatches: int, replicas: Any) -
     return num_microbatches / r if rules(schedule).step_per_microbatch else np.ones(np.shape(r))
 
 
+def backward_work(fwd_ms: Any, bwd_ms: Any, recompute: bool) -> Any:
+    """A stage's Backward in profiled ms: with `train.recompute` it runs the stage's forward
+    again first (the runtime keeps only a held microbatch's inputs), priced on the backward's
+    line as the run's Backward spans hold both."""
+    return bwd_ms + fwd_ms if recompute else bwd_ms
+
+
 def pd_stage_terms(fwd_ms: Any, bwd_ms: Any, parameter_bytes: Any, cut_in_bytes: Any,
                    cut_out_bytes: Any, replicas: Any, sync_bw: Any, in_bw: Any, out_bw: Any,
                    schedule: str, num_microbatches: int, optimizer_step_ms: Any = 0.0) -> StageTerms:

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdcli.planner.costs import (
-    MS_PER_S, ActionCosts, bubble_factor, pd_stage_terms, replica_allreduce_ms, runtime_action_costs,
+    MS_PER_S, ActionCosts, backward_work, bubble_factor, pd_stage_terms, replica_allreduce_ms, runtime_action_costs,
     runtime_stage_terms,
 )
 from pdcli.planner.memory import StageMemory, VerticalSync, stage_memory
@@ -150,7 +150,8 @@ def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, sca
     for index, (start, end, r) in enumerate(partition):
         last = first + r - 1
         fwd = space.range_total(space.covered_fwd_ms, start, end) * compute_scale
-        bwd = space.range_total(space.covered_bwd_ms, start, end) * compute_scale
+        bwd = backward_work(fwd, space.range_total(space.covered_bwd_ms, start, end) * compute_scale,
+                            options.recompute)
         wgrad = space.range_total(covered_wgrad, start, end) * compute_scale
         params = space.range_total(space.covered_parameter_bytes, start, end)
         cut_in = space.cut_bytes[start - 1] * scale if start > 0 else 0.0

@@ -39,10 +39,12 @@ class Configuration:
     schedule: str
     num_microbatches: int
     split_backward: bool
+    recompute: bool = False
 
     def label(self) -> str:
         split = " (split backward)" if self.split_backward else ""
-        return f"{self.schedule}{split}, M={self.num_microbatches}"
+        recompute = ", recompute" if self.recompute else ""
+        return f"{self.schedule}{split}, M={self.num_microbatches}{recompute}"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -56,6 +58,7 @@ class ConfigSpace:
     microbatches: tuple[int, ...]
     split_backward: tuple[bool, ...]
     """Tried for the flush schedules; the others never split."""
+    recompute: tuple[bool, ...] = (False,)
 
     def configurations(self) -> list[Configuration]:
         out = []
@@ -63,12 +66,13 @@ class ConfigSpace:
             splits = self.split_backward if schedule in FLUSH_SCHEDULES else (False,)
             for m in self.microbatches:
                 for split in dict.fromkeys(splits):
-                    out.append(Configuration(schedule, m, split))
+                    for recompute in self.recompute:
+                        out.append(Configuration(schedule, m, split, recompute))
         return out
 
     def to_json(self) -> dict[str, Any]:
         return {"schedules": list(self.schedules), "num_microbatches": list(self.microbatches),
-                "split_backward": list(self.split_backward)}
+                "split_backward": list(self.split_backward), "recompute": list(self.recompute)}
 
 
 def auto_microbatches(batch_size: int, limit: int = MAX_AUTO_MICROBATCHES) -> tuple[int, ...]:
@@ -156,7 +160,7 @@ def search_points(chain_at: Callable[[int], Chain], topology: Topology, base: Pl
             chain = chain_at(rows)
             chains[rows] = (chain, SplitSpace.from_chain(chain))
         options = dataclasses.replace(base, schedule=config.schedule, num_microbatches=config.num_microbatches,
-                                      split_backward=config.split_backward,
+                                      split_backward=config.split_backward, recompute=config.recompute,
                                       vertical_sync=base.vertical_sync and config.schedule == PIPEDREAM)
         try:
             chain, split_space = chains[rows]

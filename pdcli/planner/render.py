@@ -151,7 +151,8 @@ def render_front(plan_json: dict[str, Any], fmt: str = "text") -> str:
         replicas = row["replicas"]
         shape = f"{len(replicas)} ({'+'.join(str(r) for r in replicas)})"
         rows.append([
-            CHOSEN_MARK if k == search["chosen"] else "", row["schedule"] + (" (split bwd)" if row["split_backward"] else ""),
+            CHOSEN_MARK if k == search["chosen"] else "",
+            row["schedule"] + (" (split bwd)" if row["split_backward"] else "") + (", recompute" if row.get("recompute") else ""),
             row["num_microbatches"], shape, round(row["throughput_samples_per_s"]), row["time_per_minibatch_ms"],
             format_bytes(row["peak_bytes"]), row["staleness"],
         ])

@@ -113,7 +113,8 @@ def fit_affine(xs: Sequence[float], ys: Sequence[float], single: str = "scale") 
 def run_stage_actions(cfg: Any, stages_dir: Path, stage_id: int, num_stages: int, schedule: str,
                       split_backward: bool, num_minibatches: int, device: torch.device) -> dict[str, list[float]]:
     """Run stage `stage_id`'s real action list in this process; action name -> durations (ms),
-    and GAP_KEY -> [the loop's time outside the actions per action]."""
+    and GAP_KEY -> [the loop's time outside the actions per action]. Without recompute: the
+    planner prices recompute's second forward itself (`pdcli.planner.costs.backward_work`)."""
     from pdcli.compiler import load_stage, read_manifest
     from pdcli.data import build_data
     from pdcli.models import build_loss
@@ -141,7 +142,7 @@ def run_stage_actions(cfg: Any, stages_dir: Path, stage_id: int, num_stages: int
         data=build_data(cfg.data, cfg.data.batch_size), num_microbatches=m,
         loss_fn=build_loss(loss_name) if is_last else None, optimizer=build_optimizer(cfg.optim, module),
         device=device, mailbox=Mailbox(ZerosTransport(), device), timeline=timeline,
-        precision=cfg.train.precision, recompute=cfg.train.recompute, is_classifier=loss_name == "cross_entropy",
+        precision=cfg.train.precision, recompute=False, is_classifier=loss_name == "cross_entropy",
         heartbeat=Heartbeat(stages_dir / f"probe_status_{stage_id}"),
     )
     actions = build_for(spec, stage_id, 0, eager_sends=True)

@@ -115,7 +115,8 @@ def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str
 
 def config_space(cfg: Config) -> Any:
     """What `plan.search` leaves to the planner: every searched schedule (split backward on and
-    off for the flush ones unless `schedule.split_backward` is set) and microbatch count."""
+    off for the flush ones unless `schedule.split_backward` is set), microbatch count and
+    recompute on and off."""
     from pdcli.planner.pareto import SEARCHED_SCHEDULES, ConfigSpace, auto_microbatches
 
     searched = set(cfg.plan.search)
@@ -127,7 +128,8 @@ def config_space(cfg: Config) -> Any:
         splits = (True, False) if cfg.schedule.split_backward is None else (bool(cfg.schedule.split_backward),)
     microbatches = (auto_microbatches(cfg.data.batch_size) if "schedule.num_microbatches" in searched
                     else (cfg.schedule.num_microbatches,))
-    return ConfigSpace(tuple(schedules), microbatches, splits)
+    recompute = (False, True) if "train.recompute" in searched else (cfg.train.recompute,)
+    return ConfigSpace(tuple(schedules), microbatches, splits, recompute)
 
 
 def search_plan(chain: Chain, cfg: Config, profile_sha256: str | None, topology: Any) -> Any:
@@ -151,7 +153,8 @@ def config_of_plan(cfg: Config, plan: dict[str, Any]) -> Config:
                                    split_backward=bool(inputs.get("split_backward", False)))
     if schedule.name != "pipedream":
         schedule = dataclasses.replace(schedule, vertical_sync=False)
-    return dataclasses.replace(cfg, schedule=schedule)
+    train = dataclasses.replace(cfg.train, recompute=bool(inputs.get("recompute", False)))
+    return dataclasses.replace(cfg, schedule=schedule, train=train)
 
 
 def ensure_plan(cfg: Config, run: RunDir, chain: Chain, force: bool = False) -> tuple[dict[str, Any], bool]:

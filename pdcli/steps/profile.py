@@ -23,10 +23,11 @@ from pdcli.rundir import RunDir, artifact_inputs_hash
 PROFILE_ARTIFACT = "profile.json"
 
 
-MEASURES = 5
+MEASURES = 6
 """What the profiler measures, counted up when it measures more (2: each position's
 `wgrad_ms`; 3: the runtime probe; 4: each position's module name and the `pipe_split()`
-markers; 5: what stages hold, `meta.held_memory`), so a run directory profiled by an older pd is measured
+markers; 5: what stages hold, `meta.held_memory`; 6: the probe's stages without recompute, which the
+planner prices), so a run directory profiled by an older pd is measured
 again, not reused."""
 
 

@@ -6,12 +6,13 @@ from typing import Any
 
 from tabulate import tabulate
 
+from pdcli.planner.pareto import stage_delays
 from pdcli.planner.plan import Plan
 from pdcli.errors import UserError
 from pdcli.profiler.chain import Chain
 from pdcli.profiler.summary import format_bytes
 from pdcli.rundir import canonical_json
-from pdcli.schedule import SCHEDULES, ScheduleSpec
+from pdcli.schedule import SCHEDULES
 
 FORMATS = ("text", "markdown", "json")
 TABLE_STYLE = {"text": "simple", "markdown": "github"}
@@ -124,13 +125,11 @@ def staleness_line(plan_json: dict[str, Any]) -> str | None:
     inputs, stages = plan_json.get("inputs", {}), sorted(plan_json["stages"], key=lambda s: s["stage_id"])
     if inputs.get("schedule") not in SCHEDULES or not stages:
         return None
-    replicas = [int(s["replicas"]) for s in stages]
-    steps = 2 * sum(replicas) + 2  # the spec's last microbatch is in steady state
     try:
-        spec = ScheduleSpec.make(inputs["schedule"], len(stages), int(inputs.get("num_microbatches", 1)), steps, replicas)
+        delays = ", ".join(str(d) for d in stage_delays(inputs["schedule"], int(inputs.get("num_microbatches", 1)),
+                                                        [int(s["replicas"]) for s in stages]))
     except UserError:  # a plan the runtime refuses (e.g. replicas not dividing the microbatches)
         return None
-    delays = ", ".join(str(spec.update_delay(k)) for k in range(len(stages)))
     return f"staleness: weights lag {delays} optimizer steps behind (stages 0..{len(stages) - 1}, {inputs['schedule']})"
 
 

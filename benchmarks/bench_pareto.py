@@ -1,10 +1,10 @@
 """The configuration search, trained: does `pd plan`'s choice of schedule and microbatches hold?
 
-For each case `pd plan --pareto` (schedule.name=auto, schedule.num_microbatches=auto) prints
-the Pareto front; then the chosen point, the point `plan.max_staleness=0` chooses (the best
+For each case `pd plan --pareto` (the schedule, its microbatches and recompute searched with
+the partition) prints the Pareto front; then the chosen point, the point `plan.max_staleness=0` chooses (the best
 flush configuration), the case's listed configurations and (for the recipes) the front's
 other points up to `--top` are each trained for a short run with the configuration fixed
-(`schedule.*`, `plan.boundaries`, `plan.replicas`), interleaved over rounds, and their
+(`schedule.*`, `train.recompute`, `plan.boundaries`, `plan.replicas`), interleaved over rounds, and their
 steady time per minibatch is measured as `pd report` reads it. Printed: predicted beside
 measured for every configuration, the chosen one's gap to the best measured, and the flush
 choice's gap to the best measured flush configuration. Writes `runs/benchmarks/pareto.json`;
@@ -43,13 +43,13 @@ from pdcli.rundir import atomic_write_json  # noqa: E402
 OUT = REPO / "runs" / "benchmarks" / "pareto.json"
 PD = Path(sys.executable).parent / "pd"
 TIMEOUT_S = 900.0
-Point = tuple[str, int, bool, tuple[int, ...], tuple[int, ...]]
-"""(schedule, microbatches, split backward, boundaries, replicas)."""
+Point = tuple[str, int, bool, bool, tuple[int, ...], tuple[int, ...]]
+"""(schedule, microbatches, split backward, recompute, boundaries, replicas)."""
 SHAPE = tuple(o for o in RUNTIME_SHAPE if not o.startswith("schedule.num_microbatches"))
 CASES: dict[str, tuple[str, tuple[str, ...], int, tuple[Point, ...]]] = {
     "runtime-shape": ("quickstart", SHAPE, 40, (
-        ("pipedream", 1, False, (9,), (1, 1)), ("pipedream", 8, False, (9,), (1, 1)),
-        ("1f1b", 4, True, (9,), (1, 1)), ("1f1b", 8, True, (9,), (1, 1)))),
+        ("pipedream", 1, False, False, (9,), (1, 1)), ("pipedream", 8, False, False, (9,), (1, 1)),
+        ("1f1b", 4, True, False, (9,), (1, 1)), ("1f1b", 8, True, False, (9,), (1, 1)))),
     "gpt": ("gpt", (), 24, ()),
     "vgg16": ("vgg16", (), 30, ()),
 }
@@ -66,26 +66,27 @@ def pd(*args: str) -> str:
 
 
 def point_of(row: dict[str, Any]) -> Point:
-    return (row["schedule"], int(row["num_microbatches"]), bool(row["split_backward"]),
+    return (row["schedule"], int(row["num_microbatches"]), bool(row["split_backward"]), bool(row.get("recompute")),
             tuple(row["boundaries"]), tuple(row["replicas"]))
 
 
 def overrides_of(point: Point) -> list[str]:
-    schedule, m, split, bounds, reps = point
-    return [f"schedule.name={schedule}", f"schedule.num_microbatches={m}",
+    schedule, m, split, recompute, bounds, reps = point
+    return [f"schedule.name={schedule}", f"schedule.num_microbatches={m}", f"train.recompute={str(recompute).lower()}",
             f"schedule.split_backward={'true' if split else 'null' if schedule in ('pipedream', '2bw') else 'false'}",
             "plan.num_stages=null", f"plan.boundaries=[{','.join(map(str, bounds))}]",
             f"plan.replicas=[{','.join(map(str, reps))}]"]
 
 
 def label(point: Point) -> str:
-    schedule, m, split, bounds, reps = point
-    return f"{schedule}{' (split bwd)' if split else ''} M={m} cuts {list(bounds)} x{list(reps)}"
+    schedule, m, split, recompute, bounds, reps = point
+    return (f"{schedule}{' (split bwd)' if split else ''}{', recompute' if recompute else ''} M={m} "
+            f"cuts {list(bounds)} x{list(reps)}")
 
 
 def front_of(recipe: Path, root: Path, name: str, extra: tuple[str, ...], *more: str) -> dict[str, Any]:
-    out = pd("plan", str(recipe), f"run.root={root}", f"run.name={name}-plan", *extra,
-             "schedule.name=auto", "schedule.num_microbatches=auto", *more, "--pareto", "--format", "json")
+    out = pd("plan", str(recipe), f"run.root={root}", f"run.name={name}-plan", *extra, *more,
+             "--pareto", "--format", "json")
     return json.loads(out)
 
 
@@ -93,8 +94,9 @@ def predict(plan_dir: Path, point: Point) -> float:
     """The search's prediction for `point` (its profile priced at the point's microbatch size)."""
     plan = json.loads((plan_dir / "plan.json").read_text())
     chain = Chain.from_json(json.loads((plan_dir / "profile.json").read_text()))
-    schedule, m, split, bounds, reps = point
+    schedule, m, split, recompute, bounds, reps = point
     options = dataclasses.replace(plan_options_of(plan), schedule=schedule, num_microbatches=m, split_backward=split,
+                                  recompute=recompute,
                                   boundaries=bounds, replicas=reps, num_stages=None,
                                   memory_bytes_per_device=plan["inputs"].get("memory_bytes_per_device"))
     topology = Topology.from_levels(plan["inputs"]["topology"]["levels"])

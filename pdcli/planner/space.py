@@ -124,9 +124,9 @@ class SplitSpace:
             member_order = tuple(m for members in position_members for m in members)
             split_ok = np.zeros((n, n), dtype=bool)
             for j, mask in enumerate(dag["ancestors_hex"]):
-                bits = int(mask, 16)
-                for k in range(j):
-                    split_ok[k, j] = bool((bits >> k) & 1)
+                bits = np.unpackbits(np.frombuffer(int(mask, 16).to_bytes((n + 7) // 8, "little"), dtype=np.uint8),
+                                     bitorder="little")
+                split_ok[:j, j] = bits[:j].astype(bool)
             return cls(
                 num_positions=n,
                 covered_fwd_ms=np.asarray(dag["covered_fwd_ms"], dtype=float),

@@ -24,6 +24,8 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from pdcli.errors import UserError
 from pdcli.profiler.antichain import (
     INPUT_PREFIX, UNUSED_SINK_PREFIX, Linearization, TooManyStates, antichain_states, prefix_states,
@@ -305,10 +307,13 @@ def graph_to_chain(graph: Graph, source: str = "", max_states: int | None = None
 
 
 def _mask_hex(bits: Sequence[int] | Any) -> str:
-    value = 0
-    for b in bits:
-        value |= 1 << int(b)
-    return format(value, "x")
+    """Hex of the integer with these bits set."""
+    index = np.fromiter(bits, dtype=np.int64)
+    if index.size == 0:
+        return "0"
+    flags = np.zeros(int(index.max()) + 1, dtype=bool)
+    flags[index] = True
+    return format(int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little"), "x")
 
 
 def chain_to_graph(chain: Chain, batch_size: int | None = None) -> Graph:

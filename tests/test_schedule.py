@@ -41,11 +41,13 @@ def all_specs():
             for num_stages in range(1, 6):
                 for num_microbatches in range(1, 9):
                     for replicas in replica_layouts(num_stages):
-                        try:
-                            yield ScheduleSpec.make(name, num_stages, num_microbatches, 3,
-                                                    replicas, vertical_sync)
-                        except UserError:
-                            continue  # e.g. 3 microbatches over 2 replicas
+                        for virtual in ((1, 2, 3) if rules(name).chunked else (1,)):
+                            try:
+                                yield ScheduleSpec.make(name, num_stages, num_microbatches, 3, replicas, vertical_sync,
+                                                        split_backward=bool(rules(name).split_backward),
+                                                        virtual_stages=virtual)
+                            except UserError:
+                                continue  # e.g. 3 microbatches over 2 replicas
 
 
 # ---- orders a reviewer can read ----
@@ -101,8 +103,8 @@ def test_every_schedule_checks_for_1_to_5_stages_1_to_8_microbatches(send_mode):
     checked = 0
     for spec in all_specs():
         replicated_no_flush = max(spec.replicas) > 1 and not spec.is_flush
-        if send_mode is SendMode.RENDEZVOUS and replicated_no_flush:
-            continue  # needs non-blocking sends: see test_replicated_pipedream_needs_eager_sends
+        if send_mode is SendMode.RENDEZVOUS and (replicated_no_flush or spec.chunked):
+            continue  # needs non-blocking sends: see test_replicated_pipedream_needs_eager_sends, test_virtual_stages
         check_schedules(build_all(spec), spec, send_mode)
         checked += 1
     assert checked > (300 if send_mode is SendMode.RENDEZVOUS else 500)
@@ -143,7 +145,7 @@ def test_sends_first_sends_activations_before_waiting_for_a_gradient():
 def test_split_backward_checks_for_every_flush_shape_both_transports():
     checked = 0
     for spec in all_specs():
-        if not spec.is_flush:
+        if not spec.is_flush or spec.chunked:  # chunked: tests/test_virtual_stages.py
             continue
         split = dataclasses.replace(spec, split_backward=True)
         for eager in (False, True):
@@ -211,7 +213,8 @@ def test_replicated_pipedream_needs_eager_sends():
         check_schedules(build_all(spec), spec, SendMode.RENDEZVOUS)
 
 
-@pytest.mark.parametrize("name, vertical_sync, split", [(n, False, False) for n in SCHEDULES if not rules(n).hand_written] + [
+@pytest.mark.parametrize("name, vertical_sync, split", [(n, False, False) for n in SCHEDULES
+                                                         if not rules(n).hand_written and not rules(n).chunked] + [
     ("pipedream", True, False), ("1f1b", False, True), ("gpipe", False, True)])
 def test_declared_stash_depth_is_reached_on_straight_pipelines(name, vertical_sync, split):
     for num_stages in range(1, 6):

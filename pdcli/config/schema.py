@@ -6,7 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from pdcli.schedule.spec import FLUSH_SCHEDULES, FILE, PIPEDREAM, SCHEDULES, rules, switch_problems
+from pdcli.schedule.spec import (
+    FLUSH_SCHEDULES, FILE, PIPEDREAM, SCHEDULES, rules, switch_problems, virtual_problems,
+)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 COST_MODELS = ("pd", "pipedream")
@@ -162,6 +164,9 @@ class ScheduleConfig:
     orders: Optional[List[str]] = None
     """file: the device lines of `path` (filled in when the config loads and null; the run directory's
     config.yaml carries them to every worker); or the lines themselves, without a file."""
+    virtual_stages: int = 1
+    """interleaved/loopedbfs (>= 1), zbv (2): model chunks per device; the plan cuts the model into
+    devices x virtual_stages chunks, placed in loops (interleaved, loopedbfs) or a V (zbv)."""
 
     @property
     def split_backward_on(self) -> bool:
@@ -387,6 +392,7 @@ def check_values(cfg: Config) -> list[str]:
             f"schedule.num_microbatches={cfg.schedule.num_microbatches}; pick a multiple"
         )
     problems += _written_schedule_problems(cfg)
+    problems += _virtual_stage_problems(cfg)
     fixes = {"vertical_sync": "set it to false", "split_backward": "set it to null or false"}
     for switch, why in switch_problems(cfg.schedule.name, cfg.schedule.vertical_sync,
                                        bool(cfg.schedule.split_backward)).items():
@@ -397,6 +403,27 @@ def check_values(cfg: Config) -> list[str]:
         problems.append(
             f"model.target: {cfg.model.target!r} must look like `package.module:factory`"
         )
+    return problems
+
+
+def _virtual_stage_problems(cfg: Config) -> list[str]:
+    """Virtual stages (`schedule.virtual_stages`) go with the chunked schedules only, one device per
+    pipeline position, and (so far) without weights tied between stages or a global gradient norm."""
+    schedule = cfg.schedule
+    if schedule.name not in SCHEDULES or schedule.virtual_stages < 1:
+        return [] if schedule.virtual_stages >= 1 else [
+            f"schedule.virtual_stages: must be >= 1, got {schedule.virtual_stages}"]
+    num_devices = cfg.plan.num_stages
+    problems = [f"{key}: {why}" for key, why in virtual_problems(
+        schedule.name, schedule.virtual_stages, schedule.split_backward_on, schedule.num_microbatches,
+        num_devices).items()]
+    if rules(schedule.name).chunked:
+        if cfg.plan.replicas is not None and any(r != 1 for r in cfg.plan.replicas):
+            problems.append(f"plan.replicas: {list(cfg.plan.replicas)}, but schedule.name={schedule.name} runs one "
+                            f"device per pipeline position; leave plan.replicas unset")
+        if cfg.optim.clip_grad_norm is not None:
+            problems.append(f"optim.clip_grad_norm: not supported with schedule.name={schedule.name} (a device's "
+                            f"chunks would each count a partial norm); set optim.clip_grad_norm=null")
     return problems
 
 

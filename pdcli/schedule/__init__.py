@@ -5,6 +5,8 @@
 - `actions`: the typed actions a process runs and their compact text form;
 - `lower`: a schedule's compute order lowered into every process's full action list;
 - `orders`, `handwritten`: a hand-written schedule (`file`): its lines read, and checked before it runs;
+- `virtual`: virtual stages: chunks placed on devices (loop, V) and the chunked schedules' orders
+  (`interleaved`, `loopedbfs`, `zbv`);
 - `checker`: proof that a set of lists runs (matching messages, no deadlock, the declared
   versions and stash depths);
 - `simulator`: the same lists replayed with costs, a predicted timeline.

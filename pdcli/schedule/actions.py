@@ -12,10 +12,16 @@ its activations to / from replica 0 / 1 of the next / previous stage, `SG3->r0` 
 the same for gradients, `SW@v2` / `FW@v2` stash / free version 2, `AR#4` all-reduce for
 step 4, `U#4/8` optimizer step 4 over 8 microbatches, `E3:e1` evaluation forward of held-out
 microbatch 1 under id 3, `EE#10` end of the evaluation after 10 minibatches.
+
+With virtual stages (`ScheduleSpec.virtual_stages`) a device runs several chunks of the model,
+and its microbatch actions name theirs (`chunk`, None on a device with one): `:c<chunk>` after
+the microbatch id, `F3:c2@v0` the forward of microbatch 3 through chunk 2, `SA3:c2->r0` its
+activations sent on to chunk 3, `RG3:c2<-r0` the gradient received from chunk 3.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, TypeVar, Union
@@ -25,6 +31,7 @@ class LoadMicrobatch:
     """inputs (first stage) / target (last stage) = data[microbatch_id]."""
 
     microbatch_id: int
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,7 @@ class RecvActivations:
 
     microbatch_id: int
     peer_replica: int
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class Forward:
 
     microbatch_id: int
     weight_version: int
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class SendActivations:
 
     microbatch_id: int
     peer_replica: int
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,7 @@ class RecvGrads:
 
     microbatch_id: int
     peer_replica: int
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ class Backward:
 
     microbatch_id: int
     weight_version: int
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,7 @@ class SendGrads:
 
     microbatch_id: int
     peer_replica: int
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,7 @@ class WeightGrads:
     """live.grad += the weight gradients Backward(mb) deferred (split_backward); free them."""
 
     microbatch_id: int
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +131,7 @@ class EvalForward:
 
     microbatch_id: int
     eval_microbatch: int
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -173,8 +188,14 @@ _TEXT_FORMS: dict[type, str] = {
     EndEval: "EE#{after_minibatches}",
 }
 """The text form of each action type: its fields, in a fixed frame."""
+_CHUNK_FORMS: dict[type, str] = {
+    kind: re.sub(r"^(\D+\{microbatch_id\})", r"\1:c{chunk}", form)
+    for kind, form in _TEXT_FORMS.items() if "chunk" in {f.name for f in dataclasses.fields(kind)}
+}
+"""The text form of an action that names its chunk (virtual stages: a device holds several):
+`:c<chunk>` after the microbatch, `F3:c2@v0`, `SA3:c2->r0`, `W3:c2`."""
 _PATTERNS = [(re.compile("^" + re.sub(r"\\{(\w+)\\}", r"(?P<\1>\\d+)", re.escape(form)) + "$"), kind)
-             for kind, form in _TEXT_FORMS.items()]
+             for forms in (_TEXT_FORMS, _CHUNK_FORMS) for kind, form in forms.items()]
 
 
 PEER_WAITS: tuple[type, ...] = (RecvActivations, RecvGrads, AllReduceGrads)
@@ -192,7 +213,10 @@ def waits_for_peer(text: str) -> bool:
 
 def action_text(action: Action) -> str:
     """The compact text form of `action` (see the module docstring)."""
-    return _TEXT_FORMS[type(action)].format_map(vars(action))  # as cheap as repr: the executor calls it per action
+    fields = vars(action)
+    if fields.get("chunk") is not None:
+        return _CHUNK_FORMS[type(action)].format_map(fields)
+    return _TEXT_FORMS[type(action)].format_map(fields)  # as cheap as repr: the executor calls it per action
 
 
 def parse_action(text: str) -> Action:

@@ -17,7 +17,7 @@ from pdcli.schedule.actions import (
     RecvActivations, RecvGrads, SendActivations, SendGrads, StashWeights, WeightGrads,
 )
 from pdcli.schedule.spec import (
-    FLUSH_SCHEDULES, GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW, ScheduleSpec, StashDepth, replica_for,
+    FLUSH_SCHEDULES, GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW, ScheduleSpec, StashDepth, chunk_order, replica_for,
 )
 
 def one_f_one_b(microbatch_ids: Sequence[int], num_in_flight: int) -> list[Forward | Backward]:
@@ -52,12 +52,29 @@ def _written_order(spec: ScheduleSpec, stage_id: int) -> list[Action]:
     return out
 
 
+def _chunked_order(spec: ScheduleSpec, stage_id: int) -> list[Action]:
+    """A chunked schedule's order (`pdcli.schedule.virtual`) for every minibatch, each followed
+    by its optimizer step (one step for all the device's chunks; one replica per stage)."""
+    m = spec.num_microbatches
+    order = chunk_order(spec, stage_id)
+    out: list[Action] = []
+    for t in range(spec.num_steps):
+        for action in order:
+            mb = t * m + action.microbatch_id
+            out.append(dataclasses.replace(action, microbatch_id=mb) if isinstance(action, WeightGrads)
+                       else dataclasses.replace(action, microbatch_id=mb, weight_version=spec.weight_version(stage_id, mb)))
+        out.append(OptimizerStep(t, m))
+    return out
+
+
 @lru_cache(maxsize=256)
 def _compute_order(spec: ScheduleSpec, stage_id: int, replica_id: int) -> tuple[Action, ...]:
     """Forward/Backward/AllReduceGrads/OptimizerStep of one process (and a written order's
     WeightGrads), versions filled in."""
     if spec.orders:
         return tuple(_written_order(spec, stage_id))
+    if spec.chunked:
+        return tuple(_chunked_order(spec, stage_id))
     own = spec.microbatches_of(stage_id, replica_id)
     if spec.is_flush:  # a flush per minibatch: the pipeline drains before each step
         per_replica = spec.num_microbatches // spec.replicas[stage_id]
@@ -119,9 +136,37 @@ def _neighbours(spec: ScheduleSpec, stage_id: int) -> tuple[bool, bool, int, int
     return first, last, spec.replicas[stage_id - 1] if not first else 1, spec.replicas[stage_id + 1] if not last else 1
 
 
+def _add_chunk_communication(spec: ScheduleSpec, compute: Sequence[Action]) -> list[Action]:
+    """Wrap each Forward/Backward of a chunked schedule in the loads, receives and sends of its
+    chunk: the first chunk loads the inputs and the last the target; messages go to the
+    neighbouring chunks (one replica each), through the transport or, between two chunks of one
+    device, handed over in the process (the same actions; `ScheduleSpec.stage_of_chunk` tells)."""
+    last_chunk = spec.num_chunks - 1
+    out: list[Action] = []
+    for action in compute:
+        if isinstance(action, Forward):
+            mb, c = action.microbatch_id, action.chunk
+            assert c is not None
+            out += [RecvActivations(mb, 0, c)] if c > 0 else []
+            out += [LoadMicrobatch(mb, c)] if c in (0, last_chunk) else []
+            out.append(action)
+            out += [SendActivations(mb, 0, c)] if c < last_chunk else []
+        elif isinstance(action, Backward):
+            mb, c = action.microbatch_id, action.chunk
+            assert c is not None
+            out += [RecvGrads(mb, 0, c)] if c < last_chunk else []
+            out.append(action)
+            out += [SendGrads(mb, 0, c)] if c > 0 else []
+        else:
+            out.append(action)
+    return out
+
+
 def _add_communication(spec: ScheduleSpec, stage_id: int, compute: Sequence[Action]) -> list[Action]:
     """Wrap each Forward/Backward in the data loads, receives and sends it needs (see
     `_receive_first` for the one place where a receive may overtake a send)."""
+    if spec.chunked:
+        return _add_chunk_communication(spec, compute)
     first, last, prev_r, next_r = _neighbours(spec, stage_id)
     out: list[Action] = []
     positions: dict[int, dict[tuple[type, int], int]] = {}
@@ -192,26 +237,41 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
     there the W would hold back the next stage's activations.
     """
     out: list[Action] = []
-    queued: list[int] = []
+    queued: list[tuple[int, int]] = []  # (microbatch, chunk or -1)
     for index, action in enumerate(actions):
         if isinstance(action, (OptimizerStep, AllReduceGrads)):
-            out += [WeightGrads(mb) for mb in queued]
+            out += [_weight_grads(*key) for key in queued]
             queued = []
         elif isinstance(action, RecvGrads) and queued and not (
                 index + 1 < len(actions) and isinstance(actions[index + 1], (SendActivations, SendGrads))):
-            out.append(WeightGrads(queued.pop(0)))
+            out.append(_weight_grads(*queued.pop(0)))
         out.append(action)
         if isinstance(action, Backward):
-            bisect.insort(queued, action.microbatch_id)
+            bisect.insort(queued, (action.microbatch_id, -1 if action.chunk is None else action.chunk))
             while len(queued) > spec.weight_grad_lag:
-                out.append(WeightGrads(queued.pop(0)))
+                out.append(_weight_grads(*queued.pop(0)))
     return out
 
 
+def _weight_grads(microbatch_id: int, chunk: int) -> WeightGrads:
+    """WeightGrads of a queued (microbatch, chunk; -1: none named)."""
+    return WeightGrads(microbatch_id, None if chunk < 0 else chunk)
+
+
 def _evaluation(spec: ScheduleSpec, stage_id: int, replica_id: int, evaluation: int) -> list[Action]:
-    """One evaluation block of a process: its share of the held-out microbatches, forward only."""
+    """One evaluation block of a process: its share of the held-out microbatches, forward only
+    (chunked: every held-out microbatch through each of the device's chunks in turn)."""
+    if spec.chunked:
+        out: list[Action] = []
+        for c in spec.chunks_of(stage_id):
+            for e in range(spec.num_eval_microbatches):
+                mb = spec.eval_microbatch_id(evaluation, e)
+                out += [RecvActivations(mb, 0, c)] if c > 0 else []
+                out.append(EvalForward(mb, e, c))
+                out += [SendActivations(mb, 0, c)] if c < spec.num_chunks - 1 else []
+        return [*out, EndEval(spec.eval_after[evaluation])]
     first, last, prev_r, next_r = _neighbours(spec, stage_id)
-    out: list[Action] = []
+    out = []
     for e in range(replica_id, spec.num_eval_microbatches, spec.replicas[stage_id]):
         mb = spec.eval_microbatch_id(evaluation, e)
         if not first:

@@ -99,9 +99,24 @@ class Simulation:
     """When each minibatch completed: the end of its last Backward (or WeightGrads)."""
 
 
+def _chunk(stage_id: int, action: Action) -> int:
+    """The chunk whose costs `action` pays: the one it names, else the stage's."""
+    chunk = getattr(action, "chunk", None)
+    return stage_id if chunk is None else int(chunk)
+
+
+def _local(spec: ScheduleSpec, stage_id: int, action: Action) -> bool:
+    """A message between two chunks of one device: handed over in the process, nothing in flight."""
+    chunk = getattr(action, "chunk", None)
+    if chunk is None:
+        return False
+    peer = chunk + 1 if isinstance(action, (SendActivations, RecvGrads)) else chunk - 1
+    return spec.stage_of_chunk(peer) == stage_id
+
+
 def _cpu_ms(stage_id: int, action: Action, costs: Sequence[StageCost]) -> float:
     """What a message action costs its own process (packing or unpacking)."""
-    cost = costs[stage_id]
+    cost = costs[_chunk(stage_id, action)]
     if isinstance(action, SendActivations):
         return cost.send_acts_ms
     if isinstance(action, RecvGrads):
@@ -115,7 +130,8 @@ def _cpu_ms(stage_id: int, action: Action, costs: Sequence[StageCost]) -> float:
 
 def _duration_ms(spec: ScheduleSpec, stage_id: int, action: Action,
                  costs: Sequence[StageCost]) -> float:
-    cost = costs[stage_id]
+    chunk = _chunk(stage_id, action)
+    cost = costs[chunk]
     if isinstance(action, LoadMicrobatch):
         return cost.load_ms
     if isinstance(action, Forward):
@@ -124,14 +140,16 @@ def _duration_ms(spec: ScheduleSpec, stage_id: int, action: Action,
         return cost.bwd_ms - cost.wgrad_ms if spec.split_backward else cost.bwd_ms
     if isinstance(action, WeightGrads):
         return cost.wgrad_ms
-    if isinstance(action, OptimizerStep):
-        return cost.optimizer_ms
+    if isinstance(action, OptimizerStep):  # one step for every chunk of the device
+        return sum(costs[c].optimizer_ms for c in spec.chunks_of(stage_id))
     if isinstance(action, AllReduceGrads):
         return cost.allreduce_ms
-    if isinstance(action, (SendActivations, RecvGrads)):  # the link to the next stage
+    if isinstance(action, (SendActivations, SendGrads, RecvActivations, RecvGrads)) and _local(spec, stage_id, action):
+        return 0.0
+    if isinstance(action, (SendActivations, RecvGrads)):  # the link to the next stage (chunk)
         return cost.comm_ms
-    if isinstance(action, (RecvActivations, SendGrads)):  # the link to the previous stage
-        return costs[stage_id - 1].comm_ms
+    if isinstance(action, (RecvActivations, SendGrads)):  # the link to the previous stage (chunk)
+        return costs[chunk - 1].comm_ms
     return 0.0
 
 
@@ -139,10 +157,12 @@ def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
              send_mode: SendMode = SendMode.EAGER,
              lists_by_rank: Sequence[Sequence[Action]] | None = None,
              cores: int | None = None, time_slice_ms: float = TIME_SLICE_MS) -> Simulation:
-    """Time the action lists of `spec` (built here unless given) with `costs[stage_id]`;
-    `cores`: the CPU cores the ranks share (None: each rank has its own device)."""
-    if len(costs) != spec.num_stages:
-        raise ValueError(f"{len(costs)} stage costs for {spec.num_stages} stages")
+    """Time the action lists of `spec` (built here unless given) with `costs[stage_id]`
+    (with virtual stages `costs[chunk]`: a chunked action pays its chunk's costs, a message
+    between two chunks of one device nothing in flight); `cores`: the CPU cores the ranks share
+    (None: each rank has its own device)."""
+    if len(costs) != spec.num_chunks:
+        raise ValueError(f"{len(costs)} stage costs for {spec.num_chunks} stages (chunks)")
     lists = lists_by_rank if lists_by_rank is not None else build_all(spec, eager_sends=send_mode is SendMode.EAGER)
     stages = [spec.stage_replica_of(rank)[0] for rank in range(spec.num_ranks)]
     if cores is not None and spec.num_ranks > cores:

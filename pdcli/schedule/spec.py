@@ -57,10 +57,14 @@ from typing import Protocol, Sequence
 from pdcli.errors import UserError
 from pdcli.schedule.actions import Backward, Forward, WeightGrads
 from pdcli.schedule.orders import Order, read_orders
+from pdcli.schedule.virtual import (
+    LOOP, V_SHAPE, ChunkAction, chunks_on, device_of, interleaved, looped_bfs, zbv,
+)
 
 
 GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW, FILE = "gpipe", "1f1b", "pipedream", "2bw", "file"
-SCHEDULES = (PIPEDREAM, ONE_F_ONE_B, GPIPE, TWO_BW, FILE)
+INTERLEAVED, LOOPED_BFS, ZBV = "interleaved", "loopedbfs", "zbv"
+SCHEDULES = (PIPEDREAM, ONE_F_ONE_B, GPIPE, TWO_BW, FILE, INTERLEAVED, LOOPED_BFS, ZBV)
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,20 @@ class ScheduleRules:
     the run use the written order."""
     replicable: bool = True
     """Stages may run replicated (data parallel); a written order has one device per stage."""
+    placement: str = ""
+    """Virtual stages (`ScheduleSpec.virtual_stages`): how the chunks sit on the devices, `loop` or
+    `v` (`pdcli.schedule.virtual`); "" for one chunk per device."""
+    virtual_stages: tuple[int, int | None] = (1, 1)
+    """The chunks per device the schedule takes: (at least, at most; None: no bound)."""
+    split_backward: bool | None = None
+    """True: the schedule's order needs a split backward (zbv's B and W); None: either."""
+    microbatches_per_device: bool = False
+    """num_microbatches must be a multiple of the devices (Megatron's interleaved order)."""
+
+    @property
+    def chunked(self) -> bool:
+        """Its lists name the chunk of every microbatch action (a device may hold several)."""
+        return bool(self.placement)
 
     @property
     def hand_written(self) -> bool:
@@ -106,6 +124,13 @@ RULES: dict[str, ScheduleRules] = {
     TWO_BW: ScheduleRules(flush=False, step_per_microbatch=False, weight_buffers=2, in_flight="devices"),
     FILE: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="devices_upto_all",
                         stand_in=ONE_F_ONE_B, replicable=False),
+    INTERLEAVED: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="devices_upto_all",
+                               replicable=False, placement=LOOP, virtual_stages=(1, None),
+                               microbatches_per_device=True),
+    LOOPED_BFS: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="all",
+                              replicable=False, placement=LOOP, virtual_stages=(1, None)),
+    ZBV: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="devices_upto_all",
+                       replicable=False, placement=V_SHAPE, virtual_stages=(2, 2), split_backward=True),
 }
 """Every schedule's rules; `ScheduleSpec` holds the rest of its definition (weight versions,
 stash depths) and `pdcli.schedule.lower` its compute order."""
@@ -134,6 +159,30 @@ def switch_problems(name: str, vertical_sync: bool = False, split_backward: bool
     if split_backward and name not in FLUSH_SCHEDULES:
         problems["split_backward"] = (f"split_backward only applies to {', '.join(FLUSH_SCHEDULES)}, not {name!r} "
                                       f"(it fills the flush's bubble; {name} has none)")
+    return problems
+
+
+def virtual_problems(name: str, virtual_stages: int, split_backward: bool, num_microbatches: int,
+                     num_devices: int | None = None) -> dict[str, str]:
+    """What schedule `name` does not take of virtual stages, split backward and (with the
+    devices known) microbatches: {config key: why}. Config validation and `ScheduleSpec` ask it."""
+    r = rules(name)
+    low, high = r.virtual_stages
+    problems = {}
+    if not r.chunked and virtual_stages != 1:
+        chunked = ", ".join(n for n in SCHEDULES if RULES[n].chunked)
+        problems["schedule.virtual_stages"] = (f"{virtual_stages} chunks per device, but {name} runs one; virtual "
+                                               f"stages are for {chunked} (set schedule.virtual_stages=1)")
+    elif not low <= virtual_stages <= (high or virtual_stages):
+        want = f"exactly {low}" if low == high else f"at least {low}"
+        problems["schedule.virtual_stages"] = f"{name} takes {want} chunks per device, got {virtual_stages}"
+    if r.split_backward and not split_backward:
+        problems["schedule.split_backward"] = (f"{name} runs the input and the weight gradients as separate "
+                                               f"actions (B and W); set schedule.split_backward=null or true")
+    if r.microbatches_per_device and num_devices is not None and num_microbatches % num_devices:
+        problems["schedule.num_microbatches"] = (
+            f"{num_microbatches} microbatches, but {name} (Megatron's interleaved 1F1B) cycles them through the "
+            f"chunks in groups of one per device: use a multiple of the {num_devices} devices")
     return problems
 
 
@@ -177,6 +226,7 @@ class ScheduleSettings(Protocol):
     vertical_sync: bool
     path: str | None
     orders: list[str] | None
+    virtual_stages: int
 
     @property
     def split_backward_on(self) -> bool: ...
@@ -213,18 +263,22 @@ class ScheduleSpec:
     """`file` only: each stage's compute order for one minibatch (Forward, Backward and
     WeightGrads of microbatches 0 .. M-1 on version 0, see `pdcli.schedule.orders`), which the
     lowering repeats for every minibatch, each followed by its optimizer step."""
+    virtual_stages: int = 1
+    """Chunks per device V (`interleaved`, `loopedbfs`, `zbv`): the model is cut into
+    num_stages x V chunks, placed as the schedule's `ScheduleRules.placement` says; a process
+    (stage) is then a device, and its lists name each action's chunk."""
 
     @classmethod
     def make(cls, name: str, num_stages: int, num_microbatches: int, num_steps: int,
              replicas: Sequence[int] | None = None, vertical_sync: bool = False,
              drain_after: Sequence[int] = (), split_backward: bool = False,
              eval_after: Sequence[int] = (), num_eval_microbatches: int = 0,
-             orders: Sequence[Order] = ()) -> ScheduleSpec:
+             orders: Sequence[Order] = (), virtual_stages: int = 1) -> ScheduleSpec:
         """A spec with `replicas=None` meaning one replica per stage."""
         reps = tuple(replicas) if replicas is not None else (1,) * num_stages
         evals = tuple(eval_after) if num_eval_microbatches else ()
         return cls(name, num_stages, num_microbatches, num_steps, reps, vertical_sync, tuple(drain_after),
-                   split_backward, evals, num_eval_microbatches if evals else 0, tuple(orders))
+                   split_backward, evals, num_eval_microbatches if evals else 0, tuple(orders), virtual_stages)
 
     @classmethod
     def from_config(cls, schedule: ScheduleSettings, replicas: Sequence[int], num_steps: int,
@@ -239,7 +293,7 @@ class ScheduleSpec:
                             f"(plan.num_stages={len(orders)})")
         return cls.make(schedule.name, len(replicas), schedule.num_microbatches, num_steps, replicas,
                         schedule.vertical_sync, drain_after, schedule.split_backward_on, eval_after,
-                        num_eval_microbatches, orders)
+                        num_eval_microbatches, orders, schedule.virtual_stages)
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -266,6 +320,12 @@ class ScheduleSpec:
                             f"of {self.num_microbatches}")
         if not problems:
             problems += self._order_problems()
+        if not problems:
+            problems += [f"{key}: {why}" for key, why in virtual_problems(
+                self.name, self.virtual_stages, self.split_backward, self.num_microbatches, self.num_stages).items()]
+        if not problems and self.chunked and max(self.replicas) > 1:
+            problems.append(f"plan.replicas: {self.name} runs one device per pipeline position (its chunks talk "
+                            f"to both neighbours), got replicas {list(self.replicas)}; leave plan.replicas unset")
         if problems:
             raise UserError("; ".join(problems))
         for stage_id, r in enumerate(self.replicas):
@@ -297,9 +357,33 @@ class ScheduleSpec:
 
     def places_weight_grads(self, stage_id: int) -> bool:
         """Whether the lowering places `stage_id`'s WeightGrads (split backward, unless the stage's
-        written order has its own)."""
+        written order or the schedule's own order (zbv) has them)."""
         own = self.orders[stage_id] if self.orders else ()
-        return self.split_backward and not any(isinstance(a, WeightGrads) for a in own)
+        return self.split_backward and not rules(self.name).split_backward and not any(
+            isinstance(a, WeightGrads) for a in own)
+
+    # -- chunks (virtual stages) --
+    @property
+    def chunked(self) -> bool:
+        """The lists name each microbatch action's chunk (`interleaved`, `loopedbfs`, `zbv`)."""
+        return rules(self.name).chunked
+
+    @property
+    def num_chunks(self) -> int:
+        """Pieces of the model: num_stages x virtual_stages (num_stages without virtual stages)."""
+        return self.num_stages * self.virtual_stages
+
+    def chunks_of(self, stage_id: int) -> tuple[int, ...]:
+        """The chunks stage (device) `stage_id` runs: (stage_id,) without virtual stages."""
+        if not self.chunked:
+            return (stage_id,)
+        return chunks_on(rules(self.name).placement, self.num_stages, self.virtual_stages, stage_id)
+
+    def stage_of_chunk(self, chunk: int) -> int:
+        """The stage (device) that runs `chunk`."""
+        if not self.chunked:
+            return chunk
+        return device_of(rules(self.name).placement, self.num_stages, chunk)
 
     # -- processes --
     @property
@@ -435,6 +519,8 @@ class ScheduleSpec:
         per_replica = self.num_microbatches // self.replicas[stage_id]
         if self.orders:
             return StashDepth(1, self._written_depth(stage_id))
+        if self.chunked:
+            return StashDepth(1, self._chunked_depth(stage_id))
         in_flight = self.num_in_flight(stage_id)
         if self.name == GPIPE:
             return StashDepth(1, per_replica)
@@ -459,6 +545,21 @@ class ScheduleSpec:
             peak = min(peak + self.weight_grad_lag, self.num_microbatches)
         return peak
 
+    def _chunked_depth(self, stage_id: int) -> int:
+        """Activation sets (microbatch, chunk) the device holds at most: forwarded and not yet
+        backwarded (nor, with a split backward, weight-graded: zbv's order places its W's, the
+        lowering those of the others, at most `weight_grad_lag` later and never past the minibatch)."""
+        order = chunk_order(self, stage_id)
+        own_w = any(isinstance(a, WeightGrads) for a in order)
+        releases = WeightGrads if own_w else Backward
+        held, peak = 0, 0
+        for action in order:
+            held += 1 if isinstance(action, Forward) else -1 if isinstance(action, releases) else 0
+            peak = max(peak, held)
+        if self.split_backward and not own_w:
+            peak = min(peak + self.weight_grad_lag, self.num_microbatches * self.virtual_stages)
+        return peak
+
     def _vertical_sync_versions(self, stage_id: int) -> int:
         # After its k-th forward a replica is at version k - n + 1 and still needs every
         # version from the one of its oldest microbatch in flight (round k - n + 1) up.
@@ -468,6 +569,18 @@ class ScheduleSpec:
         horizon = 4 * (n + self.num_in_flight(0)) * self.replicas[0] * r
         return max(max(0, k - n + 1) - self.weight_version(stage_id, max(0, k - n + 1) * r) + 1
                    for k in range(horizon))
+
+
+def chunk_order(spec: ScheduleSpec, stage_id: int) -> list[ChunkAction]:
+    """A chunked schedule's compute order of one minibatch on `stage_id` (`pdcli.schedule.virtual`)."""
+    s, v, m = spec.num_stages, spec.virtual_stages, spec.num_microbatches
+    if spec.name == INTERLEAVED:
+        return interleaved(s, v, m, stage_id)
+    if spec.name == LOOPED_BFS:
+        return looped_bfs(s, v, m, stage_id)
+    if spec.name == ZBV:
+        return zbv(s, m, stage_id)
+    raise ValueError(f"{spec.name} names no chunks")
 
 
 @lru_cache(maxsize=4096)

@@ -1,0 +1,133 @@
+"""Virtual stages (`schedule.virtual_stages`): interleaved, loopedbfs and zbv as action lists.
+
+Pure: the orders a reviewer can read, the placement of chunks on devices, the checker's proof
+of every list (each microbatch's F, B and W on every chunk once, no deadlock, one update after
+all gradients), the simulator's bubble, and the refusals (exit 2 messages naming the key).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcli.errors import UserError
+from pdcli.schedule import ScheduleSpec, action_text, build_all, build_for, parse_action
+from pdcli.schedule.actions import (
+    Backward, Forward, LoadMicrobatch, RecvActivations, RecvGrads, SendActivations, SendGrads, WeightGrads,
+)
+from pdcli.schedule.checker import ScheduleError, SendMode, check_schedules
+from pdcli.schedule.simulator import StageCost, simulate
+from pdcli.schedule.spec import INTERLEAVED, LOOPED_BFS, ZBV, virtual_problems
+
+CHUNKED = (INTERLEAVED, LOOPED_BFS, ZBV)
+
+
+def spec_of(name: str, devices: int, microbatches: int, steps: int = 2, **kw) -> ScheduleSpec:
+    return ScheduleSpec.make(name, devices, microbatches, steps, virtual_stages=2, split_backward=name == ZBV, **kw)
+
+
+def compute(spec: ScheduleSpec, device: int) -> list[str]:
+    return [action_text(a).split("@")[0] for a in build_for(spec, device) if isinstance(a, (Forward, Backward, WeightGrads))]
+
+
+def test_chunk_text_forms_round_trip_and_plain_forms_are_unchanged():
+    for action in (Forward(3, 1, 2), Backward(0, 0, 5), WeightGrads(2, 1), SendActivations(3, 0, 2),
+                   RecvGrads(1, 0, 0), LoadMicrobatch(4, 7)):
+        assert parse_action(action_text(action)) == action
+    assert action_text(Forward(3, 1, 2)) == "F3:c2@v1"
+    assert action_text(SendActivations(3, 0, 2)) == "SA3:c2->r0"
+    assert action_text(Forward(3, 1)) == "F3@v1" and action_text(WeightGrads(3)) == "W3"
+
+
+def test_placement_loop_and_v():
+    loop = spec_of(INTERLEAVED, 4, 4)
+    assert [loop.chunks_of(d) for d in range(4)] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    v = spec_of(ZBV, 4, 4)
+    assert [v.chunks_of(d) for d in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert [v.stage_of_chunk(c) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+
+
+def test_interleaved_is_megatrons_order():
+    spec = spec_of(INTERLEAVED, 2, 4, steps=1)
+    # device 0: warm-up (2-0-1)*2 + (2-1)*2 = 4 forwards over both chunks, then 1F1B, the last chunk backwards first
+    assert compute(spec, 0) == ["F0:c0", "F1:c0", "F0:c2", "F1:c2", "F2:c0", "B0:c2", "F3:c0", "B1:c2",
+                                "F2:c2", "B0:c0", "F3:c2", "B1:c0", "B2:c2", "B3:c2", "B2:c0", "B3:c0"]
+    assert compute(spec, 1)[:4] == ["F0:c1", "F1:c1", "F0:c3", "B0:c3"]
+
+
+def test_loopedbfs_is_breadth_first():
+    spec = spec_of(LOOPED_BFS, 2, 2, steps=1)
+    assert compute(spec, 0) == ["F0:c0", "F1:c0", "F0:c2", "F1:c2", "B0:c2", "B1:c2", "B0:c0", "B1:c0"]
+
+
+def test_zbv_splits_backward_and_the_v_hands_over_in_the_process():
+    spec = spec_of(ZBV, 2, 4, steps=1)
+    order = compute(spec, 1)
+    for mb in range(4):
+        for c in (1, 2):
+            assert order.index(f"B{mb}:c{c}") < order.index(f"W{mb}:c{c}")
+    lists = build_all(spec, eager_sends=True)
+    # chunk 1 -> chunk 2 both live on device 1: its send and receive are in device 1's own list
+    assert SendActivations(0, 0, 1) in lists[1] and RecvActivations(0, 0, 2) in lists[1]
+    assert SendGrads(0, 0, 2) in lists[1] and RecvGrads(0, 0, 1) in lists[1]
+    # device 0 holds the first and the last chunk: it loads the inputs and the target
+    assert LoadMicrobatch(0, 0) in lists[0] and LoadMicrobatch(0, 3) in lists[0]
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("microbatches", [2, 4, 8])
+def test_checker_accepts_every_chunked_schedule(name: str, devices: int, microbatches: int) -> None:
+    if name == INTERLEAVED and microbatches % devices:
+        with pytest.raises(UserError, match="schedule.num_microbatches"):
+            spec_of(name, devices, microbatches)
+        return
+    spec = spec_of(name, devices, microbatches, steps=3, eval_after=(1, 3), num_eval_microbatches=microbatches)
+    report = check_schedules(build_all(spec, eager_sends=True), spec, SendMode.EAGER)
+    for device, held in enumerate(report.max_depth_by_rank):
+        assert held.activation_sets <= spec.stash_depth(device).activation_sets
+    check_schedules(build_all(spec), spec, SendMode.EAGER)
+
+
+def test_checker_catches_a_missing_backward_on_one_chunk():
+    spec = spec_of(INTERLEAVED, 2, 2, steps=1)
+    lists = build_all(spec, eager_sends=True)
+    lists[0] = [a for a in lists[0] if a != Backward(1, 0, 2) and a != RecvGrads(1, 0, 2)]
+    with pytest.raises(ScheduleError):
+        check_schedules(lists, spec, SendMode.EAGER)
+
+
+def test_chunked_lists_need_sends_that_do_not_wait():
+    """With blocking sends, two neighbours that send each other a chunk's output at once wait
+    forever; the runtime runs chunked lists on transports whose sends never wait."""
+    spec = spec_of(LOOPED_BFS, 2, 4)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_schedules(build_all(spec), spec, SendMode.RENDEZVOUS)
+
+
+@pytest.mark.parametrize("devices,microbatches", [(2, 4), (4, 8), (4, 4)])
+def test_interleaved_bubble_is_smaller_than_1f1b(devices: int, microbatches: int) -> None:
+    """The same model and per-device work: one stage per device (1f1b) or two chunks of half each."""
+    plain = simulate(ScheduleSpec.make("1f1b", devices, microbatches, 1), [StageCost(1.0, 2.0)] * devices)
+    chunked = simulate(spec_of(INTERLEAVED, devices, microbatches, steps=1), [StageCost(0.5, 1.0)] * (2 * devices))
+    assert chunked.bubble_fraction < plain.bubble_fraction
+    assert chunked.makespan_ms < plain.makespan_ms
+    zbv = simulate(spec_of(ZBV, devices, microbatches, steps=1), [StageCost(0.5, 1.0, wgrad_ms=0.5)] * (2 * devices))
+    assert zbv.bubble_fraction < chunked.bubble_fraction
+
+
+def test_a_hand_over_inside_a_device_costs_no_transfer():
+    spec = spec_of(ZBV, 2, 2, steps=1)
+    fast = simulate(spec, [StageCost(1.0, 2.0, comm_ms=0.0, wgrad_ms=1.0)] * 4)
+    slow_link = [StageCost(1.0, 2.0, comm_ms=0.0, wgrad_ms=1.0)] * 4
+    slow_link[1] = StageCost(1.0, 2.0, comm_ms=5.0, wgrad_ms=1.0)  # chunk 1 -> 2: the same device
+    assert simulate(spec, slow_link).makespan_ms == fast.makespan_ms
+
+
+def test_refusals_name_the_key():
+    assert "schedule.virtual_stages" in virtual_problems("1f1b", 2, True, 4)
+    assert "schedule.virtual_stages" in virtual_problems(ZBV, 3, True, 4)
+    assert "schedule.split_backward" in virtual_problems(ZBV, 2, False, 4)
+    assert "schedule.num_microbatches" in virtual_problems(INTERLEAVED, 2, True, 6, num_devices=4)
+    assert virtual_problems(LOOPED_BFS, 3, False, 5, num_devices=4) == {}
+    with pytest.raises(UserError, match="plan.replicas"):
+        ScheduleSpec.make(INTERLEAVED, 2, 4, 1, replicas=(2, 1), virtual_stages=2)

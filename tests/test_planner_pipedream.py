@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -212,3 +213,31 @@ def test_flush_schedules_bounded_stage_counts_keep_the_optimum(schedule: str) ->
         assert capped.time_per_minibatch_ms == every.time_per_minibatch_ms
         assert [(s.start, s.end, s.replicas) for s in capped.stages] == \
             [(s.start, s.end, s.replicas) for s in every.stages]
+
+
+def deep_profile_module() -> Any:
+    """benchmarks/deep_profile.py, the benchmark's deep graph generator."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "deep_profile.py"
+    spec = importlib.util.spec_from_file_location("deep_profile", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(60)
+def test_the_benchmarks_deep_profile_is_a_graph_txt_both_models_plan() -> None:
+    from pdcli.profiler.graphtxt import format_graph, parse_graph
+
+    graph = deep_profile_module().deep_graph(blocks=40)
+    assert parse_graph(format_graph(graph)) == graph  # a graph.txt as pd plan --profile reads it
+    chain = graph_to_chain(graph, max_states=MAX_STATES)
+    assert "search_space" not in chain.meta and len(chain) >= len(graph.nodes) - 1  # exact antichains
+    for levels in (levels_of(16), levels_of(4, 4)):
+        topology = Topology.from_levels(levels)
+        for cost_model in ("pipedream", "pd"):
+            plan = plan_chain(chain, topology, PlanOptions(cost_model=cost_model, num_microbatches=4))
+            check_valid(plan, chain, len(graph.nodes), topology.num_devices)
+            assert plan.time_per_minibatch_ms < plan.pipeline["data_parallel_time_per_minibatch_ms"] * 1.001

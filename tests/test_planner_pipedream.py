@@ -241,3 +241,25 @@ def test_the_benchmarks_deep_profile_is_a_graph_txt_both_models_plan() -> None:
             plan = plan_chain(chain, topology, PlanOptions(cost_model=cost_model, num_microbatches=4))
             check_valid(plan, chain, len(graph.nodes), topology.num_devices)
             assert plan.time_per_minibatch_ms < plan.pipeline["data_parallel_time_per_minibatch_ms"] * 1.001
+
+
+def test_a_table_past_plan_max_states_switches_method_or_stops_with_exit_2(tmp_path: Path) -> None:
+    """plan.max_states also bounds the tables PipeDream's model builds (positions^2 x 256 bytes):
+    past it the outermost level is bisected instead (same optimum), and an inner level, which
+    has no other method, stops with exit 2 naming the limit."""
+    from typer.testing import CliRunner
+
+    from pdcli.cli import app
+    from pdcli.errors import UserError
+
+    chain, flat = chain_of("resnet50"), Topology.from_levels(levels_of(32))
+    unbounded = plan_chain(chain, flat, PlanOptions(cost_model="pipedream"))
+    bounded = plan_chain(chain, flat, PlanOptions(cost_model="pipedream", max_positions=300))
+    assert bounded.time_per_minibatch_ms == pytest.approx(unbounded.time_per_minibatch_ms, rel=1e-12)
+    with pytest.raises(UserError, match=r"table of cluster level 0 .* more than plan.max_states=300"):
+        plan_chain(chain, Topology.from_levels(levels_of(4, 4)), PlanOptions(cost_model="pipedream", max_positions=300))
+    result = CliRunner().invoke(app, ["plan", "--profile", str(SHARED / "resnet50" / "graph.txt"), f"run.root={tmp_path}",
+                                      "cluster.levels=[{devices: 4, bandwidth_bytes_per_s: 1e10}, "
+                                      "{devices: 4, bandwidth_bytes_per_s: 1e9}]",
+                                      "plan.cost_model=pipedream", "plan.max_states=300"])
+    assert result.exit_code == 2 and "plan.max_states=300" in result.output and "Traceback" not in result.output

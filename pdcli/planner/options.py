@@ -18,7 +18,24 @@ POSITION_PAIR_BYTES = 256
 
 def search_memory_text(positions: int) -> str:
     """About how much memory the search over `positions` chain positions takes, for messages."""
-    return f"{positions ** 2 * POSITION_PAIR_BYTES / 2 ** 30:.1f} GB"
+    return gb_text(positions ** 2 * POSITION_PAIR_BYTES)
+
+
+def gb_text(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 30:.1f} GB"
+
+
+def check_table(nbytes: float, what: str, options: "PlanOptions") -> None:
+    """UserError (exit 2) when a table the search is about to allocate (`what`, about `nbytes`)
+    exceeds the memory `plan.max_states` grants the search (its positions' pairs at
+    POSITION_PAIR_BYTES); no check without a limit."""
+    limit = options.max_positions
+    if limit is None or nbytes <= limit ** 2 * POSITION_PAIR_BYTES:
+        return
+    raise UserError(f"{what} needs about {gb_text(nbytes)}, more than plan.max_states={limit} allows "
+                    f"({search_memory_text(limit)})",
+                    hint="use fewer devices per cluster level, plan.cost_model=pd, or raise plan.max_states if "
+                         "this machine has the memory")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdcli.planner.options import PlanOptions
+from pdcli.planner.options import POSITION_PAIR_BYTES, PlanOptions, check_table
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
 
@@ -56,19 +56,22 @@ class PdStage:
 
 def _level(ct: np.ndarray, psz: np.ndarray, asz: np.ndarray, oas: np.ndarray, split_ok: np.ndarray,
            machines: int, bw: float, within: int, options: PlanOptions, final: bool) -> LevelTable:
-    rows, n = ct.shape
+    """The level's table; the final (outermost) level only needs, and only holds, row 0."""
+    n = ct.shape[1]
+    rows = 1 if final else ct.shape[0]
     mem = options.memory_bytes_per_device
     time = np.full((rows, n, machines), np.inf)
     split_k = np.full((rows, n, machines), -1, dtype=np.int32)
     split_m = np.zeros((rows, n, machines), dtype=np.int32)
     reps = np.zeros((rows, n, machines), dtype=np.int32)
     for m in range(1 if options.straight else machines):
-        dp = ALLREDUCE_FACTOR * m * psz / (bw * (m + 1)) / within
-        value = (ct + dp) / (m + 1)
+        dp = ALLREDUCE_FACTOR * m * psz[:rows] / (bw * (m + 1)) / within
+        value = (ct[:rows] + dp) / (m + 1)
         if mem is not None:
-            value = np.where(math.ceil((machines - (m + 1)) / (m + 1)) * (asz + psz) > mem, np.inf, value)
+            value = np.where(math.ceil((machines - (m + 1)) / (m + 1)) * (asz[:rows] + psz[:rows]) > mem, np.inf,
+                             value)
         time[:, :, m], reps[:, :, m] = value, m + 1
-    row_ids = np.arange(1 if final else rows)
+    row_ids = np.arange(rows)
     later = np.arange(n)[None, :] > row_ids[:, None]  # the search only updates j > i
     comm_in = TRANSFER_FACTOR * oas / bw / ACTIVATION_COMPRESSION_RATIO
     comm_out = np.where(np.arange(n) < n - 1, comm_in, 0.0)
@@ -118,6 +121,13 @@ def _minmax_update(time: np.ndarray, split_k: np.ndarray, split_m: np.ndarray, r
         split_m[rows, k0:, m] = np.where(better, m - mp, split_m[rows, k0:, m])
         reps[rows, k0:, m] = np.where(better, mp, reps[rows, k0:, m])
         lo += len(rows)
+
+
+def level_table_bytes(n: int, machines: int, final: bool, straight: bool) -> float:
+    """About what `_level` allocates: its four (rows, n, machines) tables (8 + 3 x 4 bytes), the
+    last-stage costs it keeps per replica count (n^2 x 8 bytes each) and a chunk's temporaries."""
+    rows = 1 if final else n + 1
+    return rows * n * machines * 20.0 + n * n * 8.0 * (1 if straight else machines) + MAX_CHUNK_ELEMENTS * 8.0 * 4
 
 
 PARAMETRIC_MACHINES = 64
@@ -257,17 +267,25 @@ def pipedream_search(space: SplitSpace, topology: Topology, options: PlanOptions
     oas = space.cut_bytes * scale
     n, levels = space.num_positions, topology.levels
     tables, within = [], 1
-    for level in levels[:-1]:
+    for index, level in enumerate(levels[:-1]):
+        check_table(level_table_bytes(n, level.devices, False, options.straight),
+                    f"PipeDream's model: the table of cluster level {index} ({level.devices} machines, {n} positions)",
+                    options)
         table = _level(ct, psz, asz, oas, space.split_ok, level.devices, level.bandwidth_bytes_per_s,
                        within, options, final=False)
         tables.append(table)
         ct, within = table.time_s[:, :, -1].copy(), level.devices
     top = levels[-1]
     found = None
-    if top.devices > PARAMETRIC_MACHINES and options.memory_bytes_per_device is None and not options.straight:
+    top_bytes = level_table_bytes(n, top.devices, True, options.straight)
+    budget = options.max_positions ** 2 * POSITION_PAIR_BYTES if options.max_positions is not None else np.inf
+    if (top.devices > PARAMETRIC_MACHINES or top_bytes > budget) and options.memory_bytes_per_device is None \
+            and not options.straight:
         found = _top_level_parametric(ct, psz, oas, space.split_ok, top.devices, top.bandwidth_bytes_per_s,
                                       within, options)
     if found is None:
+        check_table(top_bytes, f"PipeDream's model: the table of the outermost cluster level ({top.devices} machines, "
+                               f"{n} positions)", options)
         table = _level(ct, psz, asz, oas, space.split_ok, top.devices, top.bandwidth_bytes_per_s, within,
                        options, final=True)
         best = float(table.time_s[0, n - 1, -1])

@@ -37,7 +37,7 @@ from pdcli.planner.costs import (
     runtime_stage_terms, split_shares,
 )
 from pdcli.planner.memory import VerticalSync, stage_memory
-from pdcli.planner.options import PlanOptions
+from pdcli.planner.options import PlanOptions, check_table
 from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
@@ -322,6 +322,15 @@ SearchKey = tuple[float, int, int, int]
 """(objective, devices used, stage count - 1, -anchor): the smallest wins."""
 
 
+def value_table_bytes(n: int, anchor: int, layers: int, layered: bool, options: PlanOptions) -> float:
+    """About what one anchor's program holds: its value table and the kept one (8 bytes a
+    value), and under a memory limit on the stage-count axis the per-layer stage costs and
+    memory (a few (layers, n, n + 1) arrays)."""
+    table = 2.0 * layers * (n + 1) * (anchor + 1) * 8
+    per_layer = 4.0 * layers * n * (n + 1) * 8 if layered and options.memory_bytes_per_device is not None else 0.0
+    return table + per_layer
+
+
 def _stage_cap(n: int, anchor: int, max_stages: int, allowed: list[int], options: PlanOptions, fn: StageCost,
                runnable: tuple[int, ...], cores: int | None, best: float) -> int:
     """How many stage counts the layered program needs on this anchor.
@@ -377,6 +386,8 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
                                      best[0] if best is not None else np.inf)
             if layers_here == 0:
                 continue  # no stage count on this anchor can beat the best plan so far
+        check_table(value_table_bytes(n, anchor, layers_here, layered, options),
+                    f"the pd search over {layers_here} stage counts, {n} positions and {anchor} devices", options)
         value = suffix_minmax(n, anchor, layers_here, layered, options.straight, fn, runnable)
         before = best
         for d in allowed:

@@ -11,6 +11,9 @@ import pytest
 # The pipeline probe (a real 2-worker run inside every `pd profile`) is off in the tests that
 # profile for another purpose; tests of the probe itself turn it back on.
 os.environ.setdefault("PD_PIPELINE_PROBE", "0")
+# The probes' time floors (`profile.probe_seconds`) too: their minimum minibatch counts measure enough
+# for what these tests check.
+os.environ.setdefault("PD_PROBE_SECONDS", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

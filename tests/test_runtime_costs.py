@@ -188,3 +188,15 @@ def test_the_unconstrained_best_is_never_slower_than_the_users_split() -> None:
         plan = plan_chain(c, Topology.flat(2, 1e9), options)
         free = plan.pipeline["unconstrained"]
         assert free["boundaries"] == [boundary] and free["faster_pct"] == 0.0
+
+
+def test_probes_run_long_enough_to_measure_by_time() -> None:
+    """A probe's measured half lasts `seconds` at the profiled time, within its floor and cap."""
+    from pdcli.probe.runtime import minibatches_for, profiled_ms
+
+    assert minibatches_for(0.25, 2.0, 12, 400) == 250  # 2 ms per minibatch: 125 measured = 0.25 s
+    assert minibatches_for(0.25, 100.0, 12, 400) == 12  # a slow stage keeps the floor
+    assert minibatches_for(10.0, 0.01, 12, 400) == 400
+    assert minibatches_for(0.0, 2.0, 12, 400) == 12
+    c = chain(n=4)
+    assert profiled_ms(c, 1, 3) == pytest.approx(sum(n.fwd_ms + n.bwd_ms for n in c.nodes[1:3]))

@@ -108,10 +108,16 @@ class ProfileConfig:
     """Also measure what the runtime pays per action (real stages run by its executor, the
     transport's latency and bandwidth), so `pd plan` predicts the run (`meta.runtime`)."""
     probe_minibatches: int = 12
-    """Minibatches each probe stage runs (the second half is measured)."""
+    """Minibatches each probe stage runs at least (the second half is measured)."""
+    probe_seconds: float = 0.25
+    """Each probe stage runs at least this long in its measured half, by its profiled time (more
+    minibatches for a fast stage): a few milliseconds of samples would fit the host's noise."""
     pipeline_probe_minibatches: int = 40
-    """After the probe, a real run of the schedule on two workers for this many minibatches
-    refits its costs to what workers that share the host pay (0: off)."""
+    """After the probe, a real run of the schedule on two workers for at least this many
+    minibatches refits its costs to what workers that share the host pay (0: off)."""
+    pipeline_probe_seconds: float = 2.0
+    """The pipeline probe's measured half lasts at least about this long (by the profiled time
+    of a minibatch): its latency and scale are fitted to what that half measured."""
 
 
 @dataclass
@@ -362,6 +368,8 @@ def check_values(cfg: Config) -> list[str]:
     positive("profile.batch_size", cfg.profile.batch_size)
     positive("profile.probe_minibatches", cfg.profile.probe_minibatches)
     positive("profile.pipeline_probe_minibatches", cfg.profile.pipeline_probe_minibatches, allow_zero=True)
+    positive("profile.probe_seconds", cfg.profile.probe_seconds, allow_zero=True)
+    positive("profile.pipeline_probe_seconds", cfg.profile.pipeline_probe_seconds, allow_zero=True)
     positive("plan.num_stages", cfg.plan.num_stages)
     positive("plan.max_states", cfg.plan.max_states)
     positive("plan.max_staleness", cfg.plan.max_staleness, allow_zero=True)

@@ -4,7 +4,9 @@ every position measured (`pdcli.profiler`) and (`profile.runtime_probe`) the run
 
 from __future__ import annotations
 
+import dataclasses
 import os
+
 import torch
 
 from pdcli.config.schema import Config
@@ -59,6 +61,19 @@ def cpu_threads_per_worker(cfg: Config) -> int:
 PIPELINE_PROBE_ENV = "PD_PIPELINE_PROBE"
 """`0` turns the pipeline probe off whatever `profile.pipeline_probe_minibatches` says (quick
 test loops; the in-process probe still runs)."""
+
+
+PROBE_SECONDS_ENV = "PD_PROBE_SECONDS"
+"""`0` makes the probes run their minibatch counts only, whatever `profile.probe_seconds` and
+`profile.pipeline_probe_seconds` say (quick test loops)."""
+
+
+def probe_config(cfg: Config) -> Config:
+    """`cfg` as the probes run it: their time floors off when PD_PROBE_SECONDS=0."""
+    if os.environ.get(PROBE_SECONDS_ENV) != "0":
+        return cfg
+    profile = dataclasses.replace(cfg.profile, probe_seconds=0.0, pipeline_probe_seconds=0.0)
+    return dataclasses.replace(cfg, profile=profile)
 
 
 def pipeline_probe_minibatches(cfg: Config) -> int:
@@ -131,10 +146,11 @@ def profile_config(
 
             # the probe's stages are compiled for the runtime's microbatch, whatever was profiled
             micro = build_data(cfg.data, cfg.data.batch_size).batch(PROFILE_BATCH_INDEX).split(cfg.schedule.num_microbatches)[0]
-            runtime = probe_runtime(cfg, model, chain, tuple(t.to(device) for t in micro.inputs),
+            probed = probe_config(cfg)
+            runtime = probe_runtime(probed, model, chain, tuple(t.to(device) for t in micro.inputs),
                                     micro.target.to(device), device, cfg.profile.probe_minibatches)
             pipeline_minibatches = pipeline_probe_minibatches(cfg)
             if pipeline_minibatches:
-                runtime = probe_pipeline(cfg, chain, runtime, pipeline_minibatches)
+                runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches)
             chain.meta[RUNTIME_META] = runtime.to_json()
     return chain

@@ -3,8 +3,9 @@
 `pd profile` times each position alone; the runtime runs whole stages through its
 interpreter. The probe compiles the model into PROBE_SHARES-sized stages (so their profiled
 times differ enough to separate a per-action fixed cost from a scale), runs each stage's
-real action list with `pdcli.runtime.executor.Executor` in this process for
-`profile.probe_minibatches` minibatches, once per weight mode (`pipedream`: forwards on
+real action list with `pdcli.runtime.executor.Executor` in this process for at least
+`profile.probe_minibatches` minibatches and enough for `profile.probe_seconds` in the measured
+half (by the stage's profiled time), once per weight mode (`pipedream`: forwards on
 stashed versions; `1f1b` with a split backward: on the live module), with a transport that
 delivers zeros at once, and fits per action `ms = scale * profiled_ms + fixed_ms`
 (`pdcli.planner.runtime_costs`). The loss is timed on the model's own output, loading on
@@ -15,6 +16,7 @@ and bandwidth by a ping-pong between this process and a forked one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 import os
 import socket
@@ -46,6 +48,9 @@ GAP_KEY = "(between actions)"
 PINGPONG_BYTES = (4 << 10, 1 << 20)
 PINGPONG_REPEATS = 40
 PIPELINE_TIMEOUT_S = 300.0
+PROBE_MAX_MINIBATCHES = 400
+PIPELINE_MAX_MINIBATCHES = 2000
+"""The most minibatches `probe_seconds` / `pipeline_probe_seconds` make a probe run."""
 PIPELINE_RUN = "pipeline-probe"
 PIPELINE_MAX_STAGES = 4
 """The pipeline probe runs at most this many workers (one stage each)."""
@@ -157,6 +162,19 @@ def run_stage_actions(cfg: Any, stages_dir: Path, stage_id: int, num_stages: int
     return out
 
 
+def profiled_ms(chain: Chain, start: int, end: int) -> float:
+    """Profiled forward + backward of positions [start, end) for the profiled batch."""
+    return float(sum(node.fwd_ms + node.bwd_ms for node in chain.nodes[start:end]))
+
+
+def minibatches_for(seconds: float, minibatch_ms: float, least: int, most: int) -> int:
+    """Minibatches a probe runs so that its measured (second) half lasts `seconds` at
+    `minibatch_ms` each: at least `least`, at most `most`."""
+    if minibatch_ms <= 0 or seconds <= 0:
+        return least
+    return int(min(most, max(least, math.ceil(2 * seconds * 1000.0 / minibatch_ms))))
+
+
 def _per_minibatch(values: list[float], num_microbatches: int) -> float:
     """Total per minibatch over the steady half (LoadMicrobatch: one real load per minibatch)."""
     return steady_mean(values) * num_microbatches
@@ -265,7 +283,9 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
         for mode, (schedule, split) in MODE_SCHEDULES.items():
             fits = StagePoints(space, per_mb, loss_fwd_ms, loss_bwd_ms)
             for stage_id, (start, end) in enumerate(ranges):
-                times = run_stage_actions(cfg, Path(tmp), stage_id, k, schedule, split, num_minibatches, device)
+                stage_ms = profiled_ms(chain, start, end) * per_mb * m
+                runs = minibatches_for(cfg.profile.probe_seconds, stage_ms, num_minibatches, PROBE_MAX_MINIBATCHES)
+                times = run_stage_actions(cfg, Path(tmp), stage_id, k, schedule, split, runs, device)
                 last = stage_id == k - 1
                 fits.add(start, end, times, last)
                 for action, nbytes in io_bytes[stage_id].items():
@@ -276,7 +296,7 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
                     load_inputs = _per_minibatch(times.get("LoadMicrobatch", []), m)
                 if last and k > 1:
                     load_target = _per_minibatch(times.get("LoadMicrobatch", []), m)
-                stages_seen.append({"mode": mode, "stage": [start, end],
+                stages_seen.append({"mode": mode, "stage": [start, end], "minibatches": runs,
                                     "measured_ms": {a: steady_mean(v) for a, v in sorted(times.items())}})
             p = fits.points
             modes[mode] = ModeCosts(fit_affine(*p["forward"]), fit_affine(*p["backward"]),
@@ -329,7 +349,8 @@ def balanced_cuts(chain: Chain, num_stages: int) -> list[int]:
 def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int) -> RuntimeCosts:
     """`runtime` refitted from a short real run of the configured schedule on this host: as
     many workers as the cluster has devices (at most PIPELINE_MAX_STAGES, one stage each,
-    balanced split), `minibatches` minibatches; what workers sharing the host, waiting for
+    balanced split), at least `minibatches` minibatches and enough for
+    `profile.pipeline_probe_seconds` in the measured half by the profiled time; what workers sharing the host, waiting for
     each other and waking up again pay that stages run alone do not (`pdcli.report.calibrate`).
     `sources["pipeline_probe"]` says what ran, or why nothing did (fewer than 2 devices, not
     the CPU, fewer than 2 positions, or the run failed: then the costs are unchanged)."""
@@ -345,6 +366,9 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     bandwidth = cfg.cluster.levels[0].bandwidth_bytes_per_s
     num_stages = min(cfg.num_devices, len(chain.nodes), PIPELINE_MAX_STAGES)
     cuts = balanced_cuts(chain, num_stages)
+    profiled = chain.meta.get("batch_size") if isinstance(chain.meta, dict) else None
+    stage_ms = profiled_ms(chain, 0, len(chain.nodes)) * (cfg.data.batch_size / profiled if profiled else 1.0) / num_stages
+    minibatches = minibatches_for(cfg.profile.pipeline_probe_seconds, stage_ms, minibatches, PIPELINE_MAX_MINIBATCHES)
     with tempfile.TemporaryDirectory(prefix="pd-pipeline-probe-") as tmp:
         recipe = Path(tmp) / "config.yaml"
         recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

@@ -131,3 +131,26 @@ def test_refusals_name_the_key():
     assert virtual_problems(LOOPED_BFS, 3, False, 5, num_devices=4) == {}
     with pytest.raises(UserError, match="plan.replicas"):
         ScheduleSpec.make(INTERLEAVED, 2, 4, 1, replicas=(2, 1), virtual_stages=2)
+
+
+def test_pd_refuses_bad_virtual_stage_settings_with_exit_2(tmp_path) -> None:
+    """Before anything runs: the key, the reason, no traceback."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from pdcli.cli import app
+
+    quickstart = str(Path(__file__).resolve().parents[1] / "recipes/quickstart.yaml")
+    root = f"run.root={tmp_path}"
+    for args, expect in [
+        (["schedule.name=1f1b", "schedule.virtual_stages=2"], "schedule.virtual_stages: 2 chunks per device, but 1f1b"),
+        (["schedule.name=zbv", "schedule.virtual_stages=3"], "zbv takes exactly 2 chunks per device"),
+        (["schedule.name=zbv", "schedule.virtual_stages=2", "schedule.split_backward=false"], "schedule.split_backward"),
+        (["schedule.name=interleaved", "schedule.virtual_stages=2", "plan.num_stages=4", "schedule.num_microbatches=2"],
+         "use a multiple of the 4 devices"),
+        (["schedule.name=loopedbfs", "schedule.virtual_stages=2", "plan.replicas=[2,1]"], "plan.replicas"),
+    ]:
+        result = CliRunner().invoke(app, ["train", quickstart, root, *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert expect in result.output and "Traceback" not in result.output, (args, result.output)

@@ -35,18 +35,32 @@ DTYPES: dict[str, torch.dtype] = {
 # posting order, which the schedule keeps consistent on both sides).
 TAG_KINDS = {"activation": 0, "gradient": 1}
 TAG_STRIDE = 1 << 20
+MAX_LINKS = 512
+"""Links a tag can tell apart (`chunk_link`): the tags stay below 2**31 (torch's int tags)."""
 
 
-def message_tag(kind: str, microbatch_id: int) -> int:
-    """Tag of the `kind` message of `microbatch_id`; unique per (kind, microbatch)."""
-    return TAG_KINDS[kind] + len(TAG_KINDS) * (microbatch_id % TAG_STRIDE)
+def message_tag(kind: str, microbatch_id: int, link: int = 0) -> int:
+    """Tag of the `kind` message of `microbatch_id` over `link` (0 without virtual stages, see
+    `chunk_link`); unique per (kind, microbatch, link)."""
+    return TAG_KINDS[kind] + len(TAG_KINDS) * (microbatch_id % TAG_STRIDE + TAG_STRIDE * link)
 
 
 def tag_kind(tag: int) -> str | None:
     """The kind `message_tag` put into `tag`; None for a number it never makes."""
-    if not 0 <= tag < len(TAG_KINDS) * TAG_STRIDE:
+    if not 0 <= tag < len(TAG_KINDS) * TAG_STRIDE * MAX_LINKS:
         return None
     return next(kind for kind, index in TAG_KINDS.items() if index == tag % len(TAG_KINDS))
+
+
+def chunk_link(producer: int, consumer: int, num_chunks: int) -> int:
+    """The link between two chunks (virtual stages: one device may send another several chunks'
+    messages of one microbatch); 0 without virtual stages (`num_chunks` = 0)."""
+    if not num_chunks:
+        return 0
+    link = producer * num_chunks + consumer + 1
+    if link >= MAX_LINKS:
+        raise ValueError(f"{num_chunks} chunks are more than message tags can tell apart")
+    return link
 
 
 @dataclass(frozen=True)
@@ -175,42 +189,56 @@ class PostedRecv:
 
 
 class Mailbox:
-    """Posted receives keyed by (kind, microbatch, peer rank) and in-flight sends.
+    """Posted receives keyed by (kind, microbatch, peer rank, link) and in-flight sends.
 
     Receives are posted ahead of the action that consumes them; sends are fire-and-forget
-    (the buffer is kept alive until the send completes).
+    (the buffer is kept alive until the send completes). A message to this process's own rank
+    (`rank`: virtual stages, two chunks of one device) never reaches the transport: it is packed
+    as for the wire (the same copy, casts and shape checks) and kept until its receive takes it.
     """
 
-    def __init__(self, transport: Transport, device: torch.device, spin_wait_s: float = 0.0) -> None:
+    def __init__(self, transport: Transport, device: torch.device, spin_wait_s: float = 0.0,
+                 rank: int | None = None) -> None:
         self.transport = transport
         self.device = device
         self.spin_wait_s = spin_wait_s
         """How long a receive polls (yielding the core) before it blocks (`spin_until`)."""
-        self.recvs: dict[tuple[str, int, int], PostedRecv] = {}
+        self.rank = rank
+        """This process's rank (None: it never sends to itself)."""
+        self.recvs: dict[tuple[str, int, int, int], PostedRecv] = {}
         self.sends: list[tuple[Tensor, Pending]] = []
+        self.local: dict[tuple[str, int, int], Tensor] = {}
+        """(kind, microbatch, link) -> a message to this rank, packed, until taken."""
 
-    def post_recv(self, kind: str, microbatch_id: int, src_rank: int, layout: MessageLayout) -> None:
-        key = (kind, microbatch_id, src_rank)
-        if key in self.recvs:
+    def post_recv(self, kind: str, microbatch_id: int, src_rank: int, layout: MessageLayout, link: int = 0) -> None:
+        key = (kind, microbatch_id, src_rank, link)
+        if key in self.recvs or src_rank == self.rank:
             return
         buf = layout.empty(self.device)
-        work = self.transport.irecv(buf, src_rank, message_tag(kind, microbatch_id))
+        work = self.transport.irecv(buf, src_rank, message_tag(kind, microbatch_id, link))
         self.recvs[key] = PostedRecv(buf, work, layout)
 
-    def is_posted(self, kind: str, microbatch_id: int, src_rank: int) -> bool:
-        return (kind, microbatch_id, src_rank) in self.recvs
+    def is_posted(self, kind: str, microbatch_id: int, src_rank: int, link: int = 0) -> bool:
+        return (kind, microbatch_id, src_rank, link) in self.recvs
 
-    def take(self, kind: str, microbatch_id: int, src_rank: int, layout: MessageLayout) -> dict[str, Tensor]:
+    def take(self, kind: str, microbatch_id: int, src_rank: int, layout: MessageLayout,
+             link: int = 0) -> dict[str, Tensor]:
         """Wait for the message (posting it now if it was not posted ahead) and unpack it."""
-        self.post_recv(kind, microbatch_id, src_rank, layout)
-        posted = self.recvs.pop((kind, microbatch_id, src_rank))
+        if src_rank == self.rank:
+            return layout.unpack(self.local.pop((kind, microbatch_id, link)))
+        self.post_recv(kind, microbatch_id, src_rank, layout, link)
+        posted = self.recvs.pop((kind, microbatch_id, src_rank, link))
         spin_until(posted.work.is_completed, self.spin_wait_s)
         posted.work.wait()
         return posted.layout.unpack(posted.buf)
 
-    def send(self, kind: str, microbatch_id: int, dst_rank: int, layout: MessageLayout, tensors: dict[str, Tensor]) -> None:
+    def send(self, kind: str, microbatch_id: int, dst_rank: int, layout: MessageLayout, tensors: dict[str, Tensor],
+             link: int = 0) -> None:
         flat = layout.pack(tensors, self.device)
-        work = self.transport.isend(flat, dst_rank, message_tag(kind, microbatch_id))
+        if dst_rank == self.rank:
+            self.local[kind, microbatch_id, link] = flat
+            return
+        work = self.transport.isend(flat, dst_rank, message_tag(kind, microbatch_id, link))
         self.sends.append((flat, work))
         self.sends = [(b, w) for b, w in self.sends if not w.is_completed()]
 

@@ -28,7 +28,7 @@ from torch.func import functional_call
 
 from pdcli.models.loss import num_correct
 from pdcli import schedule as S
-from pdcli.runtime.comm import Mailbox
+from pdcli.runtime.comm import Mailbox, chunk_link
 from pdcli.runtime.evaluation import EvalSums
 from pdcli.runtime.divergence import check_gradients, check_loss
 from pdcli.runtime.memory import MemoryTracker, tensor_bytes
@@ -110,12 +110,79 @@ class StageContext:
     """The held-out split (a BatchSource) that EvalForward reads; None when the run never evaluates."""
     record_eval: Callable[[int, dict[str, Any]], None] | None = None
     """record_eval(after_minibatches, metrics) on the last stage, at each EndEval."""
+    num_chunks: int = 0
+    """Virtual stages: the chunks of the model (`stage_id` is this chunk's id, the peers in `io`
+    are chunks) whose messages `chunk_link` tells apart; 0 without virtual stages."""
 
 
-class Executor:
+RecvPlan = list[tuple[str, int, Any, int]]
+"""What a receive action takes: (message kind, source rank, layout, link) per message."""
+
+
+class ActionLoop:
+    """One process's list, run action by action: receives posted `RECV_LOOKAHEAD_ACTIONS` ahead,
+    a heartbeat per action, the trace (evaluation time kept apart), injected faults, `on_step`
+    after each optimizer step. Subclasses say how an action runs and what a receive takes."""
+
     def __init__(self, ctx: StageContext, actions: list[S.Action]) -> None:
         self.ctx = ctx
         self.actions = actions
+        eval_ids = {a.microbatch_id for a in actions if isinstance(a, S.EvalForward)}
+        self._evaluating = [isinstance(a, (S.EvalForward, S.EndEval)) or (
+            isinstance(a, (S.RecvActivations, S.SendActivations)) and a.microbatch_id in eval_ids) for a in actions]
+        self.eval_s = 0.0
+        """Seconds spent in evaluation blocks (their receives' waiting included)."""
+        self._recv_positions = [i for i, a in enumerate(actions) if isinstance(a, (S.RecvActivations, S.RecvGrads))]
+        self._next_recv = 0
+        self._fault = parse_fault(os.environ.get(FAULT_ENV), ctx.rank)
+        self.steps_done = 0
+
+    def run_action(self, action: S.Action) -> None:
+        raise NotImplementedError
+
+    def recv_plan(self, action: Any) -> RecvPlan:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """After the last action (sends drained): record what the run held."""
+
+    def run(self, on_step: Callable[[int], None] | None = None) -> None:
+        tl = self.ctx.timeline
+        for index, action in enumerate(self.actions):
+            self._post_ahead(index)
+            text = S.action_text(action)
+            if self.ctx.heartbeat is not None:
+                self.ctx.heartbeat.beat(self.steps_done, text)
+            if self._fault is not None and self.steps_done >= self._fault[0] and isinstance(action, (S.Forward, S.Backward)):
+                inject_fault(self._fault[1])  # in compute: a hang there is the cause, not a symptom
+            start_s = tl.now()
+            self.run_action(action)
+            if self._evaluating[index]:  # evaluation time stays out of the training timeline and its totals
+                self.eval_s += tl.now() - start_s
+            else:
+                tl.add(type(action).__name__, action_category(action), start_s, tl.now(), text)
+            if on_step is not None and isinstance(action, S.OptimizerStep):
+                on_step(self.steps_done)
+        self.ctx.mailbox.drain()
+        self.finish()
+
+    def _post_ahead(self, index: int) -> None:
+        """Post the receives of the next few receive actions (they complete in the background)."""
+        while (
+            self._next_recv < len(self._recv_positions)
+            and self._recv_positions[self._next_recv] < index + RECV_LOOKAHEAD_ACTIONS
+        ):
+            action = self.actions[self._recv_positions[self._next_recv]]
+            for kind, src, layout, link in self.recv_plan(action):
+                self.ctx.mailbox.post_recv(kind, action.microbatch_id, src, layout, link)
+            self._next_recv += 1
+
+
+class Executor(ActionLoop):
+    """The interpreter of one stage (one chunk, with virtual stages): a handler per action type."""
+
+    def __init__(self, ctx: StageContext, actions: list[S.Action]) -> None:
+        super().__init__(ctx, actions)
         if ctx.device.type == "cpu":
             tune_allocator()
         self.weights = WeightVersions(
@@ -136,11 +203,6 @@ class Executor:
         self.eval_rows: dict[int, int] = {}  # message id -> held-out microbatch, while its EvalForward runs
         self.eval_cache: dict[int, list[Any]] = {}  # held-out minibatch -> its microbatches
         self.eval_sums = EvalSums()
-        eval_ids = {a.microbatch_id for a in actions if isinstance(a, S.EvalForward)}
-        self._evaluating = [isinstance(a, (S.EvalForward, S.EndEval)) or (
-            isinstance(a, (S.RecvActivations, S.SendActivations)) and a.microbatch_id in eval_ids) for a in actions]
-        self.eval_s = 0.0
-        """Seconds spent in evaluation blocks (their receives' waiting included)."""
         self.received: dict[int, dict[str, Tensor]] = {}
         self.saved_inputs: dict[int, dict[str, Tensor]] = {}
         self.outputs: dict[int, dict[str, Tensor]] = {}  # with autograd graph (no recompute)
@@ -153,62 +215,40 @@ class Executor:
         # split backward (WeightGrads in the list): Linear layers leave their weight gradients to W
         self.deferred = (DeferredWeightGrads(ctx.module).install()
                          if any(isinstance(a, S.WeightGrads) for a in actions) else None)
-        self.steps_done = 0
         self.last_lr: float | None = None
         """The learning rate of the last update."""
         self.last_grad_norm: float | None = None
         """The norm the last update was clipped by (before clipping); None without clipping."""
         self.last_backward_mb = 0  # the minibatch an optimizer step's gradients come from (for errors)
         self.loss_scale = FP16_LOSS_SCALE if ctx.precision == "fp16" else 1.0
-        self._recv_positions = [i for i, a in enumerate(actions) if isinstance(a, (S.RecvActivations, S.RecvGrads))]
-        self._next_recv = 0
-        self._fault = parse_fault(os.environ.get(FAULT_ENV), ctx.rank)
 
-    # ---- the loop -------------------------------------------------------------------
-    def run(self, on_step: Callable[[int], None] | None = None) -> None:
-        tl = self.ctx.timeline
-        for index, action in enumerate(self.actions):
-            self._post_ahead(index)
-            text = S.action_text(action)
-            if self.ctx.heartbeat is not None:
-                self.ctx.heartbeat.beat(self.steps_done, text)
-            if self._fault is not None and self.steps_done >= self._fault[0] and isinstance(action, (S.Forward, S.Backward)):
-                inject_fault(self._fault[1])  # in compute: a hang there is the cause, not a symptom
-            start_s = tl.now()
-            S.dispatch(self.handlers, action)
-            if self._evaluating[index]:  # evaluation time stays out of the training timeline and its totals
-                self.eval_s += tl.now() - start_s
-            else:
-                tl.add(type(action).__name__, action_category(action), start_s, tl.now(), text)
-            if on_step is not None and isinstance(action, S.OptimizerStep):
-                on_step(self.steps_done)
-        self.ctx.mailbox.drain()
-        tl.stats.memory = self.memory.report(self.ctx.optimizer, self.weights.peak_stashed_bytes, self.ctx.device)
+    # ---- the loop (ActionLoop.run) ------------------------------------------------------
+    def run_action(self, action: S.Action) -> None:
+        S.dispatch(self.handlers, action)
+
+    def recv_plan(self, action: Any) -> RecvPlan:
+        return self._recv_plan(action)
+
+    def finish(self) -> None:
+        self.ctx.timeline.stats.memory = self.memory.report(self.ctx.optimizer, self.weights.peak_stashed_bytes,
+                                                            self.ctx.device)
 
     def _note_memory(self) -> None:
         grads = tensor_bytes(p.grad for p in self.weights.live.values() if p.grad is not None)
         self.memory.note(grads, self.weights.stashed_bytes)
 
-    def _post_ahead(self, index: int) -> None:
-        """Post the receives of the next few receive actions (they complete in the background)."""
-        while (
-            self._next_recv < len(self._recv_positions)
-            and self._recv_positions[self._next_recv] < index + RECV_LOOKAHEAD_ACTIONS
-        ):
-            action = self.actions[self._recv_positions[self._next_recv]]
-            for kind, src, layout in self._recv_plan(action):
-                self.ctx.mailbox.post_recv(kind, action.microbatch_id, src, layout)
-            self._next_recv += 1
-
     def _peer_rank(self, stage_id: int, microbatch_id: int) -> int:
         p = self.ctx.placement
         return p.rank(stage_id, S.replica_for(microbatch_id, p.replicas[stage_id]))
 
-    def _recv_plan(self, action: Any) -> list[tuple[str, int, Any]]:
-        io, mb = self.ctx.io, action.microbatch_id
+    def _link(self, producer: int, consumer: int) -> int:
+        return chunk_link(producer, consumer, self.ctx.num_chunks)
+
+    def _recv_plan(self, action: Any) -> RecvPlan:
+        io, mb, me = self.ctx.io, action.microbatch_id, self.ctx.stage_id
         if isinstance(action, S.RecvActivations):
-            return [("activation", self._peer_rank(p, mb), lay) for p, lay in io.acts_in.items()]
-        return [("gradient", self._peer_rank(c, mb), lay) for c, lay in io.grads_in.items()]
+            return [("activation", self._peer_rank(p, mb), lay, self._link(p, me)) for p, lay in io.acts_in.items()]
+        return [("gradient", self._peer_rank(c, mb), lay, self._link(me, c)) for c, lay in io.grads_in.items()]
 
     # ---- data -----------------------------------------------------------------------
     def _microbatch(self, mb: int) -> Any:
@@ -401,26 +441,28 @@ class Executor:
         mb = a.microbatch_id
         outputs = self.to_send.pop(mb)
         for consumer, layout in self.ctx.io.acts_out.items():
-            self.ctx.mailbox.send("activation", mb, self._peer_rank(consumer, mb), layout, outputs)
+            self.ctx.mailbox.send("activation", mb, self._peer_rank(consumer, mb), layout, outputs,
+                                  self._link(self.ctx.stage_id, consumer))
 
     def recv_activations(self, a: S.RecvActivations) -> None:
         mb = a.microbatch_id
         got = self.received.setdefault(mb, {})
-        for kind, src, layout in self._recv_plan(a):
-            got.update(self.ctx.mailbox.take(kind, mb, src, layout))
+        for kind, src, layout, link in self._recv_plan(a):
+            got.update(self.ctx.mailbox.take(kind, mb, src, layout, link))
 
     def recv_grads(self, a: S.RecvGrads) -> None:
         mb = a.microbatch_id
         total = self.out_grads.setdefault(mb, {})
-        for kind, src, layout in self._recv_plan(a):
-            for name, g in self.ctx.mailbox.take(kind, mb, src, layout).items():
+        for kind, src, layout, link in self._recv_plan(a):
+            for name, g in self.ctx.mailbox.take(kind, mb, src, layout, link).items():
                 total[name] = g if name not in total else total[name] + g  # an output with 2 consumers
 
     def send_grads(self, a: S.SendGrads) -> None:
         mb = a.microbatch_id
         grads = self.in_grads.pop(mb)
         for producer, layout in self.ctx.io.grads_out.items():
-            self.ctx.mailbox.send("gradient", mb, self._peer_rank(producer, mb), layout, grads)
+            self.ctx.mailbox.send("gradient", mb, self._peer_rank(producer, mb), layout, grads,
+                                  self._link(producer, self.ctx.stage_id))
 
     # ---- weights and optimizer ------------------------------------------------------------
     def stash_weights(self, a: S.StashWeights) -> None:

@@ -26,7 +26,7 @@ from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.rendezvous import JOIN_TIMEOUT_S, job_prefix, open_job_store, rendezvous_id
 from pdcli.runtime.restarts import keep_metrics_through, reset_attempt
-from pdcli.schedule import build_for, eval_points
+from pdcli.schedule import ScheduleSpec, build_for, eval_points
 from pdcli.runtime.session import SUMMARY_FILE, run_spec
 from pdcli.runtime.sockets import transport_from_env
 from pdcli.runtime.stageio import StageIO
@@ -158,14 +158,29 @@ def check_inputs(cfg: Config, plan_json: dict[str, Any], manifest: dict[str, Any
     # Pure: a bad schedule fails here, not in 4 workers. The lists of a long run take seconds to
     # build (~1 s per 100k actions); a few minibatches with the run's drain pattern show the same errors.
     evaluation = plan_evaluation(cfg)
-    run_spec(cfg, placement, evaluation)
+    check_chunks(run_spec(cfg, placement, evaluation), placement, cfg.schedule.virtual_stages)
     steps = min(cfg.train.steps, 2 * max(cfg.train.checkpoint_every, cfg.train.eval_every, 1) + SCHEDULE_CHECK_MINIBATCHES)
     short = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
     spec = run_spec(short, placement, dataclasses.replace(evaluation, points=eval_points(
         steps, cfg.train.eval_every, cfg.train.eval_at_start) if evaluation.points else ()))
-    for stage_id, replicas in enumerate(placement.replicas):
+    for stage_id, replicas in enumerate(spec.replicas):
         build_for(spec, stage_id, replicas - 1)
     return placement
+
+
+def check_chunks(spec: ScheduleSpec, placement: Placement, virtual_stages: int) -> None:
+    """The plan's stages are the schedule's chunks, each on the device the schedule places it on
+    (virtual stages), or one stage per device (without)."""
+    if not spec.chunked and not placement.virtual:
+        return
+    where = [placement.rank(k, 0) for k in range(placement.num_stages)]
+    want = [spec.stage_of_chunk(k) for k in range(spec.num_chunks)] if spec.chunked else None
+    if where != want:
+        raise UserError(
+            f"plan.json places its {placement.num_stages} stages on ranks {where}, but schedule.name={spec.name} with "
+            f"schedule.virtual_stages={virtual_stages} runs {spec.num_chunks if spec.chunked else spec.num_stages} "
+            f"chunks" + (f" on ranks {want}" if want else " one per device"),
+            hint="the plan is stale: re-run `pd plan` (and `pd compile`) with this schedule")
 
 
 def check_edges(manifest: dict[str, Any]) -> None:

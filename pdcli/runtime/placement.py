@@ -1,4 +1,8 @@
-"""Which rank runs which stage replica, from the plan's `stages[k].ranks` lists."""
+"""Which rank runs which stage replica, from the plan's `stages[k].ranks` lists.
+
+With virtual stages the plan's stages are the model's chunks, several on one rank (a device):
+`stage_ranks[chunk]` is that rank, `chunks_of(rank)` its chunks, and `of(rank)` the device's
+first chunk."""
 
 from __future__ import annotations
 
@@ -20,17 +24,32 @@ class Placement:
             if len(rs) != int(s.get("replicas", len(rs))):
                 raise ValueError(f"plan stage {s['stage_id']}: {len(rs)} ranks but replicas={s['replicas']}")
         flat = sorted(r for rs in ranks for r in rs)
-        if flat != list(range(len(flat))):
+        virtual = int(plan.get("inputs", {}).get("virtual_stages", 1))
+        if virtual > 1:  # chunks: each rank holds `virtual` of them, one replica each
+            if any(len(rs) != 1 for rs in ranks) or flat != sorted(list(range(len(flat) // virtual)) * virtual):
+                raise ValueError(f"plan with {virtual} virtual stages: each of ranks 0..{len(flat) // virtual - 1} "
+                                 f"must hold {virtual} chunks, got {flat}")
+        elif flat != list(range(len(flat))):
             raise ValueError(f"plan ranks must be 0..{len(flat) - 1} each once, got {flat}")
         return Placement(ranks)
 
     @property
     def num_stages(self) -> int:
+        """Stages of the plan (with virtual stages: chunks)."""
         return len(self.stage_ranks)
 
     @property
     def world_size(self) -> int:
-        return sum(len(rs) for rs in self.stage_ranks)
+        return len({r for rs in self.stage_ranks for r in rs})
+
+    @property
+    def virtual(self) -> bool:
+        """Some rank runs several stages (chunks)."""
+        return self.world_size < sum(len(rs) for rs in self.stage_ranks)
+
+    def chunks_of(self, rank: int) -> tuple[int, ...]:
+        """The stages (chunks) `rank` runs, in model order."""
+        return tuple(k for k, rs in enumerate(self.stage_ranks) if rank in rs)
 
     @property
     def replicas(self) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pdcli.runtime import checkpoint
+from pdcli.runtime.chunks import ChunkRunner
 from pdcli.runtime.placement import Placement
 from pdcli.schedule import ScheduleSpec
 from pdcli.runtime.watchdog import Heartbeat, checkpoint_fault
@@ -63,9 +64,14 @@ class Checkpointer:
     logger: logging.Logger
     nnodes: int = 1
     """Hosts of the job: each host's first rank marks the checkpoint of its stages complete."""
+    parts: tuple[tuple[int, dict[str, Any], nn.Module, torch.optim.Optimizer], ...] = ()
+    """(stage, manifest entry, module, optimizer) of every stage this rank runs: several chunks
+    with virtual stages, each its own stage file; empty: the one of `entry`, `module`, `optimizer`."""
 
     def __post_init__(self) -> None:
         self.stage_id, self.replica_id = self.placement.of(self.rank)
+        if not self.parts:
+            self.parts = ((self.stage_id, self.entry, self.module, self.optimizer),)
         # optimizer steps of this stage -> minibatches done, at every drain point
         self.at_steps = {self.spec.steps_through(self.stage_id, t): t for t in self.spec.drain_after}
 
@@ -73,24 +79,29 @@ class Checkpointer:
     def param_names(self) -> dict[str, str]:
         return dict(self.entry["param_names"])
 
-    def start(self, executor: "Executor", resume_step: int | None) -> None:
-        """Load the checkpoint of `resume_step` (or `train.init_from`) into this stage."""
+    def start(self, executor: "Executor | ChunkRunner", resume_step: int | None) -> None:
+        """Load the checkpoint of `resume_step` (or `train.init_from`) into this rank's stages."""
         if resume_step is None:
             if self.cfg.train.init_from:
                 path = Path(self.cfg.train.init_from)
                 weights = torch.load(path, map_location="cpu", weights_only=True)
-                checkpoint.load_weights_by_name(self.module, self.param_names, weights, f"train.init_from {path}",
-                                                "pass a file written by `pd export` for this model")
-                self.logger.info("stage %d: weights from %s", self.stage_id, path)
+                for stage_id, entry, module, _ in self.parts:
+                    checkpoint.load_weights_by_name(module, dict(entry["param_names"]), weights, f"train.init_from {path}",
+                                                    "pass a file written by `pd export` for this model")
+                    self.logger.info("stage %d: weights from %s", stage_id, path)
             return
-        payload = checkpoint.load_stage_file(self.train_dir, resume_step, self.stage_id)
-        where = str(checkpoint.stage_file(self.train_dir, resume_step, self.stage_id))
-        checkpoint.restore_stage(payload, self.module, self.param_names, self.optimizer, where)
         steps = self.spec.steps_through(self.stage_id, resume_step)
-        if int(payload.get("num_optimizer_steps", steps)) != steps:
-            raise RuntimeError(f"{where}: {payload.get('num_optimizer_steps')} optimizer steps, expected {steps}")
+        for stage_id, entry, module, optimizer in self.parts:
+            payload = checkpoint.load_stage_file(self.train_dir, resume_step, stage_id)
+            where = str(checkpoint.stage_file(self.train_dir, resume_step, stage_id))
+            checkpoint.restore_stage(payload, module, dict(entry["param_names"]), optimizer, where)
+            if int(payload.get("num_optimizer_steps", steps)) != steps:
+                raise RuntimeError(f"{where}: {payload.get('num_optimizer_steps')} optimizer steps, expected {steps}")
         executor.steps_done = steps
-        executor.weights.version = steps
+        if isinstance(executor, ChunkRunner):
+            executor.set_version(steps)
+        else:
+            executor.weights.version = steps
         rng = payload.get("rng_states", {}).get(self.replica_id)
         if rng is not None:
             set_rng_state(rng)
@@ -124,8 +135,9 @@ class Checkpointer:
             if self.tracker is not None:
                 extra["loss_records"] = {i: o["records"] for i, o in by_replica.items()}
                 extra["evals"] = list(self.tracker.evals)
-            checkpoint.save_stage(self.train_dir, step, self.stage_id, self.module, self.param_names,
-                                  self.optimizer, executor.weights.version, extra)
+            for stage_id, entry, module, optimizer in self.parts:
+                checkpoint.save_stage(self.train_dir, step, stage_id, module, dict(entry["param_names"]),
+                                      optimizer, executor.weights.version, extra)
         checkpoint_fault(self.rank, step, "written")
         dist.barrier()  # every stage file is written before the marker
         node = self.placement.node_of(self.rank, self.nnodes)

@@ -7,7 +7,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from pdcli.runtime import checkpoint
 from pdcli.runtime.comm import Mailbox, TorchDistTransport, Transport
 from pdcli.runtime.evaluation import EVAL_KEYS, EvalPlan, plan_evaluation
 from pdcli.runtime.divergence import LossGuard, remedies
+from pdcli.runtime.chunks import ChunkRunner, chunk_actions
 from pdcli.runtime.executor import Executor, StageContext
 from pdcli.runtime.launch import read_plan, read_resume_step
 from pdcli.runtime.metrics import S_TO_MS, MetricsLog, RankStats, Timeline, chrome_trace, open_tensorboard, per_stage
@@ -114,7 +115,9 @@ def run_spec(cfg: "Config", placement: Placement, evaluation: EvalPlan, resume_s
     """The schedule of the run: drain points at checkpoints, at the checkpoint it resumes from
     and at evaluations (pipedream/2bw have nothing in flight there)."""
     drains = drain_points(cfg.train.steps, cfg.train.checkpoint_every, extra=[resume_step or 0, *evaluation.points])
-    return ScheduleSpec.from_config(cfg.schedule, placement.replicas, cfg.train.steps, drains, evaluation.points,
+    # virtual stages: the plan's stages are chunks, the schedule's stages the devices (one replica each)
+    replicas = (1,) * placement.world_size if placement.virtual else placement.replicas
+    return ScheduleSpec.from_config(cfg.schedule, replicas, cfg.train.steps, drains, evaluation.points,
                                     evaluation.num_microbatches(cfg.schedule.num_microbatches))
 
 
@@ -128,19 +131,26 @@ def global_clip_group(cfg: "Config", placement: Placement) -> Any:
 
 
 def make_transport(
-    placement: Placement, io: StageIO, rank: int, device: torch.device, timeout_s: float, preference: str = "auto",
-    log: Callable[[str], None] = lambda _: None,
+    placement: Placement, io: StageIO | Sequence[StageIO], rank: int, device: torch.device, timeout_s: float,
+    preference: str = "auto", log: Callable[[str], None] = lambda _: None,
 ) -> Transport:
     """The socket transport between CPU ranks (one message ~15 us on one host instead of gloo's
     ~1.5 ms): an abstract Unix socket to a rank of this host, TCP to a rank of another host,
     each connection proven with the job's secret; else torch.distributed (gloo / NCCL).
     `train.transport` picks one; the `PD_TRANSPORT=gloo|socket` environment variable overrides
-    it; every rank makes the same choice. `log` gets every refused connection."""
+    it; every rank makes the same choice. `log` gets every refused connection. `io`: the stage's,
+    or every chunk's of this rank (virtual stages; messages between them stay in the process)."""
     default = "socket" if device.type == "cpu" and socket_transport_possible() else "gloo"
     choice = transport_from_env(os.environ) or (default if preference == "auto" else preference)
     if choice == "socket":
-        peers = {r for k in (*io.acts_in, *io.acts_out) for r in placement.stage_ranks[k]}
-        expected = {r: sizes for k, sizes in io.recv_bytes().items() for r in placement.stage_ranks[k]}
+        ios = [io] if isinstance(io, StageIO) else list(io)
+        peers = {r for one in ios for k in (*one.acts_in, *one.acts_out) for r in placement.stage_ranks[k]} - {rank}
+        expected: dict[int, dict[str, set[int]]] = {}
+        for one in ios:
+            for k, sizes in one.recv_bytes().items():
+                for r in set(placement.stage_ranks[k]) - {rank}:
+                    for kind, n in sizes.items():
+                        expected.setdefault(r, {}).setdefault(kind, set()).add(n)
         place = Place(network_host_id(), reach_address(os.environ["MASTER_ADDR"]))
         return SocketTransport.connect(rank, peers, timeout_s, expected, job_store(), place, log)
     return TorchDistTransport()
@@ -188,57 +198,75 @@ def run_session(
     heartbeat.beat(0, "load_stage")
     stages_dir = run_dir / "stages"
     manifest = read_manifest(stages_dir)
-    module, entry = load_stage(stages_dir, stage_id)
-    module.to(device).train()
-    tied = tied_copies(manifest, placement, stage_id, module, entry)  # collective: every rank
-    io = StageIO.from_manifest(manifest, stage_id)
+    chunks = placement.chunks_of(env.rank)  # (stage_id,) without virtual stages
+    loaded = {k: load_stage(stages_dir, k) for k in chunks}
+    for module, _ in loaded.values():
+        module.to(device).train()
+    module, entry = loaded[stage_id]
+    tied = tied_copies(manifest, placement, stage_id, module, entry)  # collective: every rank (none with chunks)
+    ios = {k: StageIO.from_manifest(manifest, k) for k in chunks}
     num_stages, m = placement.num_stages, cfg.schedule.num_microbatches
     resume_step = read_resume_step(train_dir)  # None: a fresh run
     evaluation = plan_evaluation(cfg)
     spec = run_spec(cfg, placement, evaluation, resume_step)
-    is_last = stage_id == num_stages - 1
+    schedule_stage = spec.stage_replica_of(env.rank)[0] if spec.chunked else stage_id  # the device's place
+    is_last = num_stages - 1 in chunks
     writer_rank = placement.rank(num_stages - 1, 0)
     timeline = Timeline(env.rank, stage_id, replica_id)
     tracker = None
     if is_last:
-        r = placement.replicas[stage_id]
+        r = placement.replicas[num_stages - 1]
         tracker = LossTracker(
             num_microbatches=m, num_minibatches=cfg.train.steps, log_every=cfg.train.log_every,
             batch_size=cfg.data.batch_size,
             own_per_minibatch=lambda t: sum(1 for mb in range(t * m, (t + 1) * m) if replica_for(mb, r) == replica_id),
             writer=MetricsLog(train_dir / "metrics.jsonl", append=resume_step is not None,
                               tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard)) if env.rank == writer_rank else None,
-            guard=loss_guard(cfg, stage_id),
+            guard=loss_guard(cfg, num_stages - 1),
         )
     heartbeat.beat(0, "connect")
-    transport = make_transport(placement, io, env.rank, device, cfg.train.timeout_s, cfg.train.transport, logger.warning)
+    transport = make_transport(placement, list(ios.values()), env.rank, device, cfg.train.timeout_s, cfg.train.transport,
+                               logger.warning)
     logger.info("transport: %s", transport.describe() if isinstance(transport, SocketTransport) else "torch.distributed")
+    if spec.chunked and transport.stream_ordered:
+        raise RuntimeError(f"schedule.name={cfg.schedule.name}: its lists are proven for sends that never wait for "
+                           "their receive (sockets, gloo); this run's transport (NCCL) orders them on one stream")
     # eager sends: the next stage gets its input before this one waits (see sends_first)
-    actions = build_for(spec, stage_id, replica_id, start_minibatch=resume_step or 0,
+    actions = build_for(spec, schedule_stage, replica_id, start_minibatch=resume_step or 0,
                         eager_sends=not transport.stream_ordered)
     loss_name = manifest.get("loss", cfg.model.loss)
-    ctx = StageContext(
-        rank=env.rank, stage_id=stage_id, replica_id=replica_id, module=module, io=io, placement=placement,
-        data=build_data(cfg.data, cfg.data.batch_size), num_microbatches=m,
-        loss_fn=build_loss(loss_name) if is_last else None,
-        optimizer=build_optimizer(cfg.optim, module), device=device,
-        mailbox=Mailbox(transport, device, spin_wait_s(cfg, device, env.local_world_size)), timeline=timeline, precision=cfg.train.precision,
-        recompute=cfg.train.recompute, replica_group=groups.get(stage_id), heartbeat=heartbeat,
-        record_loss=tracker.record if tracker else None, is_classifier=loss_name == "cross_entropy",
-        tied=tied,
-        update_rule=UpdateRule.make(cfg.optim, spec, stage_id, cfg.data.batch_size, replica_id, clip_group),
-        eval_data=evaluation.source, record_eval=tracker.record_eval if tracker else None,
-    )
-    executor = Executor(ctx, actions)
+    mailbox = Mailbox(transport, device, spin_wait_s(cfg, device, env.local_world_size), rank=env.rank)
+    data = build_data(cfg.data, cfg.data.batch_size)
+
+    def context(k: int) -> StageContext:
+        last = k == num_stages - 1
+        chunk_module = loaded[k][0]
+        return StageContext(
+            rank=env.rank, stage_id=k, replica_id=replica_id, module=chunk_module, io=ios[k], placement=placement,
+            data=data, num_microbatches=m, loss_fn=build_loss(loss_name) if last else None,
+            optimizer=build_optimizer(cfg.optim, chunk_module), device=device, mailbox=mailbox, timeline=timeline,
+            precision=cfg.train.precision, recompute=cfg.train.recompute, replica_group=groups.get(k),
+            heartbeat=heartbeat, record_loss=tracker.record if tracker and last else None,
+            is_classifier=loss_name == "cross_entropy", tied=tied if k == stage_id else [],
+            update_rule=UpdateRule.make(cfg.optim, spec, schedule_stage, cfg.data.batch_size, replica_id, clip_group),
+            eval_data=evaluation.source, record_eval=tracker.record_eval if tracker and last else None,
+            num_chunks=spec.num_chunks if spec.chunked else 0,
+        )
+
+    executors = {k: Executor(context(k), chunk_actions(actions, k) if spec.chunked else actions) for k in chunks}
+    executor: Executor | ChunkRunner = ChunkRunner(executors, actions) if spec.chunked else executors[stage_id]
+    ctx = executors[stage_id].ctx
     if tracker is not None:  # the rate of the update that applies the line's last minibatch
         rule = ctx.update_rule
         assert rule is not None
-        tracker.extra = lambda t: {"lr": rule.lr(spec.step_of(stage_id, (t + 1) * m - 1))}
+        tracker.extra = lambda t: {"lr": rule.lr(spec.step_of(schedule_stage, (t + 1) * m - 1))}
         tracker.excluded_s = lambda: executor.eval_s
-    logger.info("stage %d replica %d: %d actions, %s, device %s", stage_id, replica_id, len(actions), cfg.schedule.name, device)
+    logger.info("stage %d replica %d: %d actions, %s, device %s%s", stage_id, replica_id, len(actions), cfg.schedule.name,
+                device, f", chunks {list(chunks)}" if spec.chunked else "")
 
     checkpoints = Checkpointer(cfg, train_dir, spec, placement, env.rank, entry, module, ctx.optimizer, tracker, heartbeat, logger,
-                               nnodes=env.world_size // env.local_world_size)
+                               nnodes=env.world_size // env.local_world_size,
+                               parts=tuple((k, loaded[k][1], loaded[k][0], executors[k].ctx.optimizer) for k in chunks))
     checkpoints.start(executor, resume_step)
 
     def on_step(steps_done: int) -> None:

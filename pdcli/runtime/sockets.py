@@ -237,13 +237,15 @@ class _Peer:
     the connection is read no further (its byte stream can no longer be framed).
     """
 
-    def __init__(self, rank: int, sock: socket.socket, expected_bytes: Mapping[str, int] | None = None,
+    def __init__(self, rank: int, sock: socket.socket, expected_bytes: Mapping[str, int | Iterable[int]] | None = None,
                  name: str | None = None) -> None:
         self.rank = rank
         self.name = name or f"rank {rank}"
         """How messages name the peer: `rank r`, with its address when it is on another host."""
         self.sock = sock
-        self.expected_bytes = None if expected_bytes is None else dict(expected_bytes)
+        self.expected_bytes = None if expected_bytes is None else {
+            kind: frozenset([n]) if isinstance(n, int) else frozenset(n) for kind, n in expected_bytes.items()}
+        """Message kind -> the sizes its messages may have (several: virtual stages, one per chunk)."""
         self.posted: dict[int, int] = {}
         """Tag -> bytes of the receive posted for it and not yet taken."""
         self.refused = False
@@ -341,10 +343,15 @@ class _Peer:
             else:
                 assert self.expected_bytes is not None
                 if kind is None or kind not in self.expected_bytes:
-                    sends = ", ".join(f"{k} messages of {n} bytes" for k, n in sorted(self.expected_bytes.items()))
+                    sends = ", ".join(f"{k} messages of {' or '.join(map(str, sorted(n)))} bytes"
+                                      for k, n in sorted(self.expected_bytes.items()))
                     return (f"{self.name} sent a {what} (tag {tag}, {nbytes} bytes); the manifest has it "
                             f"send this rank {sends or 'nothing'}")
-                expected, by = self.expected_bytes[kind], "the manifest's layout"
+                sizes = self.expected_bytes[kind]
+                if nbytes not in sizes:
+                    return (f"{self.name} sent a {what} (tag {tag}) of {nbytes} bytes; the manifest's layout "
+                            f"fixes {' or '.join(map(str, sorted(sizes)))} bytes")
+                return None
         if nbytes != expected:
             return f"{self.name} sent a {what} (tag {tag}) of {nbytes} bytes; {by} fixes {expected} bytes"
         return None
@@ -441,7 +448,7 @@ class SocketTransport:
         """Connections refused while connecting (strangers), as logged."""
 
     @staticmethod
-    def connect(rank: int, peer_ranks: Iterable[int], timeout_s: float, expected_bytes: Mapping[int, Mapping[str, int]],
+    def connect(rank: int, peer_ranks: Iterable[int], timeout_s: float, expected_bytes: Mapping[int, Mapping[str, int | Iterable[int]]],
                 store: Any, place: Place, log: Callable[[str], None] = lambda _: None) -> "SocketTransport":
         """Collective over `peer_ranks`, through the job's rendezvous `store`: connect to the
         higher peers, accept the lower ones, each proving it holds the job's secret.

@@ -29,8 +29,9 @@ from pdcli.errors import UserError
 from pdcli.runtime.placement import Placement
 from pdcli.schedule.spec import SCHEDULES, rules
 
-SCHEDULES_WITH_TIES = tuple(name for name in SCHEDULES if not rules(name).step_per_microbatch)
-"""Schedules whose stages all update once per minibatch, in the same rounds."""
+SCHEDULES_WITH_TIES = tuple(name for name in SCHEDULES if not rules(name).step_per_microbatch and not rules(name).chunked)
+"""Schedules whose stages all update once per minibatch, in the same rounds (virtual stages aside:
+a device's chunks would each need their own group)."""
 
 
 def check_schedule(manifest: dict[str, Any], schedule: str) -> None:

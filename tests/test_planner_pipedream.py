@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -201,18 +202,30 @@ def test_resnet50_on_1024_devices_with_either_cost_model() -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_flush_schedules_bounded_stage_counts_keep_the_optimum(schedule: str) -> None:
-    """A flush schedule's search runs only the stage counts whose bubble can still win; with a
-    memory limit (here one that never binds) it runs every count: both find the same plan."""
-    for levels in (levels_of(16), levels_of(4, 4), levels_of(8, 3)):
+    """A flush schedule's search runs only the stage counts whose bubble can still win (under a
+    memory limit, deepening as plans are found): it finds the best of the plans with each
+    stage count fixed (each searched on its own, every count), with and without a limit that binds."""
+    from pdcli.errors import UserError
+
+    chain = chain_of("resnet50")
+    for levels in (levels_of(8), levels_of(4, 2)):
         topology = Topology.from_levels(levels)
-        options = PlanOptions(cost_model="pd", schedule=schedule, num_microbatches=4)
-        capped = plan_chain(chain_of("resnet50"), topology, options)
-        every = plan_chain(chain_of("resnet50"), topology,
-                           PlanOptions(cost_model="pd", schedule=schedule, num_microbatches=4,
-                                       memory_bytes_per_device=1e30))
-        assert capped.time_per_minibatch_ms == every.time_per_minibatch_ms
-        assert [(s.start, s.end, s.replicas) for s in capped.stages] == \
-            [(s.start, s.end, s.replicas) for s in every.stages]
+        free = plan_chain(chain, topology, PlanOptions(cost_model="pd", schedule=schedule, num_microbatches=4))
+        peak = max(s.predicted["total_bytes"] for s in free.stages)
+        for limit in (None, 0.5 * peak):
+            options = PlanOptions(cost_model="pd", schedule=schedule, num_microbatches=4, use_fewer_devices=True,
+                                  memory_bytes_per_device=limit)
+            each = []
+            for count in range(1, topology.num_devices + 1):
+                try:
+                    each.append(plan_chain(chain, topology, dataclasses.replace(options, num_stages=count)))
+                except UserError:  # no plan with this many stages fits
+                    pass
+            best = plan_chain(chain, topology, options)
+            assert best.time_per_minibatch_ms == min(p.time_per_minibatch_ms for p in each)
+            if limit is not None:
+                assert best.time_per_minibatch_ms > free.time_per_minibatch_ms  # the limit binds
+                assert max(s.predicted["total_bytes"] for s in best.stages) <= limit
 
 
 def deep_profile_module() -> Any:

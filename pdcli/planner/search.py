@@ -331,25 +331,23 @@ def value_table_bytes(n: int, anchor: int, layers: int, layered: bool, options: 
     return table + per_layer
 
 
-def _stage_cap(n: int, anchor: int, max_stages: int, allowed: list[int], options: PlanOptions, fn: StageCost,
-               runnable: tuple[int, ...], cores: int | None, best: float) -> int:
-    """How many stage counts the layered program needs on this anchor.
-
-    A flush schedule's time is the bottleneck times the bubble factor (M + S - 1) / M, which
-    grows with the stage count S, and no plan with S stages has a smaller bottleneck than the
-    best over every stage count (one layer, `suffix_minmax` unlayered, about 1/S of the
-    layered cost). So with that lower bound L and the best time U known (the plans so far,
-    and the unlayered plan itself priced with its bubble), counts with L x bubble(S) > U
-    cannot win: the layered program runs up to the largest S that can (0: skip the anchor).
-    On ResNet-50 and 1,024 devices that is a few dozen layers instead of 240."""
+def _flat_bound(n: int, anchor: int, allowed: list[int], options: PlanOptions, fn: StageCost,
+                runnable: tuple[int, ...], cores: int | None) -> tuple[float, int] | None:
+    """(L, S0): no plan on this anchor has a smaller bottleneck than L, the best over every stage
+    count with `fn` (no memory limit: a lower bound under one too), found by the program
+    without the stage-count axis (about 1/S of its cost); S0 is that plan's stage count.
+    None when no plan exists."""
     flat = suffix_minmax(n, anchor, 1, False, options.straight, fn, runnable)
     times = {d: float(flat[0, 0, d]) * oversubscription_of(cores, d) for d in allowed}
     d_best = min(times, key=times.__getitem__, default=None)
     if d_best is None or not np.isfinite(times[d_best]):
-        return 0
-    lower = times[d_best]
-    count = len(trace_back(flat, False, options.straight, fn, runnable, 0, d_best))
-    upper = min(best, lower * float(bubble_factor(options.schedule, options.num_microbatches, count)))
+        return None
+    return times[d_best], len(trace_back(flat, False, options.straight, fn, runnable, 0, d_best))
+
+
+def _count_cap(lower: float, upper: float, max_stages: int, options: PlanOptions) -> int:
+    """The most stages a flush-schedule plan can have and still beat `upper`: its time is its
+    bottleneck (>= lower) times the bubble factor (M + S - 1) / M, which grows with S."""
     cap = 0
     while cap < max_stages and lower * float(bubble_factor(options.schedule, options.num_microbatches,
                                                             cap + 1)) <= upper:
@@ -367,46 +365,71 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
     runtime = runtime_of(space, topology)
     best: SearchKey | None = None
     kept = None  # the DP of the best anchor so far, for the trace back
+    # a flush schedule runs only the stage counts whose bubble can still win (`_count_cap`);
+    # under a memory limit the bound comes from the plans found, so the counts deepen
     cap_layers = (layered and minimize == "time" and options.num_stages is None and split is None
-                  and options.memory_bytes_per_device is None and options.replicas is None)
+                  and options.replicas is None and not options.split_backward)
+    limited = options.memory_bytes_per_device is not None
     cores = runtime.cores if runtime is not None else None
     shared: PdCosts | None = None
+    free: PdCosts | None = None  # the costs without the memory limit, for the lower bound
     for anchor in _anchors(topology, options):
         if shared is None:
             shared = PdCosts(space, topology, options, scale, anchor, num_layers)
-        costs = shared.for_anchor(anchor)
-        runnable = tuple(r for r in range(1, anchor + 1) if costs.runnable(r))
-        fn: StageCost = costs.time if minimize == "time" else costs.memory
-        if options.replicas is not None:  # plan_chain fixes num_stages = len(replicas): layered
-            fn = fixed_replicas(fn, options.replicas)
         allowed = [d for d in range(1, anchor + 1) if _devices_allowed(d, total, options) and not (anchor - d) % align]
-        layers_here = num_layers
+        layers_here, lower = num_layers, 0.0
         if cap_layers:
-            layers_here = _stage_cap(n, anchor, max_stages, allowed, options, fn, runnable, cores,
-                                     best[0] if best is not None else np.inf)
+            if free is None:
+                free = PdCosts(space, topology, dataclasses.replace(options, memory_bytes_per_device=None), scale,
+                               anchor, 1) if limited else shared
+            free_costs = free.for_anchor(anchor)
+            free_runnable = tuple(r for r in range(1, anchor + 1) if free_costs.runnable(r))
+            bound = _flat_bound(n, anchor, allowed, options, free_costs.time, free_runnable, cores)
+            if bound is None:
+                continue
+            lower, count = bound
+            upper = best[0] if best is not None else np.inf
+            if not limited:  # the unlimited plan is a plan: its time bounds the best
+                upper = min(upper, lower * float(bubble_factor(options.schedule, options.num_microbatches, count)))
+            layers_here = _count_cap(lower, upper, max_stages, options)
             if layers_here == 0:
                 continue  # no stage count on this anchor can beat the best plan so far
-        check_table(value_table_bytes(n, anchor, layers_here, layered, options),
-                    f"the pd search over {layers_here} stage counts, {n} positions and {anchor} devices", options)
-        value = suffix_minmax(n, anchor, layers_here, layered, options.straight, fn, runnable)
-        before = best
-        for d in allowed:
-            layers = range(layers_here) if options.num_stages is None else [options.num_stages - 1]
-            for t in layers:
-                if not layered and t > 0:
-                    break
-                v = float(value[t, 0, d])
-                if minimize == "time":
-                    v *= oversubscription_of(cores, d)
-                if minimize == "time" and layered:
-                    if best is not None and v > best[0]:
-                        continue  # the bubble factor is >= 1: this count cannot win
-                    v *= float(bubble_factor(options.schedule, options.num_microbatches, t + 1, split))
-                key = (v, d, t, -anchor)
-                if np.isfinite(v) and (best is None or key < best):
-                    best = key
-        if best != before:
-            kept = (value, fn, runnable)
+            if limited:
+                layers_here = min(layers_here, max(count, 1))
+        while True:
+            base = PdCosts(space, topology, options, scale, anchor, layers_here) if cap_layers and limited else shared
+            costs = base.for_anchor(anchor)
+            runnable = tuple(r for r in range(1, anchor + 1) if costs.runnable(r))
+            fn: StageCost = costs.time if minimize == "time" else costs.memory
+            if options.replicas is not None:  # plan_chain fixes num_stages = len(replicas): layered
+                fn = fixed_replicas(fn, options.replicas)
+            check_table(value_table_bytes(n, anchor, layers_here, layered, options),
+                        f"the pd search over {layers_here} stage counts, {n} positions and {anchor} devices", options)
+            value = suffix_minmax(n, anchor, layers_here, layered, options.straight, fn, runnable)
+            before = best
+            for d in allowed:
+                layers = range(layers_here) if options.num_stages is None else [options.num_stages - 1]
+                for t in layers:
+                    if not layered and t > 0:
+                        break
+                    v = float(value[t, 0, d])
+                    if minimize == "time":
+                        v *= oversubscription_of(cores, d)
+                    if minimize == "time" and layered:
+                        if best is not None and v > best[0]:
+                            continue  # the bubble factor is >= 1: this count cannot win
+                        v *= float(bubble_factor(options.schedule, options.num_microbatches, t + 1, split))
+                    key = (v, d, t, -anchor)
+                    if np.isfinite(v) and (best is None or key < best):
+                        best = key
+            if best != before:
+                kept = (value, fn, runnable)
+            if not (cap_layers and limited) or layers_here >= max_stages:
+                break
+            need = _count_cap(lower, best[0] if best is not None else np.inf, max_stages, options)
+            if need <= layers_here:
+                break
+            layers_here = min(2 * layers_here, need)
     if best is None:
         return None
     v, d_used, t, neg_anchor = best

@@ -13,7 +13,13 @@ evenly over the replicas).
 
 A plan on fewer than all devices is shifted to start at rank 0; that is exact when the
 shift is a multiple of the topology's alignment, so a non-uniform cluster is searched with
-one anchor E per residue class.
+one anchor E per residue class (the anchors share their stage costs).
+
+What keeps big clusters cheap, without changing the optimum: only the replica counts the
+runtime can run are tried (`replica_choices`); a flush schedule's stage-count axis holds only
+the counts whose bubble can still beat the best plan (`_flat_bound`, `_count_cap`; under a
+memory limit the counts deepen as plans are found), and a layer of t + 1 stages only the
+devices they can fill.
 
 With a split backward, 1f1b's memory depends on the pipeline's whole stage count (a
 microbatch is held until its WeightGrads, see planner.memory), which a suffix does not

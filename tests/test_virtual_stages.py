@@ -7,6 +7,8 @@ all gradients), the simulator's bubble, and the refusals (exit 2 messages naming
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdcli.errors import UserError
@@ -154,3 +156,57 @@ def test_pd_refuses_bad_virtual_stage_settings_with_exit_2(tmp_path) -> None:
         result = CliRunner().invoke(app, ["train", quickstart, root, *args])
         assert result.exit_code == 2, (args, result.output)
         assert expect in result.output and "Traceback" not in result.output, (args, result.output)
+
+
+# ---- pd plan: chunks placed on devices, the lists replayed ----
+
+
+def uniform_chain(n: int = 16):
+    from pdcli.profiler.chain import Chain, ChainNode
+
+    nodes = tuple(ChainNode(name=f"n{i}", label=f"layer{i}", fwd_ms=1.0, bwd_ms=2.0, parameter_bytes=1000,
+                            activation_bytes=4000, backward_memory_bytes=0, optimizer_ms=0.1)
+                  for i in range(n))
+    return Chain(nodes=nodes, cut_bytes=(100,) * (n - 1), meta={})
+
+
+@pytest.mark.parametrize("name,ranks", [(INTERLEAVED, [0, 1, 0, 1]), (LOOPED_BFS, [0, 1, 0, 1]), (ZBV, [0, 1, 1, 0])])
+def test_plan_places_chunks_and_predicts_the_replay(name: str, ranks: list[int]) -> None:
+    from pdcli.planner import PlanOptions, Topology, plan_chain
+    from pdcli.planner.plan import Plan as PlanFile
+    from pdcli.runtime.placement import Placement
+
+    options = PlanOptions(schedule=name, num_microbatches=4, batch_size=4, straight=True, virtual_stages=2,
+                          split_backward=name == ZBV)
+    plan = plan_chain(uniform_chain(), Topology.flat(2), options)
+    assert len(plan.stages) == 4 and [s.ranks for s in plan.stages] == [(r,) for r in ranks]
+    assert [s.end - s.start for s in plan.stages] == [4, 4, 4, 4]  # a uniform model: equal chunks
+    devices = plan.pipeline["devices"]
+    assert [row["chunks"] for row in devices] == [[k for k, r in enumerate(ranks) if r == d] for d in (0, 1)]
+    # the predicted time is the replay of the schedule's lists with each chunk's costs
+    spec = ScheduleSpec.make(name, 2, 4, 16, virtual_stages=2, split_backward=name == ZBV)
+    per_mb = [StageCost(fwd_ms=s.predicted["fwd_ms"] / 4, bwd_ms=s.predicted["bwd_ms"] / 4,
+                        wgrad_ms=s.predicted["wgrad_ms"] / 4, comm_ms=s.predicted["comm_out_ms"] / 4,
+                        optimizer_ms=s.predicted["optimizer_ms"]) for s in plan.stages]
+    assert plan.time_per_minibatch_ms == pytest.approx(simulate(spec, per_mb).time_per_minibatch_ms)
+    # plan.json round-trips, and the runtime reads its placement
+    obj = plan.to_json()
+    assert PlanFile.from_json(obj).to_json() == obj and obj["inputs"]["virtual_stages"] == 2
+    placement = Placement.from_plan(obj)
+    assert placement.world_size == 2 and placement.virtual and placement.chunks_of(0) == tuple(
+        k for k, r in enumerate(ranks) if r == 0)
+
+
+def test_plan_memory_is_the_sum_of_a_devices_chunks_and_refuses_past_the_limit() -> None:
+    from pdcli.planner import PlanOptions, Topology, plan_chain
+
+    options = PlanOptions(schedule=INTERLEAVED, num_microbatches=4, batch_size=4, straight=True, virtual_stages=2)
+    plan = plan_chain(uniform_chain(), Topology.flat(2), options)
+    for row in plan.pipeline["devices"]:
+        fixed = sum(plan.stages[c].predicted["weights_bytes"] + plan.stages[c].predicted["optimizer_state_bytes"]
+                    for c in row["chunks"])
+        assert row["total_bytes"] == pytest.approx(fixed + row["activations_bytes"])
+        assert row["activations_bytes"] > 0
+    need = max(row["total_bytes"] for row in plan.pipeline["devices"])
+    with pytest.raises(UserError, match="no plan fits"):
+        plan_chain(uniform_chain(), Topology.flat(2), dataclasses.replace(options, memory_bytes_per_device=need * 0.9))

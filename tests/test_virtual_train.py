@@ -103,3 +103,27 @@ def test_virtual_stages_checkpoint_and_resume_like_the_uninterrupted_run(tmp_pat
     assert resumed_losses == pytest.approx(losses, abs=1e-6)
     for name in weights:
         torch.testing.assert_close(resumed_weights[name], weights[name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+@pytest.mark.timeout(300)
+def test_pd_train_plans_compiles_and_trains_zbv_like_1f1b(tmp_path: Path) -> None:
+    """The whole path: `pd train` profiles, plans four chunks on two devices (V placement),
+    compiles one module per chunk and trains; a flush schedule, so the losses are 1f1b's."""
+    from typer.testing import CliRunner
+
+    from pdcli.cli import app
+
+    quickstart = str(Path(__file__).resolve().parents[1] / "recipes/quickstart.yaml")
+    finals = {}
+    for name, extra in (("1f1b", []), ("zbv", ["schedule.virtual_stages=2"])):
+        root = tmp_path / name
+        result = CliRunner().invoke(app, ["train", quickstart, f"run.root={root}", f"schedule.name={name}", *extra,
+                                          "train.steps=6", "train.log_every=3", "train.eval_every=0"])
+        assert result.exit_code == 0, result.output
+        plan = json.loads((root / "quickstart" / "plan.json").read_text())
+        lines = [json.loads(x) for x in (root / "quickstart" / "train" / "metrics.jsonl").read_text().splitlines()]
+        finals[name] = [line["loss"] for line in lines if "loss" in line and "eval_loss" not in line]
+        if name == "zbv":
+            assert [s["ranks"] for s in plan["stages"]] == [[0], [1], [1], [0]]
+            assert len(list((root / "quickstart" / "stages").glob("stage_*.py"))) == 4
+    assert finals["zbv"] == pytest.approx(finals["1f1b"], abs=1e-5)

@@ -14,6 +14,8 @@ from pdcli.planner.search import SearchResult, pd_search
 from pdcli.planner.space import SplitSpace, search_space_inputs
 from pdcli.planner.steer import Steering, cut_names, steering_of
 from pdcli.planner.topology import Topology
+from pdcli.planner.virtual import plan_virtual
+from pdcli.schedule.spec import rules
 from pdcli.profiler.chain import Chain
 
 MS_PER_S = 1000.0
@@ -127,6 +129,8 @@ def plan_chain(chain: Chain, topology: Topology, options: PlanOptions, space: Sp
     search places whatever the user did not fix (`pdcli.planner.steer`). When the user fixed a
     cut or the replicas, the plan also records the best plan without any of it. `space`: the
     chain's SplitSpace when the caller plans the same chain several times."""
+    if rules(options.schedule).chunked:  # virtual stages: the stages are chunks (pdcli.planner.virtual)
+        return plan_virtual(chain, topology, options, space)
     steer = _steering(chain, topology, options)
     space = SplitSpace.from_chain(chain) if space is None else space
     scale = batch_scale(chain.meta, options)

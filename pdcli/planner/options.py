@@ -84,6 +84,9 @@ class PlanOptions:
     their square, `POSITION_PAIR_BYTES` per pair); None = no limit."""
     profile_sha256: str | None = None
     """Recorded in the plan's inputs when given."""
+    virtual_stages: int = 1
+    """`schedule.virtual_stages` (interleaved, loopedbfs, zbv): chunks per device; the plan's stages
+    are then the chunks (`pdcli.planner.virtual`)."""
     orders: tuple[Order, ...] = ()
     """`file`: each stage's written order (`pdcli.schedule.ScheduleSpec.orders`). The search prices
     the schedule as its stand-in (`1f1b`, `ScheduleRules.stand_in`); the replay of a plan with as

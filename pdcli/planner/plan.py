@@ -6,7 +6,7 @@
      "inputs": {"profile_sha256"?, "cost_model", "schedule", "num_microbatches", "batch_size",
                 "topology": {"levels": [...]}, "memory_bytes_per_device", "straight",
                 "use_fewer_devices", "num_stages", "precision"?, "recompute"?, "split_backward"?,
-                "boundaries"?, "split_points"?, "replicas"?, "fixed_cuts"?},
+                "boundaries"?, "split_points"?, "replicas"?, "fixed_cuts"?, "virtual_stages"?},
      "stages": [{"stage_id", "start", "end", "first_node", "last_node", "node_names",
                  "replicas", "ranks", "split_point"?, "predicted": {PREDICTED_KEYS}}],
      "pipeline": {PIPELINE_KEYS},
@@ -15,6 +15,13 @@
                  "front": [{"schedule", "num_microbatches", "split_backward", "stages", "boundaries", "replicas",
                             "time_per_minibatch_ms", "throughput_samples_per_s", "peak_bytes",
                             "staleness"}], "chosen": index into front}}
+
+Virtual stages (`inputs.virtual_stages` = V > 1; `interleaved`, `loopedbfs`, `zbv`): the stages
+are the model's S x V chunks in model order, each with `replicas` 1 and `ranks` [the device
+that runs it] (loop placement: chunk k on device k mod S; V placement: chunks d and 2S-1-d on
+device d), so several stages share a rank; `pipeline.devices` holds each device's chunks and
+predicted memory, and `time_per_minibatch_ms` is the replay of the schedule's lists.
+`pd compile` writes one module per chunk as it does per stage.
 
 `split_point` names the cut a stage starts at (`layer2`, `layer3:end`; see
 `pdcli.planner.steer`), when a module begins or ends there. `fixed_cuts` are the positions
@@ -48,10 +55,16 @@ runtime-cost terms (`messages_ms`, `load_ms`, `actions_ms`: one replica's cost p
 PIPELINE_KEYS = (
     "time_per_minibatch_ms", "throughput_samples_per_s", "data_parallel_time_per_minibatch_ms",
     "speedup_over_data_parallel", "num_devices", "num_devices_used", "bottleneck_stage", "replay", "unconstrained",
+    "devices",
 )
-OPTIONAL_PIPELINE_KEYS = ("replay", "unconstrained")
+OPTIONAL_PIPELINE_KEYS = ("replay", "unconstrained", "devices")
 """`replay`: how the time per minibatch was replayed (runtime costs only); `unconstrained`:
-the best plan without the user's fixed cuts and replicas (only when they fixed any)."""
+the best plan without the user's fixed cuts and replicas (only when they fixed any); `devices`:
+virtual stages only, each device's chunks and memory (DEVICE_KEYS)."""
+DEVICE_KEYS = ("rank", "chunks", "total_bytes", "activations_bytes", "compute_ms")
+"""A device's row in `pipeline.devices`: its rank, the chunks it runs (stage ids), its predicted
+peak memory (its chunks' weights and optimizer state plus the activations its list holds at
+once) and its chunks' compute per minibatch."""
 UNCONSTRAINED_KEYS = ("time_per_minibatch_ms", "faster_pct", "boundaries", "split_points", "replicas")
 """`faster_pct`: how much less time per minibatch than the user's plan, in percent;
 `split_points`: its cuts by name (null where a cut has no name)."""

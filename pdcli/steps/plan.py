@@ -49,6 +49,7 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
         max_positions=cfg.plan.max_states,
         profile_sha256=profile_sha256,
         orders=orders,
+        virtual_stages=schedule.virtual_stages,
     )
 
 

@@ -1,0 +1,170 @@
+"""Plans for virtual stages (`interleaved`, `loopedbfs`, `zbv`): S devices, S x V chunks.
+
+The partition: the `pd` search for S x V straight stages on S x V devices of the cluster's
+innermost bandwidth, priced as the schedule's one-chunk relative (`STAND_INS`: the same
+flush and the same order of a chunk's microbatches); each stage is a chunk, placed on its
+device by the schedule (`ScheduleSpec.stage_of_chunk`). The prediction: the schedule's real
+action lists replayed by the simulator with each chunk's costs (a message between two chunks
+of one device costs no transfer), on the profile's measured runtime costs when it has them.
+A device's memory is the sum of its chunks' weights and optimizer state plus its activations
+at their peak: the lowered list of one minibatch walked, each chunk's microbatch held from its
+Forward to its Backward (to its WeightGrads with a split backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from pdcli.errors import UserError
+from pdcli.planner.evaluate import ACTIONS_KEY, REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, batch_scale, evaluate_pd
+from pdcli.planner.options import PlanOptions
+from pdcli.planner.plan import Plan, Stage
+from pdcli.planner.search import pd_search, runtime_of
+from pdcli.planner.space import SplitSpace, search_space_inputs
+from pdcli.planner.topology import Topology
+from pdcli.profiler.chain import Chain
+from pdcli.schedule import ScheduleSpec, build_for
+from pdcli.schedule.actions import Backward, Forward, WeightGrads
+from pdcli.schedule.simulator import StageCost, simulate
+from pdcli.schedule.spec import GPIPE, INTERLEAVED, LOOPED_BFS, ONE_F_ONE_B, ZBV
+
+MS_PER_S = 1000.0
+STAND_INS = {INTERLEAVED: ONE_F_ONE_B, ZBV: ONE_F_ONE_B, LOOPED_BFS: GPIPE}
+"""The one-chunk schedule whose stage costs price a chunked schedule's chunks in the search."""
+
+
+def device_spec(options: PlanOptions, num_devices: int, steps: int) -> ScheduleSpec:
+    """The schedule of a plan on `num_devices` devices."""
+    return ScheduleSpec.make(options.schedule, num_devices, options.num_microbatches, steps,
+                             split_backward=options.split_backward, virtual_stages=options.virtual_stages)
+
+
+def chunk_costs(chunks: Sequence[StageEval], num_microbatches: int) -> list[StageCost]:
+    """The simulator's cost of each chunk: its measured per-action costs, else its terms per microbatch."""
+    out = []
+    for st in chunks:
+        if st.actions_ms is not None:
+            a = st.actions_ms
+            out.append(StageCost(**{**a, "load_ms": a.get("load_ms", 0.0) / num_microbatches}))
+        else:
+            t = st.terms
+            out.append(StageCost(fwd_ms=t["fwd_ms"] / num_microbatches, bwd_ms=t["bwd_ms"] / num_microbatches,
+                                 wgrad_ms=t.get("wgrad_ms", 0.0) / num_microbatches,
+                                 comm_ms=t["comm_out_ms"] / num_microbatches, optimizer_ms=t["optimizer_ms"]))
+    return out
+
+
+def device_activation_bytes(spec: ScheduleSpec, device: int, per_microbatch_bytes: Sequence[float]) -> float:
+    """The peak of what `device` holds for backwards over one minibatch of its lowered list."""
+    held, peak = 0.0, 0.0
+    releases = WeightGrads if spec.split_backward else Backward
+    for action in build_for(dataclasses.replace(spec, num_steps=1, eval_after=(), num_eval_microbatches=0), device,
+                            eager_sends=True):
+        chunk = getattr(action, "chunk", None)
+        if isinstance(action, Forward) and chunk is not None:
+            held += per_microbatch_bytes[chunk]
+        elif isinstance(action, releases) and chunk is not None:
+            held -= per_microbatch_bytes[chunk]
+        peak = max(peak, held)
+    return peak
+
+
+def plan_virtual(chain: Chain, topology: Topology, options: PlanOptions, space: SplitSpace | None = None) -> Plan:
+    """The plan of a chunked schedule (module docstring); UserError when it cannot be made."""
+    space = SplitSpace.from_chain(chain) if space is None else space
+    devices = options.num_stages or topology.num_devices
+    v, m = options.virtual_stages, options.num_microbatches
+    num_chunks = devices * v
+    if devices > topology.num_devices:
+        raise UserError(f"plan.num_stages={devices} devices, but the cluster has {topology.num_devices}")
+    if space.num_positions < num_chunks:
+        raise UserError(f"the profile has {space.num_positions} positions, fewer than the {devices} x {v} = "
+                        f"{num_chunks} chunks of schedule.virtual_stages={v} on {devices} devices",
+                        hint="use fewer devices (plan.num_stages) or fewer schedule.virtual_stages")
+    if options.replicas is not None or options.split_points or options.cost_model != "pd":
+        raise UserError(f"schedule.name={options.schedule} plans one device per pipeline position with the pd cost "
+                        "model; plan.replicas, plan.split_points and plan.cost_model=pipedream do not apply")
+    scale = batch_scale(chain.meta, options)
+    chunk_topology = Topology.flat(num_chunks, topology.levels[0].bandwidth_bytes_per_s)
+    stand_in = dataclasses.replace(options, schedule=STAND_INS[options.schedule], num_stages=num_chunks, straight=True,
+                                   memory_bytes_per_device=None, use_fewer_devices=False, virtual_stages=1,
+                                   split_backward=options.split_backward)
+    if options.boundaries is not None:
+        if len(options.boundaries) != num_chunks - 1:
+            raise UserError(f"plan.boundaries: {len(options.boundaries)} cuts, but {num_chunks} chunks need "
+                            f"{num_chunks - 1}")
+        cuts = [0, *options.boundaries, space.num_positions]
+        partition = [(a, b, 1) for a, b in zip(cuts, cuts[1:])]
+    else:
+        found = pd_search(space, chunk_topology, stand_in, scale)
+        if found is None:
+            raise UserError(f"no partition of the profile into {num_chunks} chunks")
+        partition = [(s.start, s.end, 1) for s in found.stages]
+    chunks = evaluate_pd(space, chunk_topology, stand_in, scale, partition)
+    spec = device_spec(options, devices, max(REPLAY_MIN_MINIBATCHES, 2 * devices + 2))
+    runtime = runtime_of(space, chunk_topology)
+    cores = runtime.cores if runtime is not None else None
+    sim = simulate(spec, chunk_costs(chunks.stages, m), cores=cores)
+    held = space.activations(options.precision, scale).held
+    per_microbatch = [float(held[st.start, st.end]) / m for st in chunks.stages]
+    device_rows = []
+    for d in range(devices):
+        mine = [chunks.stages[c] for c in spec.chunks_of(d)]
+        fixed = sum(st.memory.weights_bytes + st.memory.optimizer_state_bytes for st in mine)
+        activations = device_activation_bytes(spec, d, per_microbatch)
+        device_rows.append({"rank": d, "chunks": list(spec.chunks_of(d)), "total_bytes": fixed + activations,
+                            "activations_bytes": activations,
+                            "compute_ms": sum(st.terms["compute_ms"] for st in mine)})
+    limit = options.memory_bytes_per_device
+    over = [row for row in device_rows if limit is not None and row["total_bytes"] > limit]
+    if over:
+        worst = max(over, key=lambda row: row["total_bytes"])
+        raise UserError(f"no plan fits in {limit:.4g} bytes per device (schedule={options.schedule}, "
+                        f"{devices} devices x {v} chunks): device {worst['rank']} needs {worst['total_bytes']:.4g}",
+                        hint="raise cluster.memory_bytes_per_device, add devices, or use fewer microbatches")
+    whole = evaluate_pd(space, topology, dataclasses.replace(stand_in, num_stages=None, straight=False), scale,
+                        [(0, space.num_positions, topology.num_devices)])
+    return _assemble(chain, space, topology, options, spec, chunks, sim.time_per_minibatch_ms,
+                     whole.time_per_minibatch_ms, device_rows, {"minibatches": len(sim.done_ms), "cores": cores})
+
+
+def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: PlanOptions, spec: ScheduleSpec,
+              chunks: PlanEval, time_ms: float, data_parallel_ms: float, device_rows: list[dict[str, Any]],
+              replay: dict[str, Any]) -> Plan:
+    stages = []
+    for k, st in enumerate(chunks.stages):
+        predicted: dict[str, Any] = dict(st.terms)
+        predicted.update(dataclasses.asdict(st.memory))
+        if st.actions_ms is not None:
+            predicted[ACTIONS_KEY] = dict(st.actions_ms)
+        stages.append(Stage(stage_id=k, start=st.start, end=st.end, first_node=chain.nodes[st.start].name,
+                            last_node=chain.nodes[st.end - 1].name, node_names=tuple(space.stage_members(st.start, st.end)),
+                            replicas=1, ranks=(spec.stage_of_chunk(k),), predicted=predicted))
+    times = [st.terms["stage_time_ms"] for st in chunks.stages]
+    pipeline: dict[str, Any] = {
+        "time_per_minibatch_ms": time_ms,
+        "throughput_samples_per_s": options.batch_size * MS_PER_S / time_ms if time_ms > 0 else 0.0,
+        "data_parallel_time_per_minibatch_ms": data_parallel_ms,
+        "speedup_over_data_parallel": data_parallel_ms / time_ms if time_ms > 0 else 1.0,
+        "num_devices": topology.num_devices,
+        "num_devices_used": spec.num_stages,
+        "bottleneck_stage": times.index(max(times)),
+        "replay": replay,
+        "devices": device_rows,
+    }
+    inputs: dict[str, Any] = {
+        "cost_model": options.cost_model, "schedule": options.schedule, "num_microbatches": options.num_microbatches,
+        "batch_size": options.batch_size, "topology": topology.to_json(),
+        "memory_bytes_per_device": options.memory_bytes_per_device, "straight": True,
+        "use_fewer_devices": options.use_fewer_devices, "num_stages": options.num_stages,
+        "virtual_stages": options.virtual_stages,
+    }
+    if options.split_backward:
+        inputs["split_backward"] = True
+    if options.boundaries is not None:
+        inputs["boundaries"] = list(options.boundaries)
+    if options.profile_sha256:
+        inputs["profile_sha256"] = options.profile_sha256
+    inputs.update(search_space_inputs(chain))
+    return Plan(inputs=inputs, stages=tuple(stages), pipeline=pipeline)

@@ -22,7 +22,8 @@ def search_memory_text(positions: int) -> str:
 
 
 def gb_text(nbytes: float) -> str:
-    return f"{nbytes / 2 ** 30:.1f} GB"
+    """`1.4 GB`, or `23 MB` below a GB."""
+    return f"{nbytes / 2 ** 30:.1f} GB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.0f} MB"
 
 
 def check_table(nbytes: float, what: str, options: "PlanOptions") -> None:

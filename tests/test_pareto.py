@@ -215,3 +215,28 @@ def test_recompute_is_searched_when_auto() -> None:
     assert on_front == {False, True}  # recompute: slower, and smaller
     fastest, smallest = outcome.chosen, min(outcome.front, key=lambda p: p.peak_bytes)
     assert not fastest.config.recompute and smallest.config.recompute
+
+
+def test_chunked_schedules_are_searched_with_two_chunks_per_device() -> None:
+    """interleaved, loopedbfs and zbv join the search with 2 chunks a device (zbv only with its
+    split backward); a point's peak memory is its busiest device's, all its chunks together."""
+    from test_runtime_costs import RUNTIME, chain as runtime_chain
+
+    space = ConfigSpace(("interleaved", "loopedbfs", "zbv"), (2, 4), (True, False))
+    configs = space.configurations()
+    assert {(c.schedule, c.split_backward) for c in configs} == {
+        ("interleaved", True), ("interleaved", False), ("loopedbfs", True), ("loopedbfs", False), ("zbv", True)}
+    assert {c.virtual_stages for c in configs} == {2}
+    c = runtime_chain(RUNTIME.without("cores"), n=8)
+    outcome = search(c, space)
+    assert outcome.searched == 10 and outcome.front
+    for p in outcome.front:
+        assert p.plan.inputs["virtual_stages"] == 2 and len(p.plan.stages) == 4  # 2 devices x 2 chunks
+        devices = p.plan.pipeline["devices"]
+        assert p.peak_bytes == max(row["total_bytes"] for row in devices)
+        assert p.peak_bytes > max(s.predicted["total_bytes"] for s in p.plan.stages)  # two chunks, not one
+        assert p.staleness == 0
+    cfg = load_config(QUICKSTART, ["schedule.name=auto"]).config
+    from pdcli.steps.plan import config_space
+
+    assert "zbv" in config_space(cfg, c).schedules and "zbv" not in config_space(cfg, chain()).schedules

@@ -24,10 +24,18 @@ from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
 from pdcli.profiler.chain import Chain
 from pdcli.schedule import ScheduleSpec
-from pdcli.schedule.spec import FLUSH_SCHEDULES, GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW
+from pdcli.schedule.spec import (
+    FLUSH_SCHEDULES, GPIPE, INTERLEAVED, LOOPED_BFS, ONE_F_ONE_B, PIPEDREAM, TWO_BW, ZBV, rules, virtual_problems,
+)
 
 SEARCHED_SCHEDULES = (PIPEDREAM, TWO_BW, ONE_F_ONE_B, GPIPE)
 """The schedules `schedule.name: auto` searches (a hand-written `file` order is the user's own)."""
+CHUNKED_SCHEDULES = (INTERLEAVED, LOOPED_BFS, ZBV)
+"""Searched too when the profile has the runtime's costs: their time is the replay of their action
+lists (`pdcli.planner.virtual`), which every configuration of such a profile pays anyway; a
+PipeDream graph.txt on 16 devices would spend seconds replaying each."""
+AUTO_VIRTUAL_STAGES = 2
+"""Chunks per device the search gives the chunked schedules (interleaved, loopedbfs, zbv)."""
 MAX_AUTO_MICROBATCHES = 32
 """`schedule.num_microbatches: auto` searches the divisors of the minibatch up to this many."""
 
@@ -40,11 +48,13 @@ class Configuration:
     num_microbatches: int
     split_backward: bool
     recompute: bool = False
+    virtual_stages: int = 1
 
     def label(self) -> str:
+        chunks = f" x{self.virtual_stages} chunks" if self.virtual_stages > 1 else ""
         split = " (split backward)" if self.split_backward else ""
         recompute = ", recompute" if self.recompute else ""
-        return f"{self.schedule}{split}, M={self.num_microbatches}{recompute}"
+        return f"{self.schedule}{chunks}{split}, M={self.num_microbatches}{recompute}"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -61,13 +71,17 @@ class ConfigSpace:
     recompute: tuple[bool, ...] = (False,)
 
     def configurations(self) -> list[Configuration]:
+        """Every combination the schedules' rules take (`virtual_problems`: zbv splits its backward)."""
         out = []
         for schedule in self.schedules:
             splits = self.split_backward if schedule in FLUSH_SCHEDULES else (False,)
+            v = AUTO_VIRTUAL_STAGES if rules(schedule).chunked else 1
             for m in self.microbatches:
                 for split in dict.fromkeys(splits):
+                    if virtual_problems(schedule, v, split, m):
+                        continue
                     for recompute in self.recompute:
-                        out.append(Configuration(schedule, m, split, recompute))
+                        out.append(Configuration(schedule, m, split, recompute, v))
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -143,15 +157,20 @@ def choose(front: Sequence[Point], objective: str, max_staleness: int | None) ->
 
 
 def _point(config: Configuration, plan: Plan) -> Point:
-    peak = max(float(s.predicted.get("total_bytes", 0.0)) for s in plan.stages)
-    delays = stage_delays(config.schedule, config.num_microbatches, [s.replicas for s in plan.stages])
+    """A planned configuration's objectives: a device's peak (a chunked plan's `devices` rows sum
+    its chunks) and the staleness (0 for every flush schedule, `ScheduleSpec.update_delay`)."""
+    rows = plan.pipeline.get("devices") or [s.predicted for s in plan.stages]
+    peak = max(float(row.get("total_bytes", 0.0)) for row in rows)
+    flush = rules(config.schedule).flush
+    delays = [0] if flush else stage_delays(config.schedule, config.num_microbatches, [s.replicas for s in plan.stages])
     return Point(config, plan, float(plan.pipeline["time_per_minibatch_ms"]), peak, max(delays))
 
 
 def search_points(chain_at: Callable[[int], Chain], topology: Topology, base: PlanOptions,
                   space: ConfigSpace) -> tuple[list[Point], int]:
-    """(every configuration of `space` that fits, how many did not): `chain_at(rows)` is the
-    profile priced at a microbatch of `rows` samples."""
+    """(every configuration of `space` that has a plan, how many have none: nothing fits in
+    memory, or the schedule's rules refuse it, e.g. interleaved's microbatches not a multiple of
+    the devices): `chain_at(rows)` is the profile priced at a microbatch of `rows` samples."""
     points, refused = [], 0
     chains: dict[int, tuple[Chain, SplitSpace]] = {}
     for config in space.configurations():
@@ -161,6 +180,7 @@ def search_points(chain_at: Callable[[int], Chain], topology: Topology, base: Pl
             chains[rows] = (chain, SplitSpace.from_chain(chain))
         options = dataclasses.replace(base, schedule=config.schedule, num_microbatches=config.num_microbatches,
                                       split_backward=config.split_backward, recompute=config.recompute,
+                                      virtual_stages=config.virtual_stages,
                                       vertical_sync=base.vertical_sync and config.schedule == PIPEDREAM)
         try:
             chain, split_space = chains[rows]
@@ -182,7 +202,7 @@ class SearchOutcome:
         """plan.json's `search`: the space, the objective, the front and the chosen row."""
         rows = [p.summary(batch_size) for p in self.front]
         return {"space": self.space.to_json(), "objective": objective, "max_staleness": max_staleness,
-                "configurations": self.searched, "refused_for_memory": self.refused, "front": rows,
+                "configurations": self.searched, "without_plan": self.refused, "front": rows,
                 "chosen": self.front.index(self.chosen)}
 
 

@@ -11,7 +11,7 @@
                  "replicas", "ranks", "split_point"?, "predicted": {PREDICTED_KEYS}}],
      "pipeline": {PIPELINE_KEYS},
      "warnings"?: [str],
-     "search"?: {"space", "objective", "max_staleness", "configurations", "refused_for_memory",
+     "search"?: {"space", "objective", "max_staleness", "configurations", "without_plan",
                  "front": [{"schedule", "num_microbatches", "split_backward", "stages", "boundaries", "replicas",
                             "time_per_minibatch_ms", "throughput_samples_per_s", "peak_bytes",
                             "staleness"}], "chosen": index into front}}

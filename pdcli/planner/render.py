@@ -151,7 +151,8 @@ def render_front(plan_json: dict[str, Any], fmt: str = "text") -> str:
         shape = f"{len(replicas)} ({'+'.join(str(r) for r in replicas)})"
         rows.append([
             CHOSEN_MARK if k == search["chosen"] else "",
-            row["schedule"] + (" (split bwd)" if row["split_backward"] else "") + (", recompute" if row.get("recompute") else ""),
+            row["schedule"] + (f" x{row['virtual_stages']}" if row.get("virtual_stages", 1) > 1 else "")
+            + (" (split bwd)" if row["split_backward"] else "") + (", recompute" if row.get("recompute") else ""),
             row["num_microbatches"], shape, round(row["throughput_samples_per_s"]), row["time_per_minibatch_ms"],
             format_bytes(row["peak_bytes"]), row["staleness"],
         ])
@@ -159,6 +160,6 @@ def render_front(plan_json: dict[str, Any], fmt: str = "text") -> str:
     table = tabulate(rows, headers=headers, tablefmt=TABLE_STYLE[fmt], floatfmt=".4g")
     bound = search.get("max_staleness")
     head = (f"Pareto front: {len(rows)} of {search['configurations']} configurations "
-            f"({search['refused_for_memory']} did not fit in memory); objective {search['objective']}"
+            f"({search['without_plan']} had no plan: memory or the schedule's rules); objective {search['objective']}"
             + (f", staleness <= {bound}" if bound is not None else "") + f" ({CHOSEN_MARK} = chosen)")
     return f"{head}\n\n{table}"

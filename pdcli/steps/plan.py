@@ -114,15 +114,17 @@ def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str
     return plan.to_json()
 
 
-def config_space(cfg: Config) -> Any:
+def config_space(cfg: Config, chain: Chain) -> Any:
     """What `plan.search` leaves to the planner: every searched schedule (split backward on and
-    off for the flush ones unless `schedule.split_backward` is set), microbatch count and
-    recompute on and off."""
-    from pdcli.planner.pareto import SEARCHED_SCHEDULES, ConfigSpace, auto_microbatches
+    off for the flush ones unless `schedule.split_backward` is set; the chunked ones when
+    `chain` has the runtime's costs), microbatch count and recompute on and off."""
+    from pdcli.planner.pareto import CHUNKED_SCHEDULES, SEARCHED_SCHEDULES, ConfigSpace, auto_microbatches
+    from pdcli.planner.runtime_costs import RuntimeCosts
 
     searched = set(cfg.plan.search)
     name_free = "schedule.name" in searched
-    schedules = SEARCHED_SCHEDULES if name_free else (cfg.schedule.name,)
+    chunked = CHUNKED_SCHEDULES if RuntimeCosts.from_meta(chain.meta) is not None else ()
+    schedules = (*SEARCHED_SCHEDULES, *chunked) if name_free else (cfg.schedule.name,)
     if not name_free:
         splits: tuple[bool, ...] = (cfg.schedule.split_backward_on,)
     else:
@@ -139,7 +141,7 @@ def search_plan(chain: Chain, cfg: Config, profile_sha256: str | None, topology:
     from pdcli.profiler.batch_points import chain_at_rows
 
     outcome = search_configuration(lambda rows: chain_at_rows(chain, rows), topology,
-                                   plan_options(cfg, profile_sha256), config_space(cfg),
+                                   plan_options(cfg, profile_sha256), config_space(cfg, chain),
                                    cfg.plan.objective, cfg.plan.max_staleness)
     return searched_plan(outcome, cfg.data.batch_size, cfg.plan.objective, cfg.plan.max_staleness)
 
@@ -154,6 +156,7 @@ def config_of_plan(cfg: Config, plan: dict[str, Any]) -> Config:
                                    split_backward=bool(inputs.get("split_backward", False)))
     if schedule.name != "pipedream":
         schedule = dataclasses.replace(schedule, vertical_sync=False)
+    schedule = dataclasses.replace(schedule, virtual_stages=int(inputs.get("virtual_stages", 1)))
     train = dataclasses.replace(cfg.train, recompute=bool(inputs.get("recompute", False)))
     return dataclasses.replace(cfg, schedule=schedule, train=train)
 

@@ -26,7 +26,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
+)
 from torch.nn import functional as F
 
 from pdcli.runtime.executor import tune_allocator
@@ -36,6 +38,7 @@ from _bench_common import (
     BenchFailed,
     BenchShape,
     build_mlp,
+    chunk_mlp,
     emit_result,
     fixed_batch,
     python_argv,
@@ -47,6 +50,10 @@ from _bench_common import (
 LR = 0.01
 LOCALHOST = "127.0.0.1"
 TORCH_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+TORCH_VIRTUAL_SCHEDULES = {"interleaved": ScheduleInterleaved1F1B, "loopedbfs": ScheduleLoopedBFS,
+                           "zbv": ScheduleZBVZeroBubble}
+"""torch's multi-stage schedules by pd's name: VIRTUAL_STAGES chunks per rank (`chunk_mlp`), placed
+in loops (rank r: chunks r, r + 2, ...) or, for zbv, as a V (rank r: chunks r and 2 x 2 - 1 - r)."""
 PIPELINING_THREADS_PER_RANK = 1
 GLOO_TIMEOUT_FRACTION = 0.8
 """The ranks' gloo timeout is this part of the variant's timeout, so a hung peer is reported by
@@ -84,9 +91,10 @@ def run_stage_bound(shape: BenchShape, timeout_s: float) -> tuple[float, list[fl
 
 
 def run_torch_pipelining(shape: BenchShape, schedule_name: str, timeout_s: float) -> float:
-    """samples/s of torch.distributed.pipelining (`1f1b` or `gpipe`), 2 gloo ranks of 1 thread."""
-    if schedule_name not in TORCH_SCHEDULES:
-        raise ValueError(f"schedule {schedule_name!r} is not one of {', '.join(TORCH_SCHEDULES)}")
+    """samples/s of torch.distributed.pipelining (`1f1b`, `gpipe`, or with VIRTUAL_STAGES chunks per
+    rank `interleaved`, `loopedbfs`, `zbv`), 2 gloo ranks of 1 thread."""
+    if schedule_name not in {**TORCH_SCHEDULES, **TORCH_VIRTUAL_SCHEDULES}:
+        raise ValueError(f"schedule {schedule_name!r} is not one of {', '.join([*TORCH_SCHEDULES, *TORCH_VIRTUAL_SCHEDULES])}")
     result = run_child(
         python_argv(Path(__file__), PIPELINING, shape.to_json(), schedule_name, str(timeout_s * GLOO_TIMEOUT_FRACTION)),
         timeout_s,
@@ -197,15 +205,29 @@ def _pipelining_rank(rank: int, shape_json: str, schedule_name: str, port: int, 
         timeout=timedelta(seconds=timeout_s),
     )
     try:
-        module = split_mlp(build_mlp(shape), shape)[rank]
-        stage = PipelineStage(module, rank, NUM_STAGES, torch.device("cpu"))
-        schedule = TORCH_SCHEDULES[schedule_name](stage, n_microbatches=shape.num_microbatches, loss_fn=F.cross_entropy)
-        optimizer = torch.optim.SGD(module.parameters(), lr=LR)
         x, y = fixed_batch(shape)
+        if schedule_name in TORCH_VIRTUAL_SCHEDULES:
+            chunks = chunk_mlp(build_mlp(shape), shape)
+            last = len(chunks) - 1
+            mine = [rank, last - rank] if schedule_name == "zbv" else list(range(rank, len(chunks), NUM_STAGES))
+            stages = [PipelineStage(chunks[k], k, len(chunks), torch.device("cpu")) for k in mine]
+            schedule = TORCH_VIRTUAL_SCHEDULES[schedule_name](stages, n_microbatches=shape.num_microbatches,
+                                                              loss_fn=F.cross_entropy)
+            params = [p for k in mine for p in chunks[k].parameters()]
+            first_rank, last_rank = 0 in mine, last in mine
+        else:
+            module = split_mlp(build_mlp(shape), shape)[rank]
+            stage = PipelineStage(module, rank, NUM_STAGES, torch.device("cpu"))
+            schedule = TORCH_SCHEDULES[schedule_name](stage, n_microbatches=shape.num_microbatches, loss_fn=F.cross_entropy)
+            params = list(module.parameters())
+            first_rank, last_rank = rank == 0, rank == NUM_STAGES - 1
+        optimizer = torch.optim.SGD(params, lr=LR)
 
         def step() -> None:
             optimizer.zero_grad()
-            if rank == 0:
+            if first_rank and last_rank:
+                schedule.step(x, target=y, losses=[])
+            elif first_rank:
                 schedule.step(x)
             else:
                 schedule.step(target=y, losses=[])

@@ -88,6 +88,21 @@ def split_point(shape: BenchShape) -> int:
     return 1 + 2 * (shape.num_layers // NUM_STAGES)
 
 
+VIRTUAL_STAGES = 2
+"""Chunks per rank of the virtual-stage rows (interleaved, loopedbfs, zbv)."""
+
+
+def chunk_points(shape: BenchShape, num_chunks: int = NUM_STAGES * VIRTUAL_STAGES) -> list[int]:
+    """Indices into the Sequential where chunks 1.. start: `num_chunks` chunks of (about) equal
+    matmul work, the classifier with the last; chain positions of pd's profile alike."""
+    return [1 + 2 * (k * shape.num_layers // num_chunks) for k in range(1, num_chunks)]
+
+
+def chunk_mlp(model: nn.Sequential, shape: BenchShape) -> list[nn.Sequential]:
+    cuts = [0, *chunk_points(shape), len(model)]
+    return [model[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
 def split_mlp(model: nn.Sequential, shape: BenchShape) -> tuple[nn.Sequential, nn.Sequential]:
     cut = split_point(shape)
     return model[:cut], model[cut:]

@@ -16,15 +16,17 @@ import yaml
 from _bench_common import (
     NUM_CLASSES,
     NUM_STAGES,
+    VIRTUAL_STAGES,
     BenchFailed,
     BenchShape,
+    chunk_points,
     model_kwargs,
     run_bounded,
     split_point,
     stderr_tail,
 )
 
-PD_SCHEDULES = ("pipedream", "1f1b", "gpipe")
+PD_SCHEDULES = ("pipedream", "1f1b", "gpipe", "interleaved", "loopedbfs", "zbv")
 THREADS_PER_WORKER = 1
 WORKER_SILENCE_TIMEOUT_S = 60.0
 """`train.timeout_s`: a worker silent this long stops the job (pd's own watchdog)."""
@@ -100,6 +102,12 @@ def write_recipe(shape: BenchShape, work_dir: Path) -> Path:
 def overrides(schedule_name: str, extra: Sequence[str] = ()) -> list[str]:
     """`schedule.name`, the run's name, then `extra` (`key=value` as on pd's command line)."""
     return [f"schedule.name={schedule_name}", f"run.name={run_name(schedule_name, extra)}", *extra]
+
+
+def virtual_overrides(shape: BenchShape) -> list[str]:
+    """The virtual-stage rows' settings: VIRTUAL_STAGES chunks per rank at the baselines' chunk cuts."""
+    return [f"schedule.virtual_stages={VIRTUAL_STAGES}",
+            f"plan.boundaries=[{','.join(map(str, chunk_points(shape)))}]"]
 
 
 def run_name(schedule_name: str, extra: Sequence[str] = ()) -> str:

@@ -9,6 +9,9 @@ split can beat its slower stage), in two sections:
   The 1-thread microbatched row shows what the pipeline's smaller matmuls cost on their
   own: on this machine a 32-row microbatch step runs at 60-70% of the full batch's rate,
   so two stages of them top out near 2 x that row, below 2 x the full-batch row.
+  It also holds the virtual-stage rows: pd's interleaved, loopedbfs and zbv beside
+  torch.pipelining's ScheduleInterleaved1F1B, ScheduleLoopedBFS and ScheduleZBVZeroBubble,
+  2 chunks of equal work per rank at the same cuts (a row that fails shows its reason).
 - `large`: `--large-microbatches` microbatches of the full batch each (default 4 x 256
   rows, a 1024-sample minibatch), where the microbatch size is not the limit: the
   schedules themselves (flush bubble, split backward, no flush) are compared.
@@ -26,7 +29,7 @@ synthetic data source (about 3 ms of a stage's 80 ms step here), as training doe
 
     .venv/bin/python benchmarks/bench_runtime.py [--steps N] [--width 1024] [--layers 8]
         [--batch 256] [--microbatches 8] [--large-microbatches 4] [--sections small,large]
-        [--rounds 2] [--timeout-s 240] [--out PATH]
+        [--rounds 2] [--timeout-s 240] [--out PATH] [--only 'V=2,single process, 1 thread']
 
 Every row's samples/s is the median over its timed steps of batch / step time (pd logs it per
 minibatch; the baselines time each step), and with `--rounds R` the median over R rounds run
@@ -53,8 +56,8 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from _baselines import run_single, run_stage_bound, run_torch_pipelining  # noqa: E402
-from _bench_common import NUM_STAGES, BenchFailed, BenchShape, split_point  # noqa: E402
-from _pd_train import run_pd_train  # noqa: E402
+from _bench_common import NUM_STAGES, VIRTUAL_STAGES, BenchFailed, BenchShape, chunk_points, split_point  # noqa: E402
+from _pd_train import run_pd_train, virtual_overrides  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
 
 DEFAULT_OUT = Path("runs") / "benchmarks" / "runtime.json"
@@ -139,14 +142,45 @@ def variants(shape: BenchShape, timeout_s: float, section: str) -> list[tuple[st
     else:
         rows.append((f"pd train pipedream, {ONE_MICROBATCH} microbatch",
                      lambda work_dir: pd_row("pipedream", work_dir, replace(shape, num_microbatches=ONE_MICROBATCH))))
+        rows += virtual_rows(shape, timeout_s)
     return rows
 
 
-def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int, section: str) -> list[Row]:
+VIRTUAL_ROWS = (("interleaved", "ScheduleInterleaved1F1B"), ("loopedbfs", "ScheduleLoopedBFS"),
+                ("zbv", "ScheduleZBVZeroBubble"))
+"""pd's virtual-stage schedules and torch.pipelining's counterparts, side by side."""
+
+
+def virtual_rows(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure]]:
+    """torch.pipelining's multi-stage schedules and pd's, VIRTUAL_STAGES chunks of equal work per rank
+    at the same cuts; a variant that fails (torch's zbv has been seen to fail on CPU/gloo with "Pair
+    is not connected") is shown as unavailable with its reason."""
+    m, cuts = shape.num_microbatches, chunk_points(shape)
+    chunks = f"{NUM_STAGES} x {VIRTUAL_STAGES} chunks, cuts {cuts}"
+    bounds = [0, *cuts, 2 * shape.num_layers + 2]
+    split = " ".join(f"[{a}:{b})" for a, b in zip(bounds, bounds[1:]))
+
+    def pd_row(name: str, work_dir: Path) -> tuple[float, str]:
+        result = run_pd_train(shape, name, work_dir, timeout_s, virtual_overrides(shape))
+        differs = "" if result.split == split else " (planner's split, not the baselines')"
+        return result.samples_per_s, f"chunks {result.split}{differs}, median of {result.num_logged_steps} steps"
+
+    rows: list[tuple[str, Measure]] = []
+    for name, torch_name in VIRTUAL_ROWS:
+        rows.append((f"torch pipelining {torch_name}, V={VIRTUAL_STAGES}, {m} microbatches",
+                     lambda _, name=name: (run_torch_pipelining(shape, name, timeout_s), chunks)))
+        rows.append((f"pd train {name}, V={VIRTUAL_STAGES}, {m} microbatches",
+                     lambda work_dir, name=name: pd_row(name, work_dir)))
+    return rows
+
+
+def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int, section: str, only: Sequence[str] = ()) -> list[Row]:
     """Every variant once per round, rounds one after the other, so slow phases of the
     host's other load spread over all variants instead of hitting one. A pd variant keeps
-    its run directory over rounds: profile, plan and stages are made once and reused."""
-    table = variants(shape, timeout_s, section)
+    its run directory over rounds: profile, plan and stages are made once and reused.
+    `only`: the variants whose name contains one of these (all when empty)."""
+    table = [(name, measure) for name, measure in variants(shape, timeout_s, section)
+             if not only or any(part in name for part in only)]
     values: dict[str, list[float]] = {name: [] for name, _ in table}
     notes: dict[str, str] = {}
     wall_s: dict[str, float] = {name: 0.0 for name, _ in table}
@@ -249,6 +283,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="run every variant this many times; report the median")
     p.add_argument("--timeout-s", type=float, default=240.0, help="per variant; a variant past it is killed")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results")
+    p.add_argument("--only", default="", help="comma-separated: run only the rows whose name contains one of these")
     return p.parse_args(argv)
 
 
@@ -269,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"num_rounds": args.rounds, "sections": {}}
     for section in sections:
         run_shape = section_shape(shape, section, args.large_microbatches)
-        rows = measure_all(run_shape, args.timeout_s, args.rounds, section)
+        only = [x.strip() for x in args.only.split(",") if x.strip()]
+        rows = measure_all(run_shape, args.timeout_s, args.rounds, section, only)
         results["sections"][section] = report(run_shape, rows)
     for section, result in results["sections"].items():
         run_shape = BenchShape(**result["shape"])

@@ -102,6 +102,11 @@ def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, c
         raise UserError(f"--timeline-steps must be >= 1, got {timeline_steps}")
     plan = read_trained_plan(run_dir, commands)
     inputs = plan.get("inputs", {})
+    if int(inputs.get("virtual_stages", 1)) > 1:
+        raise UserError(f"{run_dir}: pd report does not compare runs with virtual stages yet (the plan predicts "
+                        f"{len(plan['stages'])} chunks, the run measures devices)",
+                        hint=f"open the measured timeline {run_dir / TRAIN_DIR / 'trace.json'} in Perfetto; "
+                             f"pd plan prints the prediction")
     num_microbatches, batch_size = int(inputs["num_microbatches"]), int(inputs["batch_size"])
     stage_ranks = [list(s["ranks"]) for s in plan["stages"]]
     train_dir = run_dir / TRAIN_DIR

@@ -186,7 +186,7 @@ def test_plan_places_chunks_and_predicts_the_replay(name: str, ranks: list[int])
     # the predicted time is the replay of the schedule's lists with each chunk's costs
     spec = ScheduleSpec.make(name, 2, 4, 16, virtual_stages=2, split_backward=name == ZBV)
     per_mb = [StageCost(fwd_ms=s.predicted["fwd_ms"] / 4, bwd_ms=s.predicted["bwd_ms"] / 4,
-                        wgrad_ms=s.predicted["wgrad_ms"] / 4, comm_ms=s.predicted["comm_out_ms"] / 4,
+                        wgrad_ms=s.predicted["wgrad_ms"] / 4, comm_ms=s.predicted["comm_out_ms"] / 8,
                         optimizer_ms=s.predicted["optimizer_ms"]) for s in plan.stages]
     assert plan.time_per_minibatch_ms == pytest.approx(simulate(spec, per_mb).time_per_minibatch_ms)
     # plan.json round-trips, and the runtime reads its placement

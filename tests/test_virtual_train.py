@@ -126,4 +126,8 @@ def test_pd_train_plans_compiles_and_trains_zbv_like_1f1b(tmp_path: Path) -> Non
         if name == "zbv":
             assert [s["ranks"] for s in plan["stages"]] == [[0], [1], [1], [0]]
             assert len(list((root / "quickstart" / "stages").glob("stage_*.py"))) == 4
+            report = CliRunner().invoke(app, ["report", str(root / "quickstart"), "--format", "json"])
+            assert report.exit_code == 0, report.output  # held per device: the chunks' predictions summed
+            shown, _ = json.JSONDecoder().raw_decode(report.output[report.output.index("{"):])
+            assert len(shown["stages"]) == 2
     assert finals["zbv"] == pytest.approx(finals["1f1b"], abs=1e-5)

@@ -50,8 +50,8 @@ def chunk_costs(chunks: Sequence[StageEval], num_microbatches: int) -> list[Stag
         else:
             t = st.terms
             out.append(StageCost(fwd_ms=t["fwd_ms"] / num_microbatches, bwd_ms=t["bwd_ms"] / num_microbatches,
-                                 wgrad_ms=t.get("wgrad_ms", 0.0) / num_microbatches,
-                                 comm_ms=t["comm_out_ms"] / num_microbatches, optimizer_ms=t["optimizer_ms"]))
+                                 wgrad_ms=t.get("wgrad_ms", 0.0) / num_microbatches,  # comm_out: both ways
+                                 comm_ms=t["comm_out_ms"] / (2 * num_microbatches), optimizer_ms=t["optimizer_ms"]))
     return out
 
 

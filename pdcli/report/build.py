@@ -13,7 +13,7 @@ import yaml
 from pdcli.errors import UserError
 from pdcli.report.compare import Comparison, ReplanCommands, compare
 from pdcli.report.measured import TRAIN_DIR, load_measured
-from pdcli.report.predicted import predict
+from pdcli.report.predicted import device_stages, predict
 from pdcli.schedule.orders import Order, read_orders
 from pdcli.schedule.spec import SCHEDULES, rules
 from pdcli.runtime.launch import LAUNCH_FILE, PLAN_KEY
@@ -102,17 +102,14 @@ def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, c
         raise UserError(f"--timeline-steps must be >= 1, got {timeline_steps}")
     plan = read_trained_plan(run_dir, commands)
     inputs = plan.get("inputs", {})
-    if int(inputs.get("virtual_stages", 1)) > 1:
-        raise UserError(f"{run_dir}: pd report does not compare runs with virtual stages yet (the plan predicts "
-                        f"{len(plan['stages'])} chunks, the run measures devices)",
-                        hint=f"open the measured timeline {run_dir / TRAIN_DIR / 'trace.json'} in Perfetto; "
-                             f"pd plan prints the prediction")
     num_microbatches, batch_size = int(inputs["num_microbatches"]), int(inputs["batch_size"])
-    stage_ranks = [list(s["ranks"]) for s in plan["stages"]]
+    # virtual stages: the plan's stages are chunks, several per rank; the run is held per device
+    virtual = int(inputs.get("virtual_stages", 1)) > 1
+    stage_ranks = [list(s["ranks"]) for s in (device_stages(plan) if virtual else plan["stages"])]
     train_dir = run_dir / TRAIN_DIR
     measured = load_measured(train_dir, batch_size, num_microbatches, stage_ranks, commands.train())
-    if len(measured.stages) != len(plan["stages"]):
-        raise UserError(f"{train_dir}: the run measured {len(measured.stages)} stages, its plan has {len(plan['stages'])}",
+    if len(measured.stages) != len(stage_ranks):
+        raise UserError(f"{train_dir}: the run measured {len(measured.stages)} stages, its plan has {len(stage_ranks)}",
                         hint=f"the plan changed after training: re-run `{commands.train()}`")
     schedule = _read_config(run_dir).get("schedule", {})
     vertical_sync = bool(schedule.get("vertical_sync", False))

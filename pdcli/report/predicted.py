@@ -25,7 +25,7 @@ from pdcli.runtime.metrics import CATEGORIES, COMM, COMPUTE, IDLE, action_catego
 from pdcli.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads
 from pdcli.schedule.simulator import Simulation, StageCost, simulate
 from pdcli.schedule.orders import Order
-from pdcli.schedule.spec import FLUSH_SCHEDULES, stand_in
+from pdcli.schedule.spec import FLUSH_SCHEDULES, rules, stand_in
 
 MAX_SIMULATED_STEPS = 200
 """Longer runs are simulated over this many minibatches (per-minibatch values barely change)."""
@@ -103,6 +103,23 @@ def stage_costs(plan: dict[str, Any], schedule: str, num_microbatches: int) -> l
     return costs
 
 
+DEVICE_SUMMED_KEYS = ("fwd_ms", "bwd_ms", "compute_ms", "optimizer_ms", "wgrad_ms", "comm_in_ms", "comm_out_ms",
+                      "sync_ms", "stage_time_ms")
+
+
+def device_stages(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """A virtual-stage plan's chunks summed per device (its rank), as one stage each: what a run,
+    which measures devices, is held against (a device's comm terms add its chunks' links, those
+    to its own other chunks included)."""
+    devices = sorted({int(r) for s in plan["stages"] for r in s["ranks"]})
+    out = []
+    for d in devices:
+        chunks = [s["predicted"] for s in plan["stages"] if [int(r) for r in s["ranks"]] == [d]]
+        out.append({"stage_id": d, "replicas": 1, "ranks": [d],
+                    "predicted": {k: sum(float(c.get(k, 0.0)) for c in chunks) for k in DEVICE_SUMMED_KEYS}})
+    return out
+
+
 def plan_splits_backward(plan: dict[str, Any], schedule: str) -> bool:
     """Whether the run of `plan` with `schedule` split its backward (`inputs.split_backward`)."""
     return bool(plan.get("inputs", {}).get("split_backward", False)) and schedule in FLUSH_SCHEDULES
@@ -113,15 +130,17 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
     """The plan's numbers for a run of `num_steps` minibatches of `schedule` (a hand-written
     one: its written `orders`, else its stand-in's, see `ScheduleRules.stand_in`)."""
     steps = max(1, min(num_steps, MAX_SIMULATED_STEPS))
-    replicas = [int(s["replicas"]) for s in plan["stages"]]
     split = plan_splits_backward(plan, schedule)
-    spec = ScheduleSpec.make(schedule if orders else stand_in(schedule), len(replicas), num_microbatches, steps,
-                             replicas, vertical_sync, split_backward=split, orders=orders)
+    plan_stages = device_stages(plan) if rules(schedule).chunked else plan["stages"]
+    replicas = [int(s["replicas"]) for s in plan_stages]
+    spec = ScheduleSpec.make(schedule if orders or rules(schedule).chunked else stand_in(schedule), len(replicas),
+                             num_microbatches, steps, replicas, vertical_sync, split_backward=split, orders=orders,
+                             virtual_stages=int(plan.get("inputs", {}).get("virtual_stages", 1)))
     runtime = runtime_costed(plan)
     cores = (plan["pipeline"].get("replay") or {}).get("cores") if runtime else None
     sim = simulate(spec, stage_costs(plan, schedule, num_microbatches), cores=cores)
     stages = []
-    for stage_id, stage in enumerate(plan["stages"]):
+    for stage_id, stage in enumerate(plan_stages):
         if runtime:
             stages.append(_replayed_stage(stage, stage_id, spec, sim, replicas[stage_id], steps))
             continue

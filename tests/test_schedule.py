@@ -103,8 +103,8 @@ def test_every_schedule_checks_for_1_to_5_stages_1_to_8_microbatches(send_mode):
     checked = 0
     for spec in all_specs():
         replicated_no_flush = max(spec.replicas) > 1 and not spec.is_flush
-        if send_mode is SendMode.RENDEZVOUS and (replicated_no_flush or spec.chunked):
-            continue  # needs non-blocking sends: see test_replicated_pipedream_needs_eager_sends, test_virtual_stages
+        if send_mode is SendMode.RENDEZVOUS and replicated_no_flush:
+            continue  # needs non-blocking sends: see test_replicated_pipedream_needs_eager_sends
         check_schedules(build_all(spec), spec, send_mode)
         checked += 1
     assert checked > (300 if send_mode is SendMode.RENDEZVOUS else 500)

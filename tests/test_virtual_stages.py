@@ -87,6 +87,7 @@ def test_checker_accepts_every_chunked_schedule(name: str, devices: int, microba
     report = check_schedules(build_all(spec, eager_sends=True), spec, SendMode.EAGER)
     for device, held in enumerate(report.max_depth_by_rank):
         assert held.activation_sets <= spec.stash_depth(device).activation_sets
+    check_schedules(build_all(spec), spec, SendMode.RENDEZVOUS)  # the lists for blocking sends (NCCL)
     check_schedules(build_all(spec), spec, SendMode.EAGER)
 
 
@@ -98,12 +99,27 @@ def test_checker_catches_a_missing_backward_on_one_chunk():
         check_schedules(lists, spec, SendMode.EAGER)
 
 
-def test_chunked_lists_need_sends_that_do_not_wait():
-    """With blocking sends, two neighbours that send each other a chunk's output at once wait
-    forever; the runtime runs chunked lists on transports whose sends never wait."""
+def test_lists_for_blocking_sends_move_sends_to_their_receives():
+    """With blocking sends, two neighbours that send each other a chunk's output at once would
+    wait forever (the eager lists deadlock); the lists for such a transport hold each send back
+    to where its receiver takes it: the same actions, the same order of everything else, and a
+    run resumed at a minibatch boundary is the suffix of the same lists."""
     spec = spec_of(LOOPED_BFS, 2, 4)
+    eager = build_all(spec, eager_sends=True)
     with pytest.raises(ScheduleError, match="deadlock"):
-        check_schedules(build_all(spec), spec, SendMode.RENDEZVOUS)
+        check_schedules(eager, spec, SendMode.RENDEZVOUS)
+    blocking = build_all(spec)
+    check_schedules(blocking, spec, SendMode.RENDEZVOUS)
+    sends = (SendActivations, SendGrads)
+    for before, after in zip(eager, blocking):
+        assert sorted(map(repr, before)) == sorted(map(repr, after))
+        assert [a for a in before if not isinstance(a, sends)] == [a for a in after if not isinstance(a, sends)]
+        for index, action in enumerate(after):  # a send still follows the compute that made it
+            if isinstance(action, SendActivations):
+                assert Forward(action.microbatch_id, action.microbatch_id // 4, action.chunk) in after[:index]
+    for device in range(2):
+        assert build_for(spec, device, start_minibatch=1) == blocking[device][
+            next(i for i, a in enumerate(blocking[device]) if action_text(a) == "U#0/4") + 1:]
 
 
 @pytest.mark.parametrize("devices,microbatches", [(2, 4), (4, 8), (4, 4)])

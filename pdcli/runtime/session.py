@@ -228,9 +228,6 @@ def run_session(
     transport = make_transport(placement, list(ios.values()), env.rank, device, cfg.train.timeout_s, cfg.train.transport,
                                logger.warning)
     logger.info("transport: %s", transport.describe() if isinstance(transport, SocketTransport) else "torch.distributed")
-    if spec.chunked and transport.stream_ordered:
-        raise RuntimeError(f"schedule.name={cfg.schedule.name}: its lists are proven for sends that never wait for "
-                           "their receive (sockets, gloo); this run's transport (NCCL) orders them on one stream")
     # eager sends: the next stage gets its input before this one waits (see sends_first)
     actions = build_for(spec, schedule_stage, replica_id, start_minibatch=resume_step or 0,
                         eager_sends=not transport.stream_ordered)

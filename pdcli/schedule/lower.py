@@ -333,6 +333,15 @@ def build_for(spec: ScheduleSpec, stage_id: int, replica_id: int = 0, start_mini
         raise ValueError(
             f"replica_id {replica_id} out of range (stage {stage_id} has "
             f"{spec.replicas[stage_id]} replicas)")
+    if spec.chunked and not eager_sends:
+        actions = list(_sends_at_their_receives(spec)[stage_id])
+    else:
+        actions = _lowered(spec, stage_id, replica_id, eager_sends)
+    return actions if start_minibatch == 0 else _resume_suffix(spec, stage_id, actions, start_minibatch)
+
+
+def _lowered(spec: ScheduleSpec, stage_id: int, replica_id: int, eager_sends: bool) -> list[Action]:
+    """The whole list of one process: compute order, messages, weight gradients, stashing, evaluations."""
     compute = _compute_order(spec, stage_id, replica_id)
     actions = _add_communication(spec, stage_id, compute)
     if eager_sends:
@@ -342,7 +351,66 @@ def build_for(spec: ScheduleSpec, stage_id: int, replica_id: int = 0, start_mini
     actions = _add_weight_stashing(actions)
     if spec.eval_after:
         actions = _add_evaluations(spec, stage_id, replica_id, actions)
-    return actions if start_minibatch == 0 else _resume_suffix(spec, stage_id, actions, start_minibatch)
+    return actions
+
+
+def _message_key(spec: ScheduleSpec, stage_id: int, action: Action) -> tuple[int, tuple[object, ...]] | None:
+    """(peer stage, key both ends of a chunked message share), or None for another action."""
+    if not isinstance(action, (SendActivations, SendGrads, RecvActivations, RecvGrads)) or action.chunk is None:
+        return None
+    forward = isinstance(action, (SendActivations, RecvActivations))
+    toward_next = isinstance(action, (SendActivations, RecvGrads))
+    peer_chunk = action.chunk + 1 if toward_next else action.chunk - 1
+    producer = action.chunk if isinstance(action, (SendActivations, RecvGrads)) else peer_chunk
+    return spec.stage_of_chunk(peer_chunk), (forward, action.microbatch_id, producer)
+
+
+@lru_cache(maxsize=64)
+def _sends_at_their_receives(spec: ScheduleSpec) -> tuple[tuple[Action, ...], ...]:
+    """Chunked lists for sends that wait for their receive (NCCL): every rank's list as for
+    eager sends, with each send to another rank moved later, to where its receiver takes it.
+
+    The lists are run together with eager sends (a send posts, its receive takes it once
+    posted), except that a rank does not pass its optimizer step or the end of an evaluation
+    while a message it sent waits to be received (each rank receives a minibatch's messages
+    before its own step, so that wait ends). The order the run takes is written down: a
+    rank's actions as they complete, and each send together with its receive, so that the
+    same order is a run with blocking sends, by construction. A send only moves later, past
+    nothing it depends on; a message between two chunks of one rank stays where it was (it
+    never waits)."""
+    lists = [_lowered(spec, stage, 0, eager_sends=False) for stage in range(spec.num_stages)]
+    heads = [0] * spec.num_stages
+    out: list[list[Action]] = [[] for _ in lists]
+    posted: dict[tuple[int, int, tuple[object, ...]], Action] = {}  # (from, to, key) -> the send, held back
+    waiting = [0] * spec.num_stages  # sends of each rank not yet received
+    while True:
+        progressed = False
+        for rank, actions in enumerate(lists):
+            while heads[rank] < len(actions):
+                action = actions[heads[rank]]
+                message = _message_key(spec, rank, action)
+                if message is not None and message[0] != rank:
+                    peer, key = message
+                    if isinstance(action, (SendActivations, SendGrads)):
+                        posted[rank, peer, key] = action
+                        waiting[rank] += 1
+                    else:
+                        send = posted.pop((peer, rank, key), None)
+                        if send is None:
+                            break
+                        out[peer].append(send)
+                        waiting[peer] -= 1
+                        out[rank].append(action)
+                elif isinstance(action, (OptimizerStep, EndEval)) and waiting[rank]:
+                    break
+                else:
+                    out[rank].append(action)
+                heads[rank] += 1
+                progressed = True
+        if all(h == len(a) for h, a in zip(heads, lists)) and not posted:
+            return tuple(tuple(o) for o in out)
+        if not progressed:
+            raise AssertionError(f"{spec.name}: no order for blocking sends (heads {heads}, held sends {len(posted)})")
 
 
 def _resume_suffix(spec: ScheduleSpec, stage_id: int, actions: list[Action], start_minibatch: int) -> list[Action]:

@@ -130,4 +130,7 @@ def test_pd_train_plans_compiles_and_trains_zbv_like_1f1b(tmp_path: Path) -> Non
             assert report.exit_code == 0, report.output  # held per device: the chunks' predictions summed
             shown, _ = json.JSONDecoder().raw_decode(report.output[report.output.index("{"):])
             assert len(shown["stages"]) == 2
+            refit = CliRunner().invoke(app, ["plan", quickstart, f"run.root={root}", "schedule.name=zbv", *extra,
+                                             "--calibrate", str(root / "quickstart")])
+            assert refit.exit_code == 2 and "virtual stages" in refit.output, refit.output
     assert finals["zbv"] == pytest.approx(finals["1f1b"], abs=1e-5)

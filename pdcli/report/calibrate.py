@@ -87,6 +87,10 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     plan = read_trained_plan(run_dir, ReplanCommands(str(run_dir)))
     inputs = plan.get("inputs", {})
     schedule, m = str(inputs["schedule"]), int(inputs["num_microbatches"])
+    if int(inputs.get("virtual_stages", 1)) > 1:  # a rank's trace mixes its chunks' actions
+        raise UserError(f"{run_dir}: --calibrate does not refit from a run with virtual stages yet "
+                        f"(schedule.virtual_stages={inputs['virtual_stages']})",
+                        hint="calibrate from a run of the same model with one stage per device (e.g. schedule.name=1f1b)")
     traces = read_trace(run_dir / TRAIN_DIR / TRACE_FILE)
     if not traces:
         raise UserError(f"{run_dir / TRAIN_DIR / TRACE_FILE}: no trace to calibrate from",

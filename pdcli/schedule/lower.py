@@ -3,6 +3,12 @@ weight gradients and evaluations, into the full action list of every process.
 
 `build_for(spec, stage, replica)` is the list one process runs; `build_all` every list;
 `sends_first` reorders a list for a transport whose sends never wait.
+
+Virtual stages (`ScheduleSpec.chunked`): a process is a device running several chunks; its
+order (`pdcli.schedule.virtual`) names each action's chunk, messages go between neighbouring
+chunks (`_add_chunk_communication`; between two chunks of one device they are handed over in
+the process), and the lists for blocking sends hold each send back to its receive
+(`_sends_at_their_receives`).
 """
 
 from __future__ import annotations

@@ -37,6 +37,11 @@ minibatch t, at a point where nothing is in flight (pipedream and 2bw drain ther
 checkpoints), so every stage evaluates the same weights. Held-out microbatch e of the k-th
 evaluation travels under the id `eval_microbatch_id(k, e)`, past every training id.
 
+Virtual stages (`interleaved`, `loopedbfs`, `zbv`; `ScheduleSpec.virtual_stages` = V): the
+model is cut into num_stages x V chunks and a stage (process) is a device that runs several of
+them (`chunks_of`, `stage_of_chunk`; `pdcli.schedule.virtual`). They are flush schedules: one
+optimizer step per minibatch for all of a device's chunks, after every gradient.
+
 Gradients: a Backward adds the gradient of its microbatch's (unscaled) loss to the
 live parameters' `.grad`, whatever version it ran on (with `split_backward`, gpipe and
 1f1b only: all but the deferred weight gradients, which a later WeightGrads adds);

@@ -112,7 +112,10 @@ def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "te
     table = tabulate(rows, headers=headers, tablefmt=TABLE_STYLE[fmt], floatfmt=".4g", missingval="-")
     inputs = plan_json.get("inputs", {})
     split = " with split backward" if inputs.get("split_backward") else ""
-    head = (f"plan: {len(rows)} stages, schedule {inputs.get('schedule', '?')}{split}, "
+    virtual = int(inputs.get("virtual_stages", 1))
+    shape = (f"{len(rows)} stages" if virtual == 1 else  # virtual stages: each stage is a chunk
+             f"{len(rows)} stages (chunks, {virtual} per device on {len(rows) // virtual} devices)")
+    head = (f"plan: {shape}, schedule {inputs.get('schedule', '?')}{split}, "
             f"cost model {inputs.get('cost_model', '?')} ({BOTTLENECK_MARK} = bottleneck)")
     lines = [summary_line(plan_json["pipeline"]), *plan_notes(plan_json), *search_space_lines(inputs)]
     stale = staleness_line(plan_json)

@@ -37,12 +37,13 @@ def chunk_plan(spec: ScheduleSpec) -> dict:
 
 
 def run_chunked(tmp_path: Path, schedule: str, devices: int, num_microbatches: int, run_name: str = "run",
-                resume: bool = False, **train: object):
+                resume: bool = False, clip_grad_norm: float | None = None, **train: object):
     from omegaconf import OmegaConf
 
     run_dir = tmp_path / run_name
     cfg = toy_config(run_dir, schedule, num_microbatches=num_microbatches, **train)
     cfg.schedule.virtual_stages = 2
+    cfg.optim.clip_grad_norm = clip_grad_norm
     spec = ScheduleSpec.from_config(cfg.schedule, [1] * devices, cfg.train.steps)
     if not resume:
         run_dir.mkdir(parents=True)
@@ -134,3 +135,34 @@ def test_pd_train_plans_compiles_and_trains_zbv_like_1f1b(tmp_path: Path) -> Non
                                              "--calibrate", str(root / "quickstart")])
             assert refit.exit_code == 2 and "virtual stages" in refit.output, refit.output
     assert finals["zbv"] == pytest.approx(finals["1f1b"], abs=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_virtual_stages_clip_by_the_norm_of_the_whole_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """optim.clip_grad_norm: a device sums the squares of all its chunks, the devices add theirs;
+    the updates are those of torch.nn.utils.clip_grad_norm_ on the whole model."""
+    from pdcli.data import build_data
+    from pdcli.models import build_loss
+
+    monkeypatch.setenv(TRANSPORT_ENV, "socket")
+    clip = 0.05
+    cfg, _, losses, weights, spec = run_chunked(tmp_path, "interleaved", 2, 2)  # unclipped: to see clipping bite
+    _, _, clipped_losses, clipped, _ = run_chunked(tmp_path, "interleaved", 2, 2, "clipped", clip_grad_norm=clip)
+    torch.manual_seed(0)
+    model = ToyNet(spec.num_chunks)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
+    data, loss_fn, m = build_data(cfg.data, cfg.data.batch_size), build_loss("cross_entropy"), 2
+    ref_losses, norms = [], []
+    for t in range(STEPS):
+        for micro in data.batch(t).split(m):
+            loss = loss_fn(model(*micro.inputs), micro.target)
+            (loss / m).backward()
+            ref_losses.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    assert min(norms) > clip  # clipping takes effect
+    assert clipped_losses == pytest.approx(ref_losses, abs=1e-5)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(clipped[name], value, atol=1e-5, rtol=1e-5, msg=name)
+    assert any(not torch.allclose(clipped[name], weights[name], atol=1e-4) for name in weights)

@@ -416,7 +416,7 @@ def check_values(cfg: Config) -> list[str]:
 
 def _virtual_stage_problems(cfg: Config) -> list[str]:
     """Virtual stages (`schedule.virtual_stages`) go with the chunked schedules only, one device per
-    pipeline position, and (so far) without weights tied between stages or a global gradient norm."""
+    pipeline position."""
     schedule = cfg.schedule
     if schedule.name not in SCHEDULES or schedule.virtual_stages < 1:
         return [] if schedule.virtual_stages >= 1 else [
@@ -429,9 +429,6 @@ def _virtual_stage_problems(cfg: Config) -> list[str]:
         if cfg.plan.replicas is not None and any(r != 1 for r in cfg.plan.replicas):
             problems.append(f"plan.replicas: {list(cfg.plan.replicas)}, but schedule.name={schedule.name} runs one "
                             f"device per pipeline position; leave plan.replicas unset")
-        if cfg.optim.clip_grad_norm is not None:
-            problems.append(f"optim.clip_grad_norm: not supported with schedule.name={schedule.name} (a device's "
-                            f"chunks would each count a partial norm); set optim.clip_grad_norm=null")
     return problems
 
 

@@ -5,7 +5,7 @@ versions, optimizer); the worker's list (`pdcli.schedule`, chunked) names each m
 action's chunk, and `ChunkRunner` hands the action to that chunk's executor. An optimizer step
 (and an evaluation's end) is the device's: every chunk steps, one optimizer per chunk, in chunk
 order; as each parameter's update depends on its own gradient only, that is the single-process
-optimizer's step. A message between two chunks of the device never reaches the transport
+optimizer's step (clipping by the global norm sums the squares of all the device's chunks first). A message between two chunks of the device never reaches the transport
 (`Mailbox`: kept in the process until its receive takes it).
 """
 
@@ -58,11 +58,28 @@ class ChunkRunner(ActionLoop):
 
     @property
     def last_grad_norm(self) -> float | None:
-        return None  # clipping is refused with virtual stages
+        return self._grad_norm
+
+    _grad_norm: float | None = None
+
+    def optimizer_step(self, a: S.OptimizerStep) -> None:
+        """Every chunk steps; clipping by the global norm counts all the device's chunks in one
+        sum (one all-reduce per device, as a stage without chunks does)."""
+        executors = list(self.executors.values())
+        for executor in executors:
+            executor.mean_grads(a)
+        rule = executors[0].ctx.update_rule
+        if rule is not None and rule.clip_grad_norm is not None:
+            grads = [p.grad for e in executors for p in e.weights.live.values() if p.grad is not None]
+            self._grad_norm = rule.clip(grads)
+        for executor in executors:
+            executor.apply_step(a, clip=False)
 
     def run_action(self, action: S.Action) -> None:
         chunk = getattr(action, "chunk", None)
-        if chunk is None:  # the device's: every chunk steps (ends the evaluation, stashes) in chunk order
+        if isinstance(action, S.OptimizerStep):
+            self.optimizer_step(action)
+        elif chunk is None:  # the device's: every chunk ends the evaluation (stashes) in chunk order
             for executor in self.executors.values():
                 S.dispatch(executor.handlers, action)
         else:

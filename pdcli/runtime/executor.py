@@ -488,6 +488,11 @@ class Executor(ActionLoop):
             sum_tied_grads(self.ctx.tied)
 
     def optimizer_step(self, a: S.OptimizerStep) -> None:
+        self.mean_grads(a)
+        self.apply_step(a)
+
+    def mean_grads(self, a: S.OptimizerStep) -> None:
+        """The gradients the step applies: summed over tied copies, divided by the microbatches, checked."""
         self.sum_tied_grads()  # before anything reads the gradients: the copies update as one weight
         scale = 1.0 / (a.num_microbatches * self.loss_scale)
         for p in self.weights.live.values():
@@ -501,7 +506,11 @@ class Executor(ActionLoop):
                     )
         check_gradients({name: p.grad for name, p in self.weights.live.items()}, self.ctx.stage_id,
                         self.last_backward_mb // self.ctx.num_microbatches)
-        self._apply_update_rule(a.step)
+
+    def apply_step(self, a: S.OptimizerStep, clip: bool = True) -> None:
+        """The update itself (after `mean_grads`): learning rate, clipping (unless the caller
+        clipped these gradients together with others: `clip=False`), the optimizer's step."""
+        self._apply_update_rule(a.step, clip)
         if self.weights.must_update_out_of_place:
             step_out_of_place(self.ctx.optimizer)  # a stash holds the old storage: no copy
         else:
@@ -510,13 +519,15 @@ class Executor(ActionLoop):
         self.weights.stepped()
         self.steps_done += 1
 
-    def _apply_update_rule(self, step: int) -> None:
+    def _apply_update_rule(self, step: int, clip: bool = True) -> None:
         """The learning rate of this update and gradient clipping (`pdcli.runtime.update`)."""
         rule = self.ctx.update_rule
         if rule is None:
             return
         self.last_lr = rule.lr(step)
         set_lr(self.ctx.optimizer, self.last_lr)
+        if not clip:
+            return
         grads = [p.grad for p in self.weights.live.values() if p.grad is not None]
         elsewhere = {id(c.param) for c in self.ctx.tied if not c.in_norm}  # counted by the first holder
         counted = [p.grad for p in self.weights.live.values() if p.grad is not None and id(p) not in elsewhere]

@@ -226,3 +226,31 @@ def test_plan_memory_is_the_sum_of_a_devices_chunks_and_refuses_past_the_limit()
     need = max(row["total_bytes"] for row in plan.pipeline["devices"])
     with pytest.raises(UserError, match="no plan fits"):
         plan_chain(uniform_chain(), Topology.flat(2), dataclasses.replace(options, memory_bytes_per_device=need * 0.9))
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+def test_plan_replay_refines_the_searched_chunks(name: str) -> None:
+    """The plan is never slower (replayed) than the search's own chunks, whose cuts it may move."""
+    import random
+
+    from pdcli.planner import PlanOptions, Topology, plan_chain
+    from pdcli.planner.search import pd_search
+    from pdcli.planner.space import SplitSpace
+    from pdcli.planner.virtual import STAND_INS
+    from pdcli.profiler.chain import Chain, ChainNode
+
+    rng = random.Random(7)
+    for _ in range(3):
+        nodes = tuple(ChainNode(name=f"n{i}", label=f"l{i}", fwd_ms=rng.uniform(0.5, 3), bwd_ms=rng.uniform(1, 6),
+                                parameter_bytes=1000, activation_bytes=4000, backward_memory_bytes=0, optimizer_ms=0.1)
+                      for i in range(14))
+        chain = Chain(nodes=nodes, cut_bytes=tuple(rng.randrange(100, 10_000) for _ in range(13)), meta={})
+        options = PlanOptions(schedule=name, num_microbatches=4, batch_size=4, straight=True, virtual_stages=2,
+                              split_backward=name == ZBV)
+        searched = pd_search(SplitSpace.from_chain(chain), Topology.flat(4), dataclasses.replace(
+            options, schedule=STAND_INS[name], num_stages=4, virtual_stages=1), 1.0)
+        assert searched is not None
+        fixed = tuple(s.start for s in searched.stages[1:])
+        plan = plan_chain(chain, Topology.flat(2), options)
+        assert plan.time_per_minibatch_ms <= plan_chain(chain, Topology.flat(2), dataclasses.replace(
+            options, boundaries=fixed)).time_per_minibatch_ms * (1 + 1e-9)

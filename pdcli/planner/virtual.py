@@ -14,7 +14,7 @@ Forward to its Backward (to its WeightGrads with a split backward).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pdcli.errors import UserError
 from pdcli.planner.evaluate import ACTIONS_KEY, REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, batch_scale, evaluate_pd
@@ -26,10 +26,14 @@ from pdcli.planner.topology import Topology
 from pdcli.profiler.chain import Chain
 from pdcli.schedule import ScheduleSpec, build_for
 from pdcli.schedule.actions import Backward, Forward, WeightGrads
-from pdcli.schedule.simulator import StageCost, simulate
+from pdcli.schedule.simulator import Simulation, StageCost, simulate
 from pdcli.schedule.spec import GPIPE, INTERLEAVED, LOOPED_BFS, ONE_F_ONE_B, ZBV
 
 MS_PER_S = 1000.0
+REFINE_SHIFTS = (-2, -1, 1, 2)
+"""Positions a chunk boundary of the search's partition is moved by when the replay refines it."""
+REFINE_MIN_GAIN = 1e-6
+"""A moved cut is taken when its replay is faster by more than this fraction (not by rounding)."""
 STAND_INS = {INTERLEAVED: ONE_F_ONE_B, ZBV: ONE_F_ONE_B, LOOPED_BFS: GPIPE}
 """The one-chunk schedule whose stage costs price a chunked schedule's chunks in the search."""
 
@@ -70,6 +74,25 @@ def device_activation_bytes(spec: ScheduleSpec, device: int, per_microbatch_byte
     return peak
 
 
+def refine_by_replay(space: SplitSpace, partition: list[tuple[int, int, int]],
+                     replayed: Callable[[Sequence[tuple[int, int, int]]], tuple[PlanEval, Simulation]],
+                     best: tuple[PlanEval, Simulation]) -> tuple[PlanEval, Simulation]:
+    """Among the search's chunks and those with one cut moved by REFINE_SHIFTS, the fastest replay
+    (the search prices each chunk as a stage of its own; a device runs several in turn)."""
+    valid = space.valid_stages()
+    for k in range(1, len(partition)):
+        for shift in REFINE_SHIFTS:
+            (a, cut, _), (_, b, _) = partition[k - 1], partition[k]
+            moved_cut = cut + shift
+            if not a < moved_cut < b or not (valid[a, moved_cut] and valid[moved_cut, b]):
+                continue
+            moved = [*partition[: k - 1], (a, moved_cut, 1), (moved_cut, b, 1), *partition[k + 1:]]
+            candidate = replayed(moved)
+            if candidate[1].time_per_minibatch_ms < best[1].time_per_minibatch_ms * (1 - REFINE_MIN_GAIN):
+                best = candidate
+    return best
+
+
 def plan_virtual(chain: Chain, topology: Topology, options: PlanOptions, space: SplitSpace | None = None) -> Plan:
     """The plan of a chunked schedule (module docstring); UserError when it cannot be made."""
     space = SplitSpace.from_chain(chain) if space is None else space
@@ -101,11 +124,17 @@ def plan_virtual(chain: Chain, topology: Topology, options: PlanOptions, space: 
         if found is None:
             raise UserError(f"no partition of the profile into {num_chunks} chunks")
         partition = [(s.start, s.end, 1) for s in found.stages]
-    chunks = evaluate_pd(space, chunk_topology, stand_in, scale, partition)
     spec = device_spec(options, devices, max(REPLAY_MIN_MINIBATCHES, 2 * devices + 2))
     runtime = runtime_of(space, chunk_topology)
     cores = runtime.cores if runtime is not None else None
-    sim = simulate(spec, chunk_costs(chunks.stages, m), cores=cores)
+
+    def replayed(cuts: Sequence[tuple[int, int, int]]) -> tuple[PlanEval, Simulation]:
+        priced = evaluate_pd(space, chunk_topology, stand_in, scale, cuts)
+        return priced, simulate(spec, chunk_costs(priced.stages, m), cores=cores)
+
+    chunks, sim = replayed(partition)
+    if options.boundaries is None:  # the search ranks chunks alone; the replay sees the device's turns
+        chunks, sim = refine_by_replay(space, partition, replayed, (chunks, sim))
     held = space.activations(options.precision, scale).held
     per_microbatch = [float(held[st.start, st.end]) / m for st in chunks.stages]
     device_rows = []

@@ -254,3 +254,12 @@ def test_plan_replay_refines_the_searched_chunks(name: str) -> None:
         plan = plan_chain(chain, Topology.flat(2), options)
         assert plan.time_per_minibatch_ms <= plan_chain(chain, Topology.flat(2), dataclasses.replace(
             options, boundaries=fixed)).time_per_minibatch_ms * (1 + 1e-9)
+
+
+def test_a_weight_tied_between_chunks_is_refused_before_any_worker() -> None:
+    from pdcli.runtime.tied import check_schedule
+
+    manifest = {"tied_weights": [{"holders": {"0": "lm_head.weight", "3": "lm_head.weight"}, "names": []}]}
+    for name in CHUNKED:
+        with pytest.raises(UserError, match=f"{name} cannot train a weight tied between stages .*chunks"):
+            check_schedule(manifest, name)

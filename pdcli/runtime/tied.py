@@ -40,9 +40,10 @@ def check_schedule(manifest: dict[str, Any], schedule: str) -> None:
     if groups and schedule not in SCHEDULES_WITH_TIES:
         first = groups[0]
         where = ", ".join(f"stage {k} as {name!r}" for k, name in sorted(first.items()))
+        why = ("a device's chunks would need a group each (not supported yet)" if rules(schedule).chunked
+               else "its stages update at different times, so the copies would differ")
         raise UserError(
-            f"schedule.name: {schedule} cannot train a weight tied between stages ({where}): its stages "
-            f"update at different times, so the copies would differ",
+            f"schedule.name: {schedule} cannot train a weight tied between stages ({where}): {why}",
             hint=f"use schedule.name={' / '.join(SCHEDULES_WITH_TIES)}, or plan.boundaries that keep every "
             "use of the weight in one stage",
         )

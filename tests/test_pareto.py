@@ -240,3 +240,25 @@ def test_chunked_schedules_are_searched_with_two_chunks_per_device() -> None:
     from pdcli.steps.plan import config_space
 
     assert "zbv" in config_space(cfg, c).schedules and "zbv" not in config_space(cfg, chain()).schedules
+
+
+def test_the_chosen_configuration_is_planned_as_pd_plan_plans_it_alone() -> None:
+    """The search prices every configuration without the replay's refinement, then plans the
+    chosen one with it: its plan is the one `pd plan` makes for that configuration."""
+    from test_runtime_costs import RUNTIME, chain as runtime_chain
+
+    from pdcli.planner import plan_chain
+
+    c = runtime_chain(RUNTIME, n=12)
+    space, topology = ConfigSpace(("pipedream", "1f1b", "2bw"), (2, 4), (True,)), Topology.flat(4, 1e9)
+    base = PlanOptions(batch_size=64)
+    outcome = search_configuration(lambda rows: chain_at_rows(c, rows), topology, base, space)
+    cfg = outcome.chosen.config
+    alone = plan_chain(c, topology, dataclasses.replace(
+        base, schedule=cfg.schedule, num_microbatches=cfg.num_microbatches, split_backward=cfg.split_backward))
+    assert outcome.chosen.time_per_minibatch_ms == pytest.approx(alone.time_per_minibatch_ms)
+    unrefined = search_configuration(lambda rows: chain_at_rows(c, rows), topology,
+                                     dataclasses.replace(base, refine=False), space)
+    assert outcome.chosen.time_per_minibatch_ms < unrefined.chosen.time_per_minibatch_ms  # the refinement counted
+    assert [(s.start, s.end, s.replicas) for s in outcome.chosen.plan.stages] == [
+        (s.start, s.end, s.replicas) for s in alone.stages]

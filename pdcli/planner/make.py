@@ -171,7 +171,7 @@ def _best(space: SplitSpace, topology: Topology, options: PlanOptions, scale: fl
     found_pd = pd_search(fixed, topology, search_options, scale)
     if found_pd is None:
         raise _infeasible(fixed, topology, search_options, scale)
-    if fixed.runtime is not None:
+    if fixed.runtime is not None and options.refine:
         return rank_by_replay(fixed, topology, search_options, scale, found_pd), whole.time_per_minibatch_ms
     result = evaluate_pd(fixed, topology, options, scale, [(s.start, s.end, s.replicas) for s in found_pd.stages])
     return result, whole.time_per_minibatch_ms

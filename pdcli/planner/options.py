@@ -88,6 +88,11 @@ class PlanOptions:
     virtual_stages: int = 1
     """`schedule.virtual_stages` (interleaved, loopedbfs, zbv): chunks per device; the plan's stages
     are then the chunks (`pdcli.planner.virtual`)."""
+    refine: bool = True
+    """With the runtime's costs, re-rank and refine the search's plan by replaying its action lists
+    (other stage counts, each cut moved by up to two positions: `pdcli.planner.make.rank_by_replay`,
+    `pdcli.planner.virtual.refine_by_replay`). The configuration search prices every configuration
+    without it and plans the chosen one with it."""
     orders: tuple[Order, ...] = ()
     """`file`: each stage's written order (`pdcli.schedule.ScheduleSpec.orders`). The search prices
     the schedule as its stand-in (`1f1b`, `ScheduleRules.stand_in`); the replay of a plan with as

@@ -210,8 +210,9 @@ def search_configuration(chain_at: Callable[[int], Chain], topology: Topology, b
                          space: ConfigSpace, objective: str = "throughput",
                          max_staleness: int | None = None) -> SearchOutcome:
     """The front of `space` and the point `objective` chooses within `max_staleness`; a
-    UserError naming the limit when nothing fits."""
-    points, refused = search_points(chain_at, topology, base, space)
+    UserError naming the limit when nothing fits. Every configuration is priced without the
+    replay's refinement (`PlanOptions.refine`), the chosen one is then planned with it."""
+    points, refused = search_points(chain_at, topology, dataclasses.replace(base, refine=False), space)
     if not points:
         raise _nothing_fits(chain_at, topology, base, space)
     allowed = [p for p in points if max_staleness is None or p.staleness <= max_staleness]
@@ -223,6 +224,13 @@ def search_configuration(chain_at: Callable[[int], Chain], topology: Topology, b
     front = pareto_front(allowed)
     chosen = choose(front, objective, max_staleness)
     assert chosen is not None
+    if base.refine:  # the chosen configuration planned as `pd plan` would plan it alone
+        refined, _ = search_points(chain_at, topology, base, dataclasses.replace(
+            space, schedules=(chosen.config.schedule,), microbatches=(chosen.config.num_microbatches,),
+            split_backward=(chosen.config.split_backward,), recompute=(chosen.config.recompute,)))
+        if refined and refined[0].time_per_minibatch_ms <= chosen.time_per_minibatch_ms:
+            front = [refined[0] if p is chosen else p for p in front]
+            chosen = refined[0]
     return SearchOutcome(chosen, tuple(front), space, len(space.configurations()), refused)
 
 

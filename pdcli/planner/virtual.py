@@ -133,7 +133,7 @@ def plan_virtual(chain: Chain, topology: Topology, options: PlanOptions, space: 
         return priced, simulate(spec, chunk_costs(priced.stages, m), cores=cores)
 
     chunks, sim = replayed(partition)
-    if options.boundaries is None:  # the search ranks chunks alone; the replay sees the device's turns
+    if options.boundaries is None and options.refine:  # the search ranks chunks alone; the replay sees turns
         chunks, sim = refine_by_replay(space, partition, replayed, (chunks, sim))
     held = space.activations(options.precision, scale).held
     per_microbatch = [float(held[st.start, st.end]) / m for st in chunks.stages]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -30,6 +31,9 @@ RUNTIME_TERM_NAMES = ("messages_ms", "load_ms")
 """Terms a plan has only when the profile measured the runtime's costs."""
 ACTIONS_KEY = "actions_ms"
 """A plan stage's per-action costs (runtime costs only): StageCost field -> ms."""
+REFINE_SHIFTS = (-2, -1, 1, 2)
+"""Positions a boundary (a stage's or a chunk's) of the search's plan is moved by when the replay
+refines it (`pdcli.planner.make.refine_by_replay`, `pdcli.planner.virtual.refine_by_replay`)."""
 REPLAY_MIN_MINIBATCHES = 16
 """A plan's replay runs max(this, 2 x stages + 2) minibatches; its steady time is measured
 over the second half (`pdcli.schedule.simulator`)."""
@@ -59,6 +63,30 @@ class PlanEval:
     time_per_minibatch_ms: float
     replay: dict[str, Any] | None = None
     """How the time was replayed (runtime costs only): cores, minibatches."""
+
+
+def stage_predicted(st: StageEval) -> dict[str, Any]:
+    """A plan stage's `predicted`: its terms, its memory and (runtime costs) its per-action costs."""
+    predicted: dict[str, Any] = dict(st.terms)
+    predicted.update(dataclasses.asdict(st.memory))
+    if st.actions_ms is not None:
+        predicted[ACTIONS_KEY] = dict(st.actions_ms)
+    return predicted
+
+
+def pipeline_summary(batch_size: int, time_ms: float, data_parallel_ms: float, num_devices: int,
+                     devices_used: int, stages: Sequence[StageEval]) -> dict[str, Any]:
+    """A plan's `pipeline` keys every plan has (`pdcli.planner.plan.PIPELINE_KEYS`)."""
+    times = [st.terms["stage_time_ms"] for st in stages]
+    return {
+        "time_per_minibatch_ms": time_ms,
+        "throughput_samples_per_s": batch_size * MS_PER_S / time_ms if time_ms > 0 else 0.0,
+        "data_parallel_time_per_minibatch_ms": data_parallel_ms,
+        "speedup_over_data_parallel": data_parallel_ms / time_ms if time_ms > 0 else 1.0,
+        "num_devices": num_devices,
+        "num_devices_used": devices_used,
+        "bottleneck_stage": times.index(max(times)),
+    }
 
 
 def batch_scale(meta: dict, options: PlanOptions) -> float:

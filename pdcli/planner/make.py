@@ -6,7 +6,9 @@ import dataclasses
 from typing import Any
 
 from pdcli.errors import UserError
-from pdcli.planner.evaluate import ACTIONS_KEY, PlanEval, batch_scale, evaluate_pd, evaluate_pipedream
+from pdcli.planner.evaluate import (
+    REFINE_SHIFTS, PlanEval, batch_scale, evaluate_pd, evaluate_pipedream, pipeline_summary, stage_predicted,
+)
 from pdcli.planner.options import COST_PIPEDREAM, PlanOptions, search_memory_text
 from pdcli.planner.pipedream import pipedream_data_parallel_s, pipedream_search
 from pdcli.planner.plan import Plan, Stage
@@ -64,8 +66,6 @@ def _infeasible(space: SplitSpace, topology: Topology, options: PlanOptions, sca
     )
 
 
-REFINE_SHIFTS = (-2, -1, 1, 2)
-"""Positions a boundary of the search's plan is moved by when the replay refines it."""
 
 
 def refine_by_replay(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
@@ -210,10 +210,7 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
     names = {**cut_names(chain), **dict(steer.point_names)}
     stages = []
     for k, st in enumerate(result.stages):
-        predicted: dict[str, Any] = dict(st.terms)
-        predicted.update(dataclasses.asdict(st.memory))
-        if st.actions_ms is not None:
-            predicted[ACTIONS_KEY] = dict(st.actions_ms)
+        predicted = stage_predicted(st)
         stages.append(Stage(
             stage_id=k, start=st.start, end=st.end,
             first_node=chain.nodes[st.start].name, last_node=chain.nodes[st.end - 1].name,
@@ -221,17 +218,8 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
             replicas=st.replicas, ranks=st.ranks, predicted=predicted,
             split_point=names.get(st.start, "") if k > 0 else "",
         ))
-    time_ms = result.time_per_minibatch_ms
-    times = [s.terms["stage_time_ms"] for s in result.stages]
-    pipeline: dict[str, Any] = {
-        "time_per_minibatch_ms": time_ms,
-        "throughput_samples_per_s": options.batch_size * MS_PER_S / time_ms if time_ms > 0 else 0.0,
-        "data_parallel_time_per_minibatch_ms": data_parallel_ms,
-        "speedup_over_data_parallel": data_parallel_ms / time_ms if time_ms > 0 else 1.0,
-        "num_devices": topology.num_devices,
-        "num_devices_used": sum(s.replicas for s in stages),
-        "bottleneck_stage": times.index(max(times)),
-    }
+    pipeline = pipeline_summary(options.batch_size, result.time_per_minibatch_ms, data_parallel_ms,
+                                topology.num_devices, sum(s.replicas for s in stages), result.stages)
     if result.replay is not None:
         pipeline["replay"] = result.replay
     if unconstrained is not None:

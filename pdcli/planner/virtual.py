@@ -17,7 +17,9 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 from pdcli.errors import UserError
-from pdcli.planner.evaluate import ACTIONS_KEY, REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, batch_scale, evaluate_pd
+from pdcli.planner.evaluate import (
+    REFINE_SHIFTS, REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, batch_scale, evaluate_pd, pipeline_summary, stage_predicted,
+)
 from pdcli.planner.options import PlanOptions
 from pdcli.planner.plan import Plan, Stage
 from pdcli.planner.search import pd_search, runtime_of
@@ -29,9 +31,6 @@ from pdcli.schedule.actions import Backward, Forward, WeightGrads
 from pdcli.schedule.simulator import Simulation, StageCost, simulate
 from pdcli.schedule.spec import GPIPE, INTERLEAVED, LOOPED_BFS, ONE_F_ONE_B, ZBV
 
-MS_PER_S = 1000.0
-REFINE_SHIFTS = (-2, -1, 1, 2)
-"""Positions a chunk boundary of the search's partition is moved by when the replay refines it."""
 REFINE_MIN_GAIN = 1e-6
 """A moved cut is taken when its replay is faster by more than this fraction (not by rounding)."""
 STAND_INS = {INTERLEAVED: ONE_F_ONE_B, ZBV: ONE_F_ONE_B, LOOPED_BFS: GPIPE}
@@ -163,25 +162,13 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
               replay: dict[str, Any]) -> Plan:
     stages = []
     for k, st in enumerate(chunks.stages):
-        predicted: dict[str, Any] = dict(st.terms)
-        predicted.update(dataclasses.asdict(st.memory))
-        if st.actions_ms is not None:
-            predicted[ACTIONS_KEY] = dict(st.actions_ms)
+        predicted = stage_predicted(st)
         stages.append(Stage(stage_id=k, start=st.start, end=st.end, first_node=chain.nodes[st.start].name,
                             last_node=chain.nodes[st.end - 1].name, node_names=tuple(space.stage_members(st.start, st.end)),
                             replicas=1, ranks=(spec.stage_of_chunk(k),), predicted=predicted))
-    times = [st.terms["stage_time_ms"] for st in chunks.stages]
-    pipeline: dict[str, Any] = {
-        "time_per_minibatch_ms": time_ms,
-        "throughput_samples_per_s": options.batch_size * MS_PER_S / time_ms if time_ms > 0 else 0.0,
-        "data_parallel_time_per_minibatch_ms": data_parallel_ms,
-        "speedup_over_data_parallel": data_parallel_ms / time_ms if time_ms > 0 else 1.0,
-        "num_devices": topology.num_devices,
-        "num_devices_used": spec.num_stages,
-        "bottleneck_stage": times.index(max(times)),
-        "replay": replay,
-        "devices": device_rows,
-    }
+    pipeline = pipeline_summary(options.batch_size, time_ms, data_parallel_ms, topology.num_devices, spec.num_stages,
+                                chunks.stages)
+    pipeline.update(replay=replay, devices=device_rows)
     inputs: dict[str, Any] = {
         "cost_model": options.cost_model, "schedule": options.schedule, "num_microbatches": options.num_microbatches,
         "batch_size": options.batch_size, "topology": topology.to_json(),

@@ -262,3 +262,38 @@ def test_the_chosen_configuration_is_planned_as_pd_plan_plans_it_alone() -> None
     assert outcome.chosen.time_per_minibatch_ms < unrefined.chosen.time_per_minibatch_ms  # the refinement counted
     assert [(s.start, s.end, s.replicas) for s in outcome.chosen.plan.stages] == [
         (s.start, s.end, s.replicas) for s in alone.stages]
+
+
+def test_precision_is_searched_when_auto_and_priced_by_the_measured_step() -> None:
+    """`train.precision: auto` searches fp32 and bf16; bf16's times are the profiled ones times the
+    whole step's measured factor (`meta.precision_time`), its memory the half-width activations."""
+    from pdcli.profiler.batch_points import PRECISION_META, chain_at_precision
+
+    cfg = load_config(QUICKSTART, ["train.precision=auto"]).config
+    assert cfg.plan.search == ["train.precision"] and cfg.train.precision == "fp32"
+    plain = chain()
+    assert chain_at_precision(plain, "bf16") is plain  # not measured: as profiled
+    heavy = tuple(dataclasses.replace(n, parameter_bytes=10_000, activation_bytes=8_000_000,
+                                      backward_memory_bytes=8_000_000) for n in plain.nodes)  # activations dominate
+    c = dataclasses.replace(plain, nodes=heavy, meta={**plain.meta, PRECISION_META: {"fp32": 1.0, "bf16": 1.5}})
+    assert chain_at_precision(c, "bf16").nodes[2].fwd_ms == pytest.approx(1.5 * c.nodes[2].fwd_ms)
+    outcome = search(c, ConfigSpace(("gpipe",), (4,), (False,), (False,), ("fp32", "bf16")))
+    by = {p.config.precision: p for p in outcome.front}
+    assert set(by) == {"fp32", "bf16"}  # slower but smaller: both on the front
+    assert by["bf16"].time_per_minibatch_ms > by["fp32"].time_per_minibatch_ms
+    assert by["bf16"].peak_bytes < by["fp32"].peak_bytes
+    assert by["bf16"].plan.inputs["precision"] == "bf16" and outcome.chosen.config.precision == "fp32"
+
+
+def test_pd_profile_measures_what_the_search_prices(tmp_path: Path) -> None:
+    """With `num_microbatches` and `precision` searched, `pd profile` measures the layers at the
+    other microbatch sizes and the whole step under bf16 autocast."""
+    result = CliRunner().invoke(app, ["profile", QUICKSTART, f"run.root={tmp_path}", "profile.repeats=1",
+                                      "profile.warmup=0", "profile.runtime_probe=false",
+                                      "schedule.num_microbatches=auto", "train.precision=auto"])
+    assert result.exit_code == 0, result.output
+    meta = json.loads((tmp_path / "quickstart/profile.json").read_text())["meta"]
+    assert meta["precision_time"]["fp32"] == 1.0 and meta["precision_time"]["bf16"] > 0
+    points = meta["batch_points"]
+    assert points["rows"] and all(len(row) == len(points["fwd_ms"][0]) for row in points["fwd_ms"])
+    assert all(t > 0 for row in points["fwd_ms"] for t in row)

@@ -80,7 +80,7 @@ def plan(
     fmt: FormatOpt = "text",
     run_name: RunNameOpt = None,
     fail_on_regression: Annotated[Optional[float], typer.Option("--fail-on-regression", help="diff: exit 1 only if predicted throughput drops by more than PCT percent.")] = None,
-    pareto: Annotated[bool, typer.Option("--pareto", help="Search the schedule, microbatches and recompute with the partition (as schedule.name=auto schedule.num_microbatches=auto train.recompute=auto, except what the command line fixes) and print the Pareto front of time, memory and staleness.")] = False,
+    pareto: Annotated[bool, typer.Option("--pareto", help="Search the schedule, microbatches, recompute and precision with the partition (as schedule.name=auto schedule.num_microbatches=auto train.recompute=auto train.precision=auto, except what the command line fixes) and print the Pareto front of time, memory and staleness.")] = False,
     calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Refit the runtime's costs from this trained run directory (its trace.json), keep them in the run's calibration.json, and re-plan.")] = None,
 ) -> None:
     """Plan stages and replication: `pd plan RECIPE --gpus 8`, `pd plan --profile graph.txt --gpus 16`, `pd plan diff A B`."""
@@ -128,7 +128,7 @@ def plan(
 
 
 def pareto_overrides(args: list[str]) -> list[str]:
-    """`--pareto`: every field `plan.search` takes (the schedule's name, microbatches, recompute)
+    """`--pareto`: every field `plan.search` takes (the schedule's name, microbatches, recompute, precision)
     left to the planner, except those the command line sets."""
     from pdcli.config.schema import SEARCHABLE
 

@@ -316,9 +316,9 @@ AUTO_STAND_IN_MICROBATCHES = 4
 
 def _auto_to_search(merged: Any, sources: dict[str, str]) -> None:
     """`schedule.name: auto`, `schedule.num_microbatches: auto` and `train.recompute: auto` hand the
-    field to the planner: it joins `plan.search`, and the field takes a stand-in value the
-    profile's runtime probe runs with (pipedream; the largest divisor of the minibatch up to
-    AUTO_STAND_IN_MICROBATCHES; no recompute).
+    field to the planner (`train.precision: auto` too): it joins `plan.search`, and the field takes
+    a stand-in value the profile's runtime probe runs with (pipedream; the largest divisor of the
+    minibatch up to AUTO_STAND_IN_MICROBATCHES; no recompute; fp32).
     `pd plan` picks the value; `pd train` runs the plan's."""
     searched = [str(key) for key in OmegaConf.select(merged, "plan.search", default=None) or []]
     batch = OmegaConf.select(merged, "data.batch_size", default=None)
@@ -327,6 +327,7 @@ def _auto_to_search(merged: Any, sources: dict[str, str]) -> None:
         "schedule.num_microbatches": max((m for m in range(1, AUTO_STAND_IN_MICROBATCHES + 1)
                                           if isinstance(batch, int) and batch > 0 and batch % m == 0), default=1),
         "train.recompute": False,
+        "train.precision": "fp32",
     }
     for key, stand_in in stand_ins.items():
         if OmegaConf.select(merged, key, default=None) != AUTO:

@@ -141,7 +141,8 @@ class PlanConfig:
     """Fix the replicas of each stage (e.g. [3, 1]: one entry per stage); null = search."""
     search: List[str] = field(default_factory=list)
     """Fields the planner chooses jointly with the partition (`schedule.name`,
-    `schedule.num_microbatches`, `train.recompute`): a recipe asks for it by setting them to `auto`."""
+    `schedule.num_microbatches`, `train.recompute`, `train.precision`): a recipe asks for it by
+    setting them to `auto`."""
     objective: str = "throughput"
     """Which point of the searched configurations' Pareto front `pd plan` picks: `throughput`
     (least time per minibatch) or `memory` (least peak memory of a device)."""
@@ -297,7 +298,7 @@ class Config:
         return self.data.batch_size // self.schedule.num_microbatches
 
 
-SEARCHABLE = ("schedule.name", "schedule.num_microbatches", "train.recompute")
+SEARCHABLE = ("schedule.name", "schedule.num_microbatches", "train.recompute", "train.precision")
 """Config fields `auto` hands to the planner (`plan.search`)."""
 PLAN_OBJECTIVES = ("throughput", "memory")
 

@@ -22,6 +22,7 @@ from pdcli.planner.options import PlanOptions
 from pdcli.planner.plan import Plan, round_float
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
+from pdcli.profiler.batch_points import chain_at_precision
 from pdcli.profiler.chain import Chain
 from pdcli.schedule import ScheduleSpec
 from pdcli.schedule.spec import (
@@ -36,6 +37,8 @@ lists (`pdcli.planner.virtual`), which every configuration of such a profile pay
 PipeDream graph.txt on 16 devices would spend seconds replaying each."""
 AUTO_VIRTUAL_STAGES = 2
 """Chunks per device the search gives the chunked schedules (interleaved, loopedbfs, zbv)."""
+SEARCHED_PRECISIONS = ("fp32", "bf16")
+"""What `train.precision: auto` searches (bf16 priced by `meta.precision_time`)."""
 MAX_AUTO_MICROBATCHES = 32
 """`schedule.num_microbatches: auto` searches the divisors of the minibatch up to this many."""
 
@@ -49,12 +52,14 @@ class Configuration:
     split_backward: bool
     recompute: bool = False
     virtual_stages: int = 1
+    precision: str = "fp32"
 
     def label(self) -> str:
         chunks = f" x{self.virtual_stages} chunks" if self.virtual_stages > 1 else ""
         split = " (split backward)" if self.split_backward else ""
         recompute = ", recompute" if self.recompute else ""
-        return f"{self.schedule}{chunks}{split}, M={self.num_microbatches}{recompute}"
+        precision = f", {self.precision}" if self.precision != "fp32" else ""
+        return f"{self.schedule}{chunks}{split}, M={self.num_microbatches}{recompute}{precision}"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -69,6 +74,7 @@ class ConfigSpace:
     split_backward: tuple[bool, ...]
     """Tried for the flush schedules; the others never split."""
     recompute: tuple[bool, ...] = (False,)
+    precisions: tuple[str, ...] = ("fp32",)
 
     def configurations(self) -> list[Configuration]:
         """Every combination the schedules' rules take (`virtual_problems`: zbv splits its backward)."""
@@ -81,12 +87,14 @@ class ConfigSpace:
                     if virtual_problems(schedule, v, split, m):
                         continue
                     for recompute in self.recompute:
-                        out.append(Configuration(schedule, m, split, recompute, v))
+                        for precision in self.precisions:
+                            out.append(Configuration(schedule, m, split, recompute, v, precision))
         return out
 
     def to_json(self) -> dict[str, Any]:
         return {"schedules": list(self.schedules), "num_microbatches": list(self.microbatches),
-                "split_backward": list(self.split_backward), "recompute": list(self.recompute)}
+                "split_backward": list(self.split_backward), "recompute": list(self.recompute),
+                "precisions": list(self.precisions)}
 
 
 def auto_microbatches(batch_size: int, limit: int = MAX_AUTO_MICROBATCHES) -> tuple[int, ...]:
@@ -172,18 +180,19 @@ def search_points(chain_at: Callable[[int], Chain], topology: Topology, base: Pl
     memory, or the schedule's rules refuse it, e.g. interleaved's microbatches not a multiple of
     the devices): `chain_at(rows)` is the profile priced at a microbatch of `rows` samples."""
     points, refused = [], 0
-    chains: dict[int, tuple[Chain, SplitSpace]] = {}
+    chains: dict[tuple[int, str], tuple[Chain, SplitSpace]] = {}
     for config in space.configurations():
         rows = base.batch_size // config.num_microbatches
-        if rows not in chains:
-            chain = chain_at(rows)
-            chains[rows] = (chain, SplitSpace.from_chain(chain))
+        key = (rows, config.precision)
+        if key not in chains:
+            chain = chain_at_precision(chain_at(rows), config.precision)
+            chains[key] = (chain, SplitSpace.from_chain(chain))
         options = dataclasses.replace(base, schedule=config.schedule, num_microbatches=config.num_microbatches,
                                       split_backward=config.split_backward, recompute=config.recompute,
-                                      virtual_stages=config.virtual_stages,
+                                      virtual_stages=config.virtual_stages, precision=config.precision,
                                       vertical_sync=base.vertical_sync and config.schedule == PIPEDREAM)
         try:
-            chain, split_space = chains[rows]
+            chain, split_space = chains[key]
             points.append(_point(config, plan_chain(chain, topology, options, split_space)))
         except UserError:
             refused += 1
@@ -227,7 +236,8 @@ def search_configuration(chain_at: Callable[[int], Chain], topology: Topology, b
     if base.refine:  # the chosen configuration planned as `pd plan` would plan it alone
         refined, _ = search_points(chain_at, topology, base, dataclasses.replace(
             space, schedules=(chosen.config.schedule,), microbatches=(chosen.config.num_microbatches,),
-            split_backward=(chosen.config.split_backward,), recompute=(chosen.config.recompute,)))
+            split_backward=(chosen.config.split_backward,), recompute=(chosen.config.recompute,),
+            precisions=(chosen.config.precision,)))
         if refined and refined[0].time_per_minibatch_ms <= chosen.time_per_minibatch_ms:
             front = [refined[0] if p is chosen else p for p in front]
             chosen = refined[0]

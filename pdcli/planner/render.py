@@ -155,7 +155,8 @@ def render_front(plan_json: dict[str, Any], fmt: str = "text") -> str:
         rows.append([
             CHOSEN_MARK if k == search["chosen"] else "",
             row["schedule"] + (f" x{row['virtual_stages']}" if row.get("virtual_stages", 1) > 1 else "")
-            + (" (split bwd)" if row["split_backward"] else "") + (", recompute" if row.get("recompute") else ""),
+            + (" (split bwd)" if row["split_backward"] else "") + (", recompute" if row.get("recompute") else "")
+            + (f", {row['precision']}" if row.get("precision", "fp32") != "fp32" else ""),
             row["num_microbatches"], shape, round(row["throughput_samples_per_s"]), row["time_per_minibatch_ms"],
             format_bytes(row["peak_bytes"]), row["staleness"],
         ])

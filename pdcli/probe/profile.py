@@ -95,6 +95,26 @@ def batch_point_rows(cfg: Config) -> list[int]:
     return point_rows(cfg.data.batch_size, auto_microbatches(cfg.data.batch_size), profile_batch_size(cfg))
 
 
+def precision_time_ratios(model: torch.nn.Module, batch: object, loss_fn: object, device: torch.device,
+                          warmup: int, repeats: int) -> dict[str, float]:
+    """The whole model's training step under each of SEARCHED_PRECISIONS' autocast, as a
+    factor on its fp32 time (`meta.precision_time`)."""
+    from pdcli.planner.pareto import SEARCHED_PRECISIONS
+    from pdcli.profiler.clock import Clock
+    from pdcli.profiler.measure import time_step
+
+    inputs = tuple(t.to(device) for t in batch.inputs)  # type: ignore[attr-defined]
+    target = batch.target.to(device)  # type: ignore[attr-defined]
+    clock = Clock(device)
+    model.to(device).train()
+    fp32 = time_step(model, inputs, target, loss_fn, clock, warmup, repeats)  # type: ignore[arg-type]
+    out = {"fp32": 1.0}
+    for precision in SEARCHED_PRECISIONS[1:]:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out[precision] = time_step(model, inputs, target, loss_fn, clock, warmup, repeats) / fp32  # type: ignore[arg-type]
+    return out
+
+
 def profile_config(
     cfg: Config, device: torch.device, num_threads: int | None, config_hash: str, progress: bool = True
 ) -> Chain:
@@ -140,6 +160,11 @@ def profile_config(
                 points[size] = profile_model(build_model(cfg.model), batch, build_loss(cfg.model.loss), device,
                                              warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, progress=False)
             chain.meta[BATCH_POINTS_META] = batch_points_json(points)
+        if "train.precision" in cfg.plan.search:
+            from pdcli.profiler.batch_points import PRECISION_META
+
+            chain.meta[PRECISION_META] = precision_time_ratios(model, batch, build_loss(cfg.model.loss), device,
+                                                               cfg.profile.warmup, cfg.profile.repeats)
         if cfg.profile.runtime_probe:
             from pdcli.planner.runtime_costs import RUNTIME_META
             from pdcli.probe.runtime import probe_pipeline, probe_runtime

@@ -23,6 +23,9 @@ from typing import Any, Sequence
 from pdcli.profiler.chain import Chain
 
 BATCH_POINTS_META = "batch_points"
+PRECISION_META = "precision_time"
+"""`meta.precision_time`: the whole model's training step under each precision's autocast, as a
+factor on the profiled (fp32) time (`pd profile` measures it when `train.precision` is searched)."""
 TIME_FIELDS = ("fwd_ms", "bwd_ms", "wgrad_ms")
 
 
@@ -66,6 +69,16 @@ def chain_at_rows(chain: Chain, rows: int) -> Chain:
         values = {f: interpolate(xs, [table[x][f][i] for x in xs], rows) * own / rows for f in TIME_FIELDS}
         nodes.append(dataclasses.replace(node, **values))
     return dataclasses.replace(chain, nodes=tuple(nodes))
+
+
+def chain_at_precision(chain: Chain, precision: str) -> Chain:
+    """`chain` priced at `precision`: every position's times by the whole step's measured factor
+    (unchanged for a precision the profile did not measure, and fp32)."""
+    factor = (chain.meta.get(PRECISION_META) or {}).get(precision)
+    if not factor or factor == 1.0:
+        return chain
+    nodes = tuple(dataclasses.replace(n, **{f: float(getattr(n, f)) * factor for f in TIME_FIELDS}) for n in chain.nodes)
+    return dataclasses.replace(chain, nodes=nodes)
 
 
 def point_rows(batch_size: int, microbatches: Sequence[int], profiled: int, most: int = 4) -> list[int]:

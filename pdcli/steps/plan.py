@@ -117,8 +117,10 @@ def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str
 def config_space(cfg: Config, chain: Chain) -> Any:
     """What `plan.search` leaves to the planner: every searched schedule (split backward on and
     off for the flush ones unless `schedule.split_backward` is set; the chunked ones when
-    `chain` has the runtime's costs), microbatch count and recompute on and off."""
-    from pdcli.planner.pareto import CHUNKED_SCHEDULES, SEARCHED_SCHEDULES, ConfigSpace, auto_microbatches
+    `chain` has the runtime's costs), microbatch count, recompute on and off, and precision."""
+    from pdcli.planner.pareto import (
+        CHUNKED_SCHEDULES, SEARCHED_PRECISIONS, SEARCHED_SCHEDULES, ConfigSpace, auto_microbatches,
+    )
     from pdcli.planner.runtime_costs import RuntimeCosts
 
     searched = set(cfg.plan.search)
@@ -132,7 +134,8 @@ def config_space(cfg: Config, chain: Chain) -> Any:
     microbatches = (auto_microbatches(cfg.data.batch_size) if "schedule.num_microbatches" in searched
                     else (cfg.schedule.num_microbatches,))
     recompute = (False, True) if "train.recompute" in searched else (cfg.train.recompute,)
-    return ConfigSpace(tuple(schedules), microbatches, splits, recompute)
+    precisions = SEARCHED_PRECISIONS if "train.precision" in searched else (cfg.train.precision,)
+    return ConfigSpace(tuple(schedules), microbatches, splits, recompute, tuple(precisions))
 
 
 def search_plan(chain: Chain, cfg: Config, profile_sha256: str | None, topology: Any) -> Any:
@@ -157,7 +160,8 @@ def config_of_plan(cfg: Config, plan: dict[str, Any]) -> Config:
     if schedule.name != "pipedream":
         schedule = dataclasses.replace(schedule, vertical_sync=False)
     schedule = dataclasses.replace(schedule, virtual_stages=int(inputs.get("virtual_stages", 1)))
-    train = dataclasses.replace(cfg.train, recompute=bool(inputs.get("recompute", False)))
+    train = dataclasses.replace(cfg.train, recompute=bool(inputs.get("recompute", False)),
+                                precision=str(inputs.get("precision", "fp32")))
     return dataclasses.replace(cfg, schedule=schedule, train=train)
 
 

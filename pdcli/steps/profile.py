@@ -53,6 +53,8 @@ def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | No
     rows = batch_point_rows(cfg)
     if rows:  # `meta.batch_points`
         section["batch_points"] = rows
+    if "train.precision" in cfg.plan.search:  # `meta.precision_time`
+        section["precision_time"] = True
     if cfg.profile.runtime_probe:  # the probe runs the schedule's microbatches as training will
         section["probe"] = {"num_microbatches": cfg.schedule.num_microbatches, "precision": cfg.train.precision,
                             "recompute": cfg.train.recompute, "seed": cfg.train.seed}

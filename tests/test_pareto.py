@@ -297,3 +297,13 @@ def test_pd_profile_measures_what_the_search_prices(tmp_path: Path) -> None:
     points = meta["batch_points"]
     assert points["rows"] and all(len(row) == len(points["fwd_ms"][0]) for row in points["fwd_ms"])
     assert all(t > 0 for row in points["fwd_ms"] for t in row)
+
+
+def test_a_precision_the_profile_did_not_measure_is_not_searched() -> None:
+    from pdcli.profiler.batch_points import PRECISION_META
+    from pdcli.steps.plan import config_space
+
+    cfg = load_config(QUICKSTART, ["train.precision=auto"]).config
+    assert config_space(cfg, chain()).precisions == ("fp32",)  # a graph.txt, or a profile made before
+    measured = dataclasses.replace(chain(), meta={**chain().meta, PRECISION_META: {"fp32": 1.0, "bf16": 2.0}})
+    assert config_space(cfg, measured).precisions == ("fp32", "bf16")

@@ -117,11 +117,13 @@ def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str
 def config_space(cfg: Config, chain: Chain) -> Any:
     """What `plan.search` leaves to the planner: every searched schedule (split backward on and
     off for the flush ones unless `schedule.split_backward` is set; the chunked ones when
-    `chain` has the runtime's costs), microbatch count, recompute on and off, and precision."""
+    `chain` has the runtime's costs), microbatch count, recompute on and off, and the precisions
+    `chain` measured (`meta.precision_time`)."""
     from pdcli.planner.pareto import (
         CHUNKED_SCHEDULES, SEARCHED_PRECISIONS, SEARCHED_SCHEDULES, ConfigSpace, auto_microbatches,
     )
     from pdcli.planner.runtime_costs import RuntimeCosts
+    from pdcli.profiler.batch_points import PRECISION_META
 
     searched = set(cfg.plan.search)
     name_free = "schedule.name" in searched
@@ -134,7 +136,9 @@ def config_space(cfg: Config, chain: Chain) -> Any:
     microbatches = (auto_microbatches(cfg.data.batch_size) if "schedule.num_microbatches" in searched
                     else (cfg.schedule.num_microbatches,))
     recompute = (False, True) if "train.recompute" in searched else (cfg.train.recompute,)
-    precisions = SEARCHED_PRECISIONS if "train.precision" in searched else (cfg.train.precision,)
+    measured = chain.meta.get(PRECISION_META) or {}  # a precision the profile cannot price is not searched
+    precisions = (tuple(p for p in SEARCHED_PRECISIONS if p in measured) or (cfg.train.precision,)
+                  if "train.precision" in searched else (cfg.train.precision,))
     return ConfigSpace(tuple(schedules), microbatches, splits, recompute, tuple(precisions))
 
 

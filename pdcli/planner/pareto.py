@@ -221,9 +221,10 @@ def search_configuration(chain_at: Callable[[int], Chain], topology: Topology, b
     """The front of `space` and the point `objective` chooses within `max_staleness`; a
     UserError naming the limit when nothing fits. Every configuration is priced without the
     replay's refinement (`PlanOptions.refine`), the chosen one is then planned with it."""
-    points, refused = search_points(chain_at, topology, dataclasses.replace(base, refine=False), space)
+    unrefined = dataclasses.replace(base, refine=False)
+    points, refused = search_points(chain_at, topology, unrefined, space)
     if not points:
-        raise _nothing_fits(chain_at, topology, base, space)
+        raise _nothing_fits(chain_at, topology, unrefined, space)
     allowed = [p for p in points if max_staleness is None or p.staleness <= max_staleness]
     if not allowed:
         least = min(p.staleness for p in points)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from pdcli.errors import UserError
 from pdcli.host import host_cores
 from pdcli.profiler.chain import Chain
 from pdcli.torchutil.threads import torch_threads
+
+if TYPE_CHECKING:  # the profiler's modules are imported when measuring
+    from pdcli.profiler.measure import BatchLike, LossFn
 
 PROFILE_BATCH_INDEX = 0
 """The profile measures batch 0 of the configured data stream."""
@@ -61,8 +65,6 @@ def cpu_threads_per_worker(cfg: Config) -> int:
 PIPELINE_PROBE_ENV = "PD_PIPELINE_PROBE"
 """`0` turns the pipeline probe off whatever `profile.pipeline_probe_minibatches` says (quick
 test loops; the in-process probe still runs)."""
-
-
 PROBE_SECONDS_ENV = "PD_PROBE_SECONDS"
 """`0` makes the probes run their minibatch counts only, whatever `profile.probe_seconds` and
 `profile.pipeline_probe_seconds` say (quick test loops)."""
@@ -82,8 +84,6 @@ def pipeline_probe_minibatches(cfg: Config) -> int:
     return 0 if os.environ.get(PIPELINE_PROBE_ENV) == "0" else cfg.profile.pipeline_probe_minibatches
 
 
-
-
 def batch_point_rows(cfg: Config) -> list[int]:
     """Microbatch sizes measured besides the profiled one (`meta.batch_points`): those a search
     over `schedule.num_microbatches` (`plan.search`) needs to interpolate every count it tries."""
@@ -95,24 +95,24 @@ def batch_point_rows(cfg: Config) -> list[int]:
     return point_rows(cfg.data.batch_size, auto_microbatches(cfg.data.batch_size), profile_batch_size(cfg))
 
 
-def precision_time_ratios(model: torch.nn.Module, batch: object, loss_fn: object, device: torch.device,
+def precision_time_ratios(model: torch.nn.Module, batch: BatchLike, loss_fn: LossFn, device: torch.device,
                           warmup: int, repeats: int) -> dict[str, float]:
-    """The whole model's training step under each of SEARCHED_PRECISIONS' autocast, as a
-    factor on its fp32 time (`meta.precision_time`)."""
+    """The whole model's training step at each of SEARCHED_PRECISIONS (under its autocast, as the
+    runtime runs it), as a factor on its fp32 time (`meta.precision_time`)."""
     from pdcli.planner.pareto import SEARCHED_PRECISIONS
     from pdcli.profiler.clock import Clock
     from pdcli.profiler.measure import time_step
+    from pdcli.torchutil.precision import autocast
 
-    inputs = tuple(t.to(device) for t in batch.inputs)  # type: ignore[attr-defined]
-    target = batch.target.to(device)  # type: ignore[attr-defined]
+    inputs = tuple(t.to(device) for t in batch.inputs)
+    target = batch.target.to(device)
     clock = Clock(device)
     model.to(device).train()
-    fp32 = time_step(model, inputs, target, loss_fn, clock, warmup, repeats)  # type: ignore[arg-type]
-    out = {"fp32": 1.0}
-    for precision in SEARCHED_PRECISIONS[1:]:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            out[precision] = time_step(model, inputs, target, loss_fn, clock, warmup, repeats) / fp32  # type: ignore[arg-type]
-    return out
+    times = {}
+    for precision in SEARCHED_PRECISIONS:
+        with autocast(precision, device.type):
+            times[precision] = time_step(model, inputs, target, loss_fn, clock, warmup, repeats)
+    return {precision: ms / times["fp32"] for precision, ms in times.items()}
 
 
 def profile_config(
@@ -155,9 +155,9 @@ def profile_config(
             points = {}
             for size in rows:
                 torch.manual_seed(cfg.train.seed)
-                batch = build_data(cfg.data, size).batch(PROFILE_BATCH_INDEX)
-                batch = Batch(inputs=tuple(t[:size] for t in batch.inputs), target=batch.target[:size])
-                points[size] = profile_model(build_model(cfg.model), batch, build_loss(cfg.model.loss), device,
+                sized = build_data(cfg.data, size).batch(PROFILE_BATCH_INDEX)
+                sized = Batch(inputs=tuple(t[:size] for t in sized.inputs), target=sized.target[:size])
+                points[size] = profile_model(build_model(cfg.model), sized, build_loss(cfg.model.loss), device,
                                              warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, progress=False)
             chain.meta[BATCH_POINTS_META] = batch_points_json(points)
         if "train.precision" in cfg.plan.search:

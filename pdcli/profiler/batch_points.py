@@ -35,13 +35,6 @@ def batch_points_json(points: dict[int, Chain]) -> dict[str, Any]:
     return {"rows": rows, **{f: [[float(getattr(n, f)) for n in points[r].nodes] for r in rows] for f in TIME_FIELDS}}
 
 
-def measured_rows(chain: Chain) -> list[int]:
-    """The batch sizes the chain's times were measured at (its own and `meta.batch_points`)."""
-    own = chain.meta.get("batch_size")
-    points = chain.meta.get(BATCH_POINTS_META) or {}
-    return sorted({*(int(r) for r in points.get("rows", [])), *([int(own)] if own else [])})
-
-
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """y at x, piecewise linear through the sorted points (xs, ys); outside them, proportional
     to x from the nearest point (the linear batch scale of a single measurement)."""
@@ -83,8 +76,8 @@ def chain_at_precision(chain: Chain, precision: str) -> Chain:
 
 def point_rows(batch_size: int, microbatches: Sequence[int], profiled: int, most: int = 4) -> list[int]:
     """Microbatch sizes to measure besides `profiled` so that every count in `microbatches`
-    interpolates: the smallest and the largest, and between them up to `most` in all,
-    spread evenly on a log scale."""
+    interpolates: the smallest and the largest, and between them up to `most` in all, evenly
+    spaced in the sorted list of sizes (the divisors of a power of two: evenly on a log scale)."""
     sizes = sorted({batch_size // m for m in microbatches if batch_size % m == 0})
     if len(sizes) <= most:
         chosen = sizes

@@ -40,6 +40,7 @@ from pdcli.runtime.update import UpdateRule, set_lr
 from pdcli.runtime.watchdog import FAULT_ENV, Heartbeat, inject_fault, parse_fault
 from pdcli.runtime.weights import WeightVersions
 from pdcli.torchutil.optim import step_out_of_place, supports_out_of_place
+from pdcli.torchutil.precision import autocast
 from pdcli.torchutil.wgrad import DeferredWeightGrads
 
 RECV_LOOKAHEAD_ACTIONS = 16
@@ -279,10 +280,7 @@ class Executor(ActionLoop):
 
     # ---- forward / backward ------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.ctx.precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.ctx.precision == "bf16" else torch.float16
-        return torch.autocast(self.ctx.device.type, dtype=dtype)
+        return autocast(self.ctx.precision, self.ctx.device.type)
 
     def _inputs(self, mb: int) -> dict[str, Tensor]:
         io = self.ctx.io

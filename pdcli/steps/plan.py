@@ -136,10 +136,11 @@ def config_space(cfg: Config, chain: Chain) -> Any:
     microbatches = (auto_microbatches(cfg.data.batch_size) if "schedule.num_microbatches" in searched
                     else (cfg.schedule.num_microbatches,))
     recompute = (False, True) if "train.recompute" in searched else (cfg.train.recompute,)
-    measured = chain.meta.get(PRECISION_META) or {}  # a precision the profile cannot price is not searched
-    precisions = (tuple(p for p in SEARCHED_PRECISIONS if p in measured) or (cfg.train.precision,)
-                  if "train.precision" in searched else (cfg.train.precision,))
-    return ConfigSpace(tuple(schedules), microbatches, splits, recompute, tuple(precisions))
+    precisions: tuple[str, ...] = (cfg.train.precision,)
+    if "train.precision" in searched:  # a precision the profile cannot price is not searched
+        measured = chain.meta.get(PRECISION_META) or {}
+        precisions = tuple(p for p in SEARCHED_PRECISIONS if p in measured) or precisions
+    return ConfigSpace(tuple(schedules), microbatches, splits, recompute, precisions)
 
 
 def search_plan(chain: Chain, cfg: Config, profile_sha256: str | None, topology: Any) -> Any:
@@ -157,13 +158,14 @@ def config_of_plan(cfg: Config, plan: dict[str, Any]) -> Config:
     """`cfg` with the fields `plan.search` left to the planner set to the plan's choice."""
     if not cfg.plan.search:
         return cfg
+    from pdcli.schedule.spec import PIPEDREAM
+
     inputs = plan["inputs"]
-    schedule = dataclasses.replace(cfg.schedule, name=str(inputs["schedule"]),
-                                   num_microbatches=int(inputs["num_microbatches"]),
-                                   split_backward=bool(inputs.get("split_backward", False)))
-    if schedule.name != "pipedream":
-        schedule = dataclasses.replace(schedule, vertical_sync=False)
-    schedule = dataclasses.replace(schedule, virtual_stages=int(inputs.get("virtual_stages", 1)))
+    name = str(inputs["schedule"])
+    schedule = dataclasses.replace(cfg.schedule, name=name, num_microbatches=int(inputs["num_microbatches"]),
+                                   split_backward=bool(inputs.get("split_backward", False)),
+                                   vertical_sync=cfg.schedule.vertical_sync and name == PIPEDREAM,
+                                   virtual_stages=int(inputs.get("virtual_stages", 1)))
     train = dataclasses.replace(cfg.train, recompute=bool(inputs.get("recompute", False)),
                                 precision=str(inputs.get("precision", "fp32")))
     return dataclasses.replace(cfg, schedule=schedule, train=train)

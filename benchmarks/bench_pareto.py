@@ -20,7 +20,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +29,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _bench_common import BenchFailed, run_bounded, stderr_tail  # noqa: E402
+from _bench_common import BenchFailed  # noqa: E402
+from _trained import pd_command, run_cases, steady_ms  # noqa: E402
 from bench_prediction import RUNTIME_SHAPE  # noqa: E402
 
 from pdcli.planner import Topology, plan_chain  # noqa: E402
 from pdcli.planner.evaluate import plan_options_of  # noqa: E402
 from pdcli.profiler.batch_points import chain_at_rows  # noqa: E402
 from pdcli.profiler.chain import Chain  # noqa: E402
-from pdcli.report import ReplanCommands, make_report  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
 
 OUT = REPO / "runs" / "benchmarks" / "pareto.json"
-PD = Path(sys.executable).parent / "pd"
 TIMEOUT_S = 900.0
 Point = tuple[str, int, bool, bool, tuple[int, ...], tuple[int, ...]]
 """(schedule, microbatches, split backward, recompute, boundaries, replicas)."""
@@ -56,13 +54,6 @@ CASES: dict[str, tuple[str, tuple[str, ...], int, tuple[Point, ...]]] = {
 """Case -> (recipe, overrides, minibatches per run, configurations trained besides the front's):
 the runtime shape's are the ones issue 19 measured by hand (pipedream 1 x 256 and 8 x 32
 rows, 1f1b 4 x 64 and 8 x 32)."""
-
-
-def pd(*args: str) -> str:
-    code, out, err = run_bounded([str(PD), *args], TIMEOUT_S)
-    if code != 0:
-        raise BenchFailed(f"pd {args[0]} exit status {code}: {stderr_tail(err)}")
-    return out
 
 
 def point_of(row: dict[str, Any]) -> Point:
@@ -85,8 +76,8 @@ def label(point: Point) -> str:
 
 
 def front_of(recipe: Path, root: Path, name: str, extra: tuple[str, ...], *more: str) -> dict[str, Any]:
-    out = pd("plan", str(recipe), f"run.root={root}", f"run.name={name}-plan", *extra, *more,
-             "--pareto", "--format", "json")
+    out = pd_command("plan", str(recipe), f"run.root={root}", f"run.name={name}-plan", *extra, *more,
+                     "--pareto", "--format", "json", timeout_s=TIMEOUT_S)
     return json.loads(out)
 
 
@@ -101,14 +92,6 @@ def predict(plan_dir: Path, point: Point) -> float:
                                   memory_bytes_per_device=plan["inputs"].get("memory_bytes_per_device"))
     topology = Topology.from_levels(plan["inputs"]["topology"]["levels"])
     return plan_chain(chain_at_rows(chain, options.batch_size // m), topology, options).time_per_minibatch_ms
-
-
-def measure(recipe: Path, root: Path, name: str, steps: int, point: Point, extra: tuple[str, ...]) -> float:
-    overrides = [f"run.root={root}", f"run.name={name}", f"train.steps={steps}",
-                 f"train.log_every={max(1, steps // 4)}", *extra, *overrides_of(point)]
-    pd("train", str(recipe), *overrides)
-    c = make_report(root / name, ReplanCommands(str(recipe), tuple(overrides)), 25.0, charts=False).comparison
-    return c.measured.steady_time_per_minibatch_ms or c.measured.time_per_minibatch_ms
 
 
 def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:
@@ -130,7 +113,8 @@ def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:
         for k, point in enumerate(trained):
             print(f"{name}: {label(point)}, round {round_index + 1} ...", file=sys.stderr, flush=True)
             try:
-                measured[point].append(measure(recipe, root, f"{name}-{k}", steps, point, extra))
+                measured[point].append(steady_ms(recipe, root, f"{name}-{k}", steps, [*extra, *overrides_of(point)],
+                                                 TIMEOUT_S))
             except BenchFailed as e:
                 print(f"  failed: {e}", file=sys.stderr)
     medians = {p: statistics.median(v) for p, v in measured.items() if v}
@@ -157,13 +141,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--top", type=int, default=3, help="front points trained per case (chosen ones included)")
     args = parser.parse_args()
-    results = []
-    with tempfile.TemporaryDirectory(prefix="pd-bench-pareto-") as tmp:
-        for name in args.cases:
-            try:
-                results.append(run_case(name, args.rounds, args.top, Path(tmp)))
-            except BenchFailed as e:
-                results.append({"case": name, "error": str(e)})
+    results = run_cases(args.cases, "pd-bench-pareto-", lambda name, root: run_case(name, args.rounds, args.top, root))
     for r in results:
         if "error" in r:
             print(f"\n{r['case']}: failed: {r['error']}")

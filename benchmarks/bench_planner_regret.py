@@ -24,7 +24,6 @@ import itertools
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -34,17 +33,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _bench_common import BenchFailed, run_bounded, stderr_tail  # noqa: E402
+from _trained import pd_command, run_cases, steady_ms  # noqa: E402
 
 from pdcli.planner.evaluate import batch_scale, evaluate_pd, plan_options_of  # noqa: E402
 from pdcli.planner.space import SplitSpace  # noqa: E402
 from pdcli.planner.topology import Topology  # noqa: E402
 from pdcli.profiler.chain import Chain  # noqa: E402
-from pdcli.report import ReplanCommands, make_report  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
 
 OUT = REPO / "runs" / "benchmarks" / "planner_regret.json"
-PD = Path(sys.executable).parent / "pd"
 CASES: dict[str, tuple[str, int, bool, tuple[str, ...]]] = {
     "quickstart-splits": ("quickstart", 600, True, ()),
     "gpt": ("gpt", 100, False, ()),
@@ -55,12 +52,6 @@ a timed second half of about 2 s (the same plan's half-second windows moved 5-12
 TIMEOUT_S = 300.0
 Config = tuple[tuple[int, int, int], ...]
 """(start, end, replicas) per stage."""
-
-
-def pd(*args: str) -> None:
-    code, _, err = run_bounded([str(PD), *args], TIMEOUT_S)
-    if code != 0:
-        raise BenchFailed(f"pd {args[0]} exit status {code}: {stderr_tail(err)}")
 
 
 def configurations(n: int, devices: int, num_microbatches: int) -> Iterator[Config]:
@@ -100,20 +91,12 @@ def predict_all(run_dir: Path, every_split: bool) -> tuple[dict[Config, float], 
     return predicted, pick
 
 
-def measure(recipe: Path, run_root: Path, name: str, steps: int, config: Config, extra: tuple[str, ...]) -> float:
-    overrides = [f"run.root={run_root}", f"run.name={name}", f"train.steps={steps}",
-                 f"train.log_every={max(1, steps // 4)}", *extra, *overrides_of(config)]
-    pd("train", str(recipe), *overrides)
-    c = make_report(run_root / name, ReplanCommands(str(recipe), tuple(overrides)), 25.0, charts=False).comparison
-    return c.measured.steady_time_per_minibatch_ms or c.measured.time_per_minibatch_ms
-
-
 def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:
     recipe_name, steps, every_split, extra = CASES[name]
     recipe = REPO / "recipes" / f"{recipe_name}.yaml"
     # profile (with the runtime probe) and the pick; the stage count is the planner's too
-    pd("plan", str(recipe), f"run.root={root}", f"run.name={name}", *extra,
-       *([] if every_split else ["plan.num_stages=null"]))
+    pd_command("plan", str(recipe), f"run.root={root}", f"run.name={name}", *extra,
+               *([] if every_split else ["plan.num_stages=null"]), timeout_s=TIMEOUT_S)
     predicted, pick = predict_all(root / name, every_split)
     ranked = sorted(predicted, key=lambda c: predicted[c])
     chosen = ranked if every_split else [pick, *[c for c in ranked if c != pick][: top - 1]]
@@ -121,7 +104,7 @@ def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:
     for round_index in range(rounds):
         for config in chosen:
             print(f"{name}: {label(config)}, round {round_index + 1} ...", file=sys.stderr, flush=True)
-            measured[config].append(measure(recipe, root, name, steps, config, extra))
+            measured[config].append(steady_ms(recipe, root, name, steps, [*extra, *overrides_of(config)], TIMEOUT_S))
     medians = {c: statistics.median(v) for c, v in measured.items()}
     measured_rank = {c: i + 1 for i, c in enumerate(sorted(chosen, key=lambda c: medians[c]))}
     predicted_rank = {c: i + 1 for i, c in enumerate(ranked)}
@@ -140,13 +123,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--top", type=int, default=4, help="configurations trained per top-k case")
     args = parser.parse_args()
-    results = []
-    with tempfile.TemporaryDirectory(prefix="pd-bench-regret-") as tmp:
-        for name in args.cases:
-            try:
-                results.append(run_case(name, args.rounds, args.top, Path(tmp)))
-            except BenchFailed as e:
-                results.append({"case": name, "error": str(e)})
+    results = run_cases(args.cases, "pd-bench-regret-", lambda name, root: run_case(name, args.rounds, args.top, root))
     for r in results:
         if "error" in r:
             print(f"\n{r['case']}: failed: {r['error']}")

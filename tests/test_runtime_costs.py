@@ -200,3 +200,29 @@ def test_probes_run_long_enough_to_measure_by_time() -> None:
     assert minibatches_for(0.0, 2.0, 12, 400) == 12
     c = chain(n=4)
     assert profiled_ms(c, 1, 3) == pytest.approx(sum(n.fwd_ms + n.bwd_ms for n in c.nodes[1:3]))
+
+
+def test_pipeline_probe_runs_the_stages_the_recipe_plans() -> None:
+    """`pd profile`'s pipeline probe runs the workers and split the recipe's plan has (two
+    stages on two of three devices, not three workers), and its own layout otherwise."""
+    from pathlib import Path
+
+    from pdcli.config import load_config
+    from pdcli.probe.runtime import PIPELINE_MAX_WORKERS, balanced_cuts, pipeline_layout
+    from pdcli.steps.plan import planned_layout
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+    c = chain(n=8)
+    cfg = load_config(recipe, ["cluster.levels.0.devices=3", "plan.num_stages=2", "plan.straight=true"]).config
+    layout = planned_layout(c, cfg)
+    assert layout is not None and len(layout) == 2 and [r for _, _, r in layout] == [1, 1]
+    assert pipeline_layout(cfg, c, layout) == ([layout[1][0]], [1, 1])
+    assert pipeline_layout(cfg, c, [(0, 3, 2), (3, 8, 1)]) == ([3], [2, 1])
+    assert pipeline_layout(cfg, c, [(0, 8, 1)]) is None  # one worker: nothing to probe
+    balanced = (balanced_cuts(c, 3), [1, 1, 1])
+    assert pipeline_layout(cfg, c, None) == balanced
+    assert pipeline_layout(cfg, c, [(0, 8, 3)]) == balanced  # no pipeline to probe
+    wide = [(0, 4, PIPELINE_MAX_WORKERS), (4, 8, 1)]
+    assert pipeline_layout(cfg, c, wide) == balanced
+    virtual = load_config(recipe, ["schedule.name=interleaved", "schedule.virtual_stages=2"]).config
+    assert planned_layout(c, virtual) is None

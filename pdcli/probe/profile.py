@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -17,6 +17,7 @@ from pdcli.profiler.chain import Chain
 from pdcli.torchutil.threads import torch_threads
 
 if TYPE_CHECKING:  # the profiler's modules are imported when measuring
+    from pdcli.probe.runtime import StageLayout
     from pdcli.profiler.measure import BatchLike, LossFn
 
 PROFILE_BATCH_INDEX = 0
@@ -116,10 +117,13 @@ def precision_time_ratios(model: torch.nn.Module, batch: BatchLike, loss_fn: Los
 
 
 def profile_config(
-    cfg: Config, device: torch.device, num_threads: int | None, config_hash: str, progress: bool = True
+    cfg: Config, device: torch.device, num_threads: int | None, config_hash: str, progress: bool = True,
+    layout_of: Callable[[Chain], StageLayout | None] | None = None,
 ) -> Chain:
     """Measure the model, data and optimizer of `cfg` on `device` with `num_threads` intra-op
-    threads; `config_hash` is recorded in the chain (the hash of the inputs it was made from)."""
+    threads; `config_hash` is recorded in the chain (the hash of the inputs it was made from).
+    `layout_of(chain)`: the stages the recipe plans on the chain priced with the in-process
+    probe's costs, which the pipeline probe then runs (`pdcli.probe.runtime.pipeline_layout`)."""
     # Imported here: the model zoo and data sets are only needed when measuring.
     from pdcli.data import Batch, build_data
     from pdcli.models import build_loss, build_model
@@ -176,6 +180,8 @@ def profile_config(
                                     micro.target.to(device), device, cfg.profile.probe_minibatches)
             pipeline_minibatches = pipeline_probe_minibatches(cfg)
             if pipeline_minibatches:
-                runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches)
+                costed = dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
+                layout = layout_of(costed) if layout_of is not None else None
+                runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches, layout)
             chain.meta[RUNTIME_META] = runtime.to_json()
     return chain

@@ -52,8 +52,8 @@ PROBE_MAX_MINIBATCHES = 400
 PIPELINE_MAX_MINIBATCHES = 2000
 """The most minibatches `probe_seconds` / `pipeline_probe_seconds` make a probe run."""
 PIPELINE_RUN = "pipeline-probe"
-PIPELINE_MAX_STAGES = 4
-"""The pipeline probe runs at most this many workers (one stage each)."""
+PIPELINE_MAX_WORKERS = 4
+"""The pipeline probe runs at most this many workers."""
 PINGPONG_TIMEOUT_S = 20.0
 
 
@@ -346,29 +346,51 @@ def balanced_cuts(chain: Chain, num_stages: int) -> list[int]:
     return cuts
 
 
-def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int) -> RuntimeCosts:
-    """`runtime` refitted from a short real run of the configured schedule on this host: as
-    many workers as the cluster has devices (at most PIPELINE_MAX_STAGES, one stage each,
-    balanced split), at least `minibatches` minibatches and enough for
-    `profile.pipeline_probe_seconds` in the measured half by the profiled time; what workers sharing the host, waiting for
-    each other and waking up again pay that stages run alone do not (`pdcli.report.calibrate`).
-    `sources["pipeline_probe"]` says what ran, or why nothing did (fewer than 2 devices, not
-    the CPU, fewer than 2 positions, or the run failed: then the costs are unchanged)."""
+StageLayout = Sequence[tuple[int, int, int]]
+"""A plan's stages as (start, end, replicas)."""
+
+
+def pipeline_layout(cfg: Any, chain: Chain, layout: StageLayout | None) -> tuple[list[int], list[int]] | None:
+    """(cuts, replicas per stage) of the pipeline probe: `layout` when it is a pipeline of at
+    most PIPELINE_MAX_WORKERS workers (the stages the recipe plans, so that the probe runs the
+    workers and the split the run will), else as many stages as the cluster has devices (at
+    most PIPELINE_MAX_WORKERS, one replica each) with a balanced split. None: nothing to probe
+    (the layout is one worker, or the chain one position)."""
+    workers = sum(r for _, _, r in layout) if layout else 0
+    if layout is not None and workers == 1:
+        return None
+    if layout is not None and len(layout) >= 2 and workers <= PIPELINE_MAX_WORKERS:
+        return [start for start, _, _ in layout[1:]], [r for _, _, r in layout]
+    num_stages = min(cfg.num_devices, len(chain.nodes), PIPELINE_MAX_WORKERS)
+    return (balanced_cuts(chain, num_stages), [1] * num_stages) if num_stages >= 2 else None
+
+
+def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int,
+                   layout: StageLayout | None = None) -> RuntimeCosts:
+    """`runtime` refitted from a short real run of the configured schedule on this host, laid
+    out by `pipeline_layout` (one worker per replica), at least `minibatches` minibatches and
+    enough for `profile.pipeline_probe_seconds` in the measured half by the profiled time; what
+    workers sharing the host, waiting for each other and waking up again pay that stages run
+    alone do not (`pdcli.report.calibrate`). `sources["pipeline_probe"]` says what ran, or why
+    nothing did (fewer than 2 devices or workers, not the CPU, fewer than 2 positions, or the
+    run failed: then the costs are unchanged)."""
     import subprocess
 
     from omegaconf import OmegaConf
 
     from pdcli.report.calibrate import calibrate_from_run
 
-    if cfg.num_devices < 2 or len(chain.nodes) < 2 or runtime.cores is None:
-        return _noted(runtime, "skipped: needs 2 CPU devices and 2 positions")
+    shape = pipeline_layout(cfg, chain, layout) if cfg.num_devices >= 2 and len(chain.nodes) >= 2 else None
+    if shape is None or runtime.cores is None:
+        return _noted(runtime, "skipped: needs 2 CPU devices, 2 workers and 2 positions")
+    cuts, replicas = shape
+    workers = sum(replicas)
     costed = dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
     bandwidth = cfg.cluster.levels[0].bandwidth_bytes_per_s
-    num_stages = min(cfg.num_devices, len(chain.nodes), PIPELINE_MAX_STAGES)
-    cuts = balanced_cuts(chain, num_stages)
     profiled = chain.meta.get("batch_size") if isinstance(chain.meta, dict) else None
-    stage_ms = profiled_ms(chain, 0, len(chain.nodes)) * (cfg.data.batch_size / profiled if profiled else 1.0) / num_stages
+    stage_ms = profiled_ms(chain, 0, len(chain.nodes)) * (cfg.data.batch_size / profiled if profiled else 1.0) / workers
     minibatches = minibatches_for(cfg.profile.pipeline_probe_seconds, stage_ms, minibatches, PIPELINE_MAX_MINIBATCHES)
+    replicated = any(r > 1 for r in replicas)
     with tempfile.TemporaryDirectory(prefix="pd-pipeline-probe-") as tmp:
         recipe = Path(tmp) / "config.yaml"
         recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -376,9 +398,10 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
             f"run.root={tmp}", f"run.name={PIPELINE_RUN}", "profile.runtime_probe=false", "profile.repeats=1",
             "profile.warmup=1", f"train.steps={minibatches}", "train.epochs=null", f"train.log_every={minibatches}",
             "train.eval_batches=0", "train.eval_every=0", "train.eval_at_start=false", "train.tensorboard=false",
-            "train.checkpoint_every=0", "train.init_from=null", f"plan.num_stages={num_stages}", "plan.replicas=null",
+            "train.checkpoint_every=0", "train.init_from=null", f"plan.num_stages={len(replicas)}",
+            f"plan.replicas=[{','.join(map(str, replicas))}]" if replicated else "plan.replicas=null",
             "plan.split_points=null", "plan.pipe_splits=false", f"plan.boundaries=[{','.join(map(str, cuts))}]",
-            f"cluster.levels=[{{devices: {num_stages}, bandwidth_bytes_per_s: {bandwidth}}}]",
+            f"cluster.levels=[{{devices: {workers}, bandwidth_bytes_per_s: {bandwidth}}}]",
         ]
         # From the user's directory, as their own run: relative data paths and `model.target`
         # modules beside the recipe resolve there (run.root keeps every file in tmp).
@@ -389,7 +412,9 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
             return _noted(runtime, f"skipped: the probe run failed ({tail})")
         calibrated, measured = calibrate_from_run(Path(tmp) / PIPELINE_RUN, costed, runtime)
     calibrated = dataclasses.replace(calibrated, sources={**runtime.sources, "pipeline": measured})
-    return _noted(calibrated, f"{minibatches} minibatches of {cfg.schedule.name} on {num_stages} workers, split at {cuts}")
+    shown = f" x replicas {replicas}" if replicated else ""
+    return _noted(calibrated, f"{minibatches} minibatches of {cfg.schedule.name} on {workers} workers, "
+                              f"split at {cuts}{shown}")
 
 
 def _noted(runtime: RuntimeCosts, how: str) -> RuntimeCosts:

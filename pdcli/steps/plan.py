@@ -114,6 +114,21 @@ def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str
     return plan.to_json()
 
 
+def planned_layout(chain: Chain, cfg: Config) -> list[tuple[int, int, int]] | None:
+    """The stages (start, end, replicas) `cfg`'s options plan for `chain`, without the search of
+    `plan.search` (its stand-ins' plan): what `pd profile`'s pipeline probe runs. None when
+    planning fails (the probe then picks its own layout) or with virtual stages."""
+    from pdcli.planner import Topology, plan_chain
+
+    if cfg.schedule.virtual_stages > 1:
+        return None
+    try:
+        plan = plan_chain(chain, Topology.from_levels(cfg.cluster.levels), plan_options(cfg, None))
+    except UserError:
+        return None
+    return [(stage.start, stage.end, stage.replicas) for stage in plan.stages]
+
+
 def config_space(cfg: Config, chain: Chain) -> Any:
     """What `plan.search` leaves to the planner: every searched schedule (split backward on and
     off for the flush ones unless `schedule.split_backward` is set; the chunked ones when

@@ -20,15 +20,16 @@ from pdcli.probe.profile import (
     profile_device,
 )
 from pdcli.rundir import RunDir, artifact_inputs_hash
+from pdcli.steps.plan import planned_layout
 
 PROFILE_ARTIFACT = "profile.json"
 
 
-MEASURES = 6
+MEASURES = 7
 """What the profiler measures, counted up when it measures more (2: each position's
 `wgrad_ms`; 3: the runtime probe; 4: each position's module name and the `pipe_split()`
 markers; 5: what stages hold, `meta.held_memory`; 6: the probe's stages without recompute, which the
-planner prices), so a run directory profiled by an older pd is measured
+planner prices; 7: the pipeline probe runs the stages the recipe plans), so a run directory profiled by an older pd is measured
 again, not reused."""
 
 
@@ -77,7 +78,8 @@ def ensure_profile(
     if not force and run.fresh(PROFILE_ARTIFACT, inputs_hash):
         return load_profile(run), True
 
-    chain = profile_config(cfg, device, num_threads, inputs_hash, progress=progress)
+    chain = profile_config(cfg, device, num_threads, inputs_hash, progress=progress,
+                           layout_of=lambda costed: planned_layout(costed, cfg))
     run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
     return chain, False
 

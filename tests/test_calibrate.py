@@ -78,6 +78,24 @@ def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_pipeline_probe_of_virtual_stages_runs_their_workers_one_stage_each(tmp_path: Path) -> None:
+    """Chunks are not refitted from a run: the probe runs the same workers with 1f1b (their
+    weight mode) and refits its costs, instead of failing on the chunks' cuts."""
+    from pdcli.profiler.chain import Chain
+
+    env = {**__import__("os").environ, "PD_PIPELINE_PROBE": "1"}
+    args = [f"run.root={tmp_path}", "profile.repeats=3", "profile.pipeline_probe_minibatches=30",
+            "schedule.name=interleaved", "schedule.virtual_stages=2"]
+    proc = subprocess.run([str(PD), "profile", RECIPE, *args], capture_output=True, text=True, timeout=200,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sources = Chain.from_json(json.loads((tmp_path / "quickstart" / "profile.json").read_text())).meta["runtime"]["sources"]
+    assert sources["pipeline_probe"].startswith("30 minibatches of 1f1b on 2 workers"), sources["pipeline_probe"]
+    assert sources["pipeline"]["steady_time_per_minibatch_ms"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_calibration_on_shared_cores_matches_the_runs_time_and_compute(tmp_path: Path) -> None:
     """More workers than cores: the calibrated replay (ranks queued for the cores) takes the

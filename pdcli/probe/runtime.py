@@ -391,6 +391,9 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     stage_ms = profiled_ms(chain, 0, len(chain.nodes)) * (cfg.data.batch_size / profiled if profiled else 1.0) / workers
     minibatches = minibatches_for(cfg.profile.pipeline_probe_seconds, stage_ms, minibatches, PIPELINE_MAX_MINIBATCHES)
     replicated = any(r > 1 for r in replicas)
+    # chunks (virtual stages) are not refitted from a run yet: their workers run 1f1b, whose
+    # weight mode is theirs, one stage each
+    schedule = cfg.schedule.name if cfg.schedule.virtual_stages == 1 else "1f1b"
     with tempfile.TemporaryDirectory(prefix="pd-pipeline-probe-") as tmp:
         recipe = Path(tmp) / "config.yaml"
         recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -402,6 +405,7 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
             f"plan.replicas=[{','.join(map(str, replicas))}]" if replicated else "plan.replicas=null",
             "plan.split_points=null", "plan.pipe_splits=false", f"plan.boundaries=[{','.join(map(str, cuts))}]",
             f"cluster.levels=[{{devices: {workers}, bandwidth_bytes_per_s: {bandwidth}}}]",
+            f"schedule.name={schedule}", "schedule.virtual_stages=1",
         ]
         # From the user's directory, as their own run: relative data paths and `model.target`
         # modules beside the recipe resolve there (run.root keeps every file in tmp).
@@ -413,7 +417,7 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
         calibrated, measured = calibrate_from_run(Path(tmp) / PIPELINE_RUN, costed, runtime)
     calibrated = dataclasses.replace(calibrated, sources={**runtime.sources, "pipeline": measured})
     shown = f" x replicas {replicas}" if replicated else ""
-    return _noted(calibrated, f"{minibatches} minibatches of {cfg.schedule.name} on {workers} workers, "
+    return _noted(calibrated, f"{minibatches} minibatches of {schedule} on {workers} workers, "
                               f"split at {cuts}{shown}")
 
 

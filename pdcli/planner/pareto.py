@@ -20,6 +20,7 @@ from pdcli.errors import UserError
 from pdcli.planner.make import plan_chain
 from pdcli.planner.options import PlanOptions
 from pdcli.planner.plan import Plan, round_float
+from pdcli.planner.search import shared_programs
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
 from pdcli.profiler.batch_points import chain_at_precision
@@ -174,29 +175,42 @@ def _point(config: Configuration, plan: Plan) -> Point:
     return Point(config, plan, float(plan.pipeline["time_per_minibatch_ms"]), peak, max(delays))
 
 
+def config_options(base: PlanOptions, config: Configuration) -> PlanOptions:
+    """`base` with what `config` chooses (vertical sync only where pipedream runs)."""
+    return dataclasses.replace(base, schedule=config.schedule, num_microbatches=config.num_microbatches,
+                               split_backward=config.split_backward, recompute=config.recompute,
+                               virtual_stages=config.virtual_stages, precision=config.precision,
+                               vertical_sync=base.vertical_sync and config.schedule == PIPEDREAM)
+
+
 def search_points(chain_at: Callable[[int], Chain], topology: Topology, base: PlanOptions,
                   space: ConfigSpace) -> tuple[list[Point], int]:
     """(every configuration of `space` that has a plan, how many have none: nothing fits in
     memory, or the schedule's rules refuse it, e.g. interleaved's microbatches not a multiple of
     the devices): `chain_at(rows)` is the profile priced at a microbatch of `rows` samples."""
-    points, refused = [], 0
+    configs = space.configurations()
+    found: dict[int, Point] = {}
     chains: dict[tuple[int, str], tuple[Chain, SplitSpace]] = {}
-    for config in space.configurations():
-        rows = base.batch_size // config.num_microbatches
-        key = (rows, config.precision)
-        if key not in chains:
-            chain = chain_at_precision(chain_at(rows), config.precision)
-            chains[key] = (chain, SplitSpace.from_chain(chain))
-        options = dataclasses.replace(base, schedule=config.schedule, num_microbatches=config.num_microbatches,
-                                      split_backward=config.split_backward, recompute=config.recompute,
-                                      virtual_stages=config.virtual_stages, precision=config.precision,
-                                      vertical_sync=base.vertical_sync and config.schedule == PIPEDREAM)
-        try:
-            chain, split_space = chains[key]
-            points.append(_point(config, plan_chain(chain, topology, options, split_space)))
-        except UserError:
-            refused += 1
-    return points, refused
+    # those of one microbatch size, precision and recompute run one after another, sharing the
+    # programs that price alike (`pdcli.planner.search.shared_programs`); the points keep the order
+    order = sorted(range(len(configs)), key=lambda k: (
+        base.batch_size // configs[k].num_microbatches, configs[k].precision, configs[k].recompute))
+    with shared_programs():
+        for k in order:
+            config = configs[k]
+            rows = base.batch_size // config.num_microbatches
+            key = (rows, config.precision)
+            if key not in chains:
+                chain = chain_at_precision(chain_at(rows), config.precision)
+                # a profile without batch points prices every microbatch size alike: one space
+                same = [pair for pair in chains.values() if pair[0] is chain]
+                chains[key] = same[0] if same else (chain, SplitSpace.from_chain(chain))
+            try:
+                chain, split_space = chains[key]
+                found[k] = _point(config, plan_chain(chain, topology, config_options(base, config), split_space))
+            except UserError:
+                pass
+    return [found[k] for k in sorted(found)], len(configs) - len(found)
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,23 @@ know: when memory counts (a limit, or the memory search) the program runs once p
 count and keeps the best. The flush bubble of a split backward is replayed
 (`pdcli.planner.costs.bubble_factor`); a stage count whose bottleneck alone is already
 slower than the best plan so far is not replayed (the factor is at least 1).
+
+Searches run inside `shared_programs` (the configuration search, `pdcli.planner.pareto`)
+share their stage times and value tables when they price the same space alike
+(`pricing_key`): without the runtime's costs and a memory limit, 2bw, 1f1b and gpipe price a
+stage the same at every microbatch count, so their programs differ only in the replica
+counts the microbatches allow and, for the flush schedules, the stage counts searched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+from collections import OrderedDict
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Hashable, Iterator
 
 import numpy as np
 
@@ -50,7 +59,52 @@ from pdcli.planner.topology import Topology
 from pdcli.schedule.spec import FLUSH_SCHEDULES, rules
 
 StageCost = Callable[[int, int], np.ndarray]
-"""(suffix devices d, replicas r) -> cost of [i, e) as first stage, shape (L or 1, n, n + 1)."""
+"""(suffix devices d, replicas r) -> cost of [i, e) as first stage, shape (L or 1, n, n + 1); inf
+unless i < e (and wherever [i, e) is not a valid stage)."""
+ROW_BLOCK = 64
+"""Start positions `min_over_ends` takes at once (each block reads only the ends after its first)."""
+SHARED_PRICINGS = 4
+"""How many pricings' stage times and value tables `shared_programs` keeps (the least recently
+used go first): the configuration search visits one microbatch size's configurations together."""
+
+_SHARED: ContextVar["OrderedDict[Hashable, dict[str, Any]] | None"] = ContextVar("pd_shared_programs", default=None)
+
+
+@contextlib.contextmanager
+def shared_programs() -> Iterator[None]:
+    """Inside this block, searches that price the same space alike (`pricing_key`) share their
+    stage times and value tables."""
+    token = _SHARED.set(OrderedDict())
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def pricing_key(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float) -> Hashable | None:
+    """What `PdCosts.time` reads besides (d, r): the space, the links, the batch scale, recompute
+    (`backward_work`) and the optimizer steps and all-reduces per minibatch (`updates_per_minibatch`:
+    the microbatch count decides them only when every microbatch steps). None: not shared (the
+    runtime's costs depend on the schedule and the microbatches throughout, a memory limit on
+    most of the options)."""
+    if space.runtime is not None or options.memory_bytes_per_device is not None:
+        return None
+    per_microbatch = rules(options.schedule).step_per_microbatch
+    return (space, topology, scale, options.recompute, options.num_microbatches if per_microbatch else None)
+
+
+def _shared_store(key: Hashable | None) -> dict[str, Any] | None:
+    """The store of `key`'s pricing inside `shared_programs` (None: outside, or not shared)."""
+    stores = _SHARED.get()
+    if stores is None or key is None:
+        return None
+    if key in stores:
+        stores.move_to_end(key)
+    else:
+        stores[key] = {"times": {}, "tables": {}}
+        if len(stores) > SHARED_PRICINGS:
+            stores.popitem(last=False)
+    return stores[key]
 
 
 @dataclass(frozen=True)
@@ -136,6 +190,44 @@ def search_vertical_sync(options: PlanOptions, devices: int) -> VerticalSync | N
     return VerticalSync(devices, firsts)
 
 
+@dataclass(frozen=True)
+class StageMatrices:
+    """A space's totals over every stage [i, e) (nan unless i < e) as the `pd` model prices
+    them: F and B calibrated and scaled (B with recompute's forward), the weight gradients W,
+    parameter bytes, one optimizer step, the optimizer state; the valid stages, and the cut
+    bytes into and out of each."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    wgrad: np.ndarray
+    params: np.ndarray
+    optimizer: np.ndarray
+    optimizer_state: np.ndarray
+    valid: np.ndarray
+    cut_in: np.ndarray
+    """(n, 1): into a stage starting at i."""
+    cut_out: np.ndarray
+    """(1, n + 1): out of a stage ending at e."""
+
+    @classmethod
+    def of(cls, space: SplitSpace, scale: float, recompute: bool) -> "StageMatrices":
+        n = space.num_positions
+        compute_scale = compute_scale_of(space, scale)
+        fwd = space.range_matrix(space.covered_fwd_ms) * compute_scale
+        cut = space.cut_bytes * scale
+        return cls(
+            fwd=fwd,
+            bwd=backward_work(fwd, space.range_matrix(space.covered_bwd_ms) * compute_scale, recompute),
+            wgrad=space.range_matrix(covered_or_zeros(space, space.covered_wgrad_ms)) * compute_scale,
+            params=space.range_matrix(space.covered_parameter_bytes),
+            optimizer=optimizer_step_matrix(space),
+            optimizer_state=space.range_matrix(covered_or_zeros(space, space.covered_optimizer_state_bytes)),
+            valid=space.valid_stages() & ~np.isnan(fwd),
+            cut_in=np.concatenate(([0.0], cut[: n - 1]))[:, None],
+            cut_out=np.concatenate(([0.0], cut[: n - 1], [0.0]))[None, :],
+        )
+
+
 class PdCosts:
     """Stage costs of the `pd` model for every (start, end) at once, for one anchor."""
 
@@ -143,25 +235,26 @@ class PdCosts:
                  scale: float, anchor: int, num_layers: int) -> None:
         n = space.num_positions
         self.options, self.anchor, self.num_layers = options, anchor, num_layers
-        compute_scale = compute_scale_of(space, scale)
-        self.fwd = space.range_matrix(space.covered_fwd_ms) * compute_scale
-        self.bwd = backward_work(self.fwd, space.range_matrix(space.covered_bwd_ms) * compute_scale, options.recompute)
-        self.wgrad = space.range_matrix(covered_or_zeros(space, space.covered_wgrad_ms)) * compute_scale
+        store = _shared_store(pricing_key(space, topology, options, scale))
+        m = store["matrices"] if store is not None and "matrices" in store else None
+        if m is None:
+            m = StageMatrices.of(space, scale, options.recompute)
+            if store is not None:
+                for shared in vars(m).values():
+                    shared.flags.writeable = False
+                store["matrices"] = m
+        self.fwd, self.bwd, self.wgrad, self.params = m.fwd, m.bwd, m.wgrad, m.params
+        self.optimizer, self.optimizer_state, self.valid = m.optimizer, m.optimizer_state, m.valid
+        self.cut_in, self.cut_out = m.cut_in, m.cut_out
         self.runtime = runtime_of(space, topology)
         self.first = (np.arange(n) == 0)[:, None]
         self.last = (np.arange(n + 1) == n)[None, :]
-        self.params = space.range_matrix(space.covered_parameter_bytes)
         self.acts = space.activations(options.precision, scale)
         self.eager_sends = space.eager_sends
-        self.optimizer = optimizer_step_matrix(space)
-        self.optimizer_state = space.range_matrix(covered_or_zeros(space, space.covered_optimizer_state_bytes))
-        self.valid = space.valid_stages() & ~np.isnan(self.fwd)
-        cut = space.cut_bytes * scale
-        self.cut_in = np.concatenate(([0.0], cut[: n - 1]))[:, None]  # stage starting at i
-        self.cut_out = np.concatenate(([0.0], cut[: n - 1], [0.0]))[None, :]  # ending at e
         self.bw = topology.span_bandwidth_matrix()
         self.stages_from = np.arange(1, num_layers + 1, dtype=float)[:, None, None]
-        self._time_cache: dict[tuple[float, ...], np.ndarray] = {}
+        self._time_cache: dict[tuple[float, ...], np.ndarray] = store["times"] if store is not None else {}
+        self._tables: dict[Hashable, np.ndarray] | None = store["tables"] if store is not None else None
         self.vertical_sync = search_vertical_sync(options, anchor)
 
     def for_anchor(self, anchor: int) -> "PdCosts":
@@ -215,6 +308,18 @@ class PdCosts:
         out = np.where(self.valid & self.runnable(r), self._memory(d, r), np.inf)
         return out if out.ndim == 3 else out[None]
 
+    def time_minmax(self, num_layers: int, layered: bool, straight: bool, runnable: tuple[int, ...]) -> np.ndarray:
+        """`suffix_minmax` over `time` on this anchor, shared inside `shared_programs` (read only)."""
+        n = self.valid.shape[0]
+        if self._tables is None:
+            return suffix_minmax(n, self.anchor, num_layers, layered, straight, self.time, runnable)
+        key = (self.anchor, num_layers, layered, straight, runnable)
+        if key not in self._tables:
+            value = suffix_minmax(n, self.anchor, num_layers, layered, straight, self.time, runnable)
+            value.flags.writeable = False
+            self._tables[key] = value
+        return self._tables[key]
+
 
 def replica_choices(d: int, straight: bool, runnable: tuple[int, ...]) -> tuple[int, ...]:
     """The replica counts a stage on a suffix of `d` devices may take: 1 for a straight
@@ -249,8 +354,20 @@ def suffix_minmax(n: int, anchor: int, num_layers: int, layered: bool, straight:
                 src = dst = slice(0, 1)
             stage = c[dst, :, :n] if c.shape[0] > 1 else c[:, :, :n]
             rest = value[src, :n, d - r]  # rest[t, e]: the suffix after the stage starts at e
-            value[dst, :n, d] = np.minimum(value[dst, :n, d], np.maximum(stage, rest[:, None, :]).min(axis=2))
+            value[dst, :n, d] = np.minimum(value[dst, :n, d], min_over_ends(stage, rest))
     return value
+
+
+def min_over_ends(stage: np.ndarray, rest: np.ndarray) -> np.ndarray:
+    """out[t, i] = min over e of max(stage[t or 0, i, e], rest[t, e]): the best first stage [i, e)
+    before a rest that starts at e. A stage is inf unless i < e (`StageCost`), so the rows from
+    i0 on read only the ends after i0, in blocks of ROW_BLOCK rows (about half the square)."""
+    n = stage.shape[1]
+    out = np.full((rest.shape[0], n), np.inf)
+    for i0 in range(0, n - 1, ROW_BLOCK):
+        i1 = min(i0 + ROW_BLOCK, n)
+        out[:, i0:i1] = np.maximum(stage[:, i0:i1, i0 + 1:], rest[:, None, i0 + 1:]).min(axis=2)
+    return out
 
 
 def trace_back(value: np.ndarray, layered: bool, straight: bool, cost: StageCost, runnable: tuple[int, ...],
@@ -337,18 +454,18 @@ def value_table_bytes(n: int, anchor: int, layers: int, layered: bool, options: 
     return table + per_layer
 
 
-def _flat_bound(n: int, anchor: int, allowed: list[int], options: PlanOptions, fn: StageCost,
+def _flat_bound(anchor: int, allowed: list[int], options: PlanOptions, costs: PdCosts,
                 runnable: tuple[int, ...], cores: int | None) -> tuple[float, int] | None:
     """(L, S0): no plan on this anchor has a smaller bottleneck than L, the best over every stage
     count with `fn` (no memory limit: a lower bound under one too), found by the program
     without the stage-count axis (about 1/S of its cost); S0 is that plan's stage count.
     None when no plan exists."""
-    flat = suffix_minmax(n, anchor, 1, False, options.straight, fn, runnable)
+    flat = costs.time_minmax(1, False, options.straight, runnable)
     times = {d: float(flat[0, 0, d]) * oversubscription_of(cores, d) for d in allowed}
     d_best = min(times, key=times.__getitem__, default=None)
     if d_best is None or not np.isfinite(times[d_best]):
         return None
-    return times[d_best], len(trace_back(flat, False, options.straight, fn, runnable, 0, d_best))
+    return times[d_best], len(trace_back(flat, False, options.straight, costs.time, runnable, 0, d_best))
 
 
 def _count_cap(lower: float, upper: float, max_stages: int, options: PlanOptions) -> int:
@@ -373,9 +490,11 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
     kept = None  # the DP of the best anchor so far, for the trace back
     # a flush schedule runs only the stage counts whose bubble can still win (`_count_cap`);
     # under a memory limit the bound comes from the plans found, so the counts deepen
-    cap_layers = (layered and minimize == "time" and options.num_stages is None and split is None
-                  and options.replicas is None and not options.split_backward)
+    # (a split backward with no W to defer has the unsplit bubble; its memory still depends on the
+    # pipeline's stage count, which a search under a memory limit with deepening counts cannot fix)
     limited = options.memory_bytes_per_device is not None
+    cap_layers = (layered and minimize == "time" and options.num_stages is None and split is None
+                  and options.replicas is None and not (options.split_backward and limited))
     cores = runtime.cores if runtime is not None else None
     shared: PdCosts | None = None
     free: PdCosts | None = None  # the costs without the memory limit, for the lower bound
@@ -390,7 +509,7 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
                                anchor, 1) if limited else shared
             free_costs = free.for_anchor(anchor)
             free_runnable = tuple(r for r in range(1, anchor + 1) if free_costs.runnable(r))
-            bound = _flat_bound(n, anchor, allowed, options, free_costs.time, free_runnable, cores)
+            bound = _flat_bound(anchor, allowed, options, free_costs, free_runnable, cores)
             if bound is None:
                 continue
             lower, count = bound
@@ -411,7 +530,10 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
                 fn = fixed_replicas(fn, options.replicas)
             check_table(value_table_bytes(n, anchor, layers_here, layered, options),
                         f"the pd search over {layers_here} stage counts, {n} positions and {anchor} devices", options)
-            value = suffix_minmax(n, anchor, layers_here, layered, options.straight, fn, runnable)
+            if minimize == "time" and options.replicas is None:
+                value = costs.time_minmax(layers_here, layered, options.straight, runnable)
+            else:
+                value = suffix_minmax(n, anchor, layers_here, layered, options.straight, fn, runnable)
             before = best
             for d in allowed:
                 layers = range(layers_here) if options.num_stages is None else [options.num_stages - 1]

@@ -108,7 +108,9 @@ class SplitSpace:
     """Positions every plan cuts at (the user's, `pdcli.planner.steer`): no stage spans one."""
 
     def with_cuts(self, cuts: tuple[int, ...]) -> "SplitSpace":
-        """This space with `cuts` fixed."""
+        """This space with `cuts` fixed (itself when those are its cuts already)."""
+        if tuple(cuts) == self.fixed_cuts:
+            return self
         return dataclasses.replace(self, fixed_cuts=tuple(cuts))
 
     @classmethod

@@ -191,10 +191,10 @@ def search_points(chain_at: Callable[[int], Chain], topology: Topology, base: Pl
     configs = space.configurations()
     found: dict[int, Point] = {}
     chains: dict[tuple[int, str], tuple[Chain, SplitSpace]] = {}
-    # those of one microbatch size, precision and recompute run one after another, sharing the
+    # those of one precision and recompute run one after another, by microbatch size, sharing the
     # programs that price alike (`pdcli.planner.search.shared_programs`); the points keep the order
     order = sorted(range(len(configs)), key=lambda k: (
-        base.batch_size // configs[k].num_microbatches, configs[k].precision, configs[k].recompute))
+        configs[k].precision, configs[k].recompute, base.batch_size // configs[k].num_microbatches))
     with shared_programs():
         for k in order:
             config = configs[k]

@@ -63,9 +63,11 @@ StageCost = Callable[[int, int], np.ndarray]
 unless i < e (and wherever [i, e) is not a valid stage)."""
 ROW_BLOCK = 64
 """Start positions `min_over_ends` takes at once (each block reads only the ends after its first)."""
-SHARED_PRICINGS = 4
+SHARED_PRICINGS = 2
 """How many pricings' stage times and value tables `shared_programs` keeps (the least recently
-used go first): the configuration search visits one microbatch size's configurations together."""
+used go first; each holds a few dozen (n, n + 1) matrices): the configuration search visits a
+precision's and recompute's configurations by microbatch size, where pipedream's pricing (its
+updates per minibatch) and the other schedules' alternate."""
 
 _SHARED: ContextVar["OrderedDict[Hashable, dict[str, Any]] | None"] = ContextVar("pd_shared_programs", default=None)
 

@@ -163,10 +163,12 @@ def replay_ms(stages: Sequence[StageEval], options: PlanOptions, cores: int | No
 
 
 def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
-                partition: Sequence[tuple[int, int, int]]) -> PlanEval:
+                partition: Sequence[tuple[int, int, int]], replay: bool = True) -> PlanEval:
     """`pd` model for stages (start, end, replicas) on contiguous ranks from 0 (fwd_ms, bwd_ms
     and wgrad_ms calibrated, see `pdcli.planner.costs`). With the runtime's measured costs the
-    time per minibatch is the replay of the plan's action lists (`replay_ms`)."""
+    time per minibatch is the replay of the plan's action lists (`replay_ms`); `replay=False`
+    (a caller that replays other lists with these stages' costs) gives the bottleneck stage's
+    time instead."""
     n, bw = space.num_positions, topology.span_bandwidth_matrix()
     used, num_stages = sum(r for _, _, r in partition), len(partition)
     stages, first = [], 0
@@ -205,10 +207,12 @@ def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, sca
                          options.split_backward, partition[0][2], used)
         stages.append(StageEval(start, end, tuple(range(first, first + r)), values, memory, actions_ms))
         first += r
-    if runtime is not None:
-        time_ms, replay = replay_ms(stages, options, runtime.cores)
-        return PlanEval(tuple(stages), time_ms, replay)
     bottleneck = max(s.terms["stage_time_ms"] for s in stages)
+    if runtime is not None and replay:
+        time_ms, replayed = replay_ms(stages, options, runtime.cores)
+        return PlanEval(tuple(stages), time_ms, replayed)
+    if runtime is not None:
+        return PlanEval(tuple(stages), bottleneck)
     factor = float(bubble_factor(options.schedule, options.num_microbatches, num_stages,
                                  backward_split(space, options)))
     return PlanEval(tuple(stages), factor * bottleneck)

@@ -128,7 +128,7 @@ def plan_virtual(chain: Chain, topology: Topology, options: PlanOptions, space: 
     cores = runtime.cores if runtime is not None else None
 
     def replayed(cuts: Sequence[tuple[int, int, int]]) -> tuple[PlanEval, Simulation]:
-        priced = evaluate_pd(space, chunk_topology, stand_in, scale, cuts)
+        priced = evaluate_pd(space, chunk_topology, stand_in, scale, cuts, replay=False)
         return priced, simulate(spec, chunk_costs(priced.stages, m), cores=cores)
 
     chunks, sim = replayed(partition)

@@ -263,6 +263,7 @@ def _shared(spec: ScheduleSpec, lists: Sequence[Sequence[Action]], stages: Seque
     running: list[int] = []  # ranks on a core
     queue: list[int] = []  # ranks waiting for one, first come first
     now = 0.0
+    num_ranks = spec.num_ranks
 
     def work_ms(r: int, action: Action) -> float:
         if isinstance(action, (SendActivations, SendGrads, RecvActivations, RecvGrads)):
@@ -328,7 +329,7 @@ def _shared(spec: ScheduleSpec, lists: Sequence[Sequence[Action]], stages: Seque
                     queue.append(r)
                 else:
                     state.slice_ms = time_slice_ms
-        for r in range(spec.num_ranks):
+        for r in range(num_ranks):
             if ranks[r].runnable and r not in running and r not in queue:
                 queue.append(r)
         while queue and len(running) < cores:
@@ -337,12 +338,19 @@ def _shared(spec: ScheduleSpec, lists: Sequence[Sequence[Action]], stages: Seque
             running.append(r)
 
     while True:
-        while any([settle(r) for r in range(spec.num_ranks)]):
-            pass
+        moved = True
+        while moved:  # every rank settles, again while any moved
+            moved = False
+            for r in range(num_ranks):
+                moved = settle(r) or moved
         if all(state.phase == "done" for state in ranks):
             return timed
         schedule()
-        step = min((min(ranks[r].left_ms, ranks[r].slice_ms) for r in running), default=float("inf"))
+        # Nothing changes between events, so with no rank queued no slice can end in a
+        # preemption: the step runs to the next event and each slice renews as it would have.
+        queued = bool(queue)
+        step = min((min(ranks[r].left_ms, ranks[r].slice_ms) if queued else ranks[r].left_ms for r in running),
+                   default=float("inf"))
         while arrivals and arrivals[0] <= now + _EPS_MS:
             heapq.heappop(arrivals)
         if arrivals:
@@ -350,6 +358,10 @@ def _shared(spec: ScheduleSpec, lists: Sequence[Sequence[Action]], stages: Seque
         if step == float("inf"):  # lockstep proved the lists deadlock-free
             raise RuntimeError("the shared-core replay stalled")
         for r in running:
-            ranks[r].left_ms = max(ranks[r].left_ms - step, 0.0)
-            ranks[r].slice_ms = max(ranks[r].slice_ms - step, 0.0)
+            state = ranks[r]
+            state.left_ms = max(state.left_ms - step, 0.0)
+            if queued:
+                state.slice_ms = max(state.slice_ms - step, 0.0)
+            else:
+                state.slice_ms = time_slice_ms - (time_slice_ms - state.slice_ms + step) % time_slice_ms
         now += step

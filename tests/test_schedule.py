@@ -174,6 +174,25 @@ def test_split_backward_fills_the_drain_with_weight_gradients():
     assert compute(last) == ["F0", "B0", "F1", "B1", "F2", "B2", "W0", "F3", "B3", "W1", "W2", "W3", "step0"]
 
 
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("eager", [True, False])
+def test_weight_gradients_never_hold_back_a_send(name, eager):
+    """A W the lag forces out runs after the sends that follow its Backward: the last stage
+    sends the gradient of B2 before it computes W0, so a slower last stage does not make the
+    stage before it wait for W's."""
+    for stages, m in ((2, 4), (3, 8), (4, 8)):
+        for stage in range(stages):
+            actions = build_schedule(name, stages, stage, m, 2, split_backward=True, eager_sends=eager)
+            for a, b in zip(actions, actions[1:]):
+                assert not (isinstance(a, WeightGrads) and isinstance(b, (SendActivations, SendGrads))), (stage, actions)
+    last = build_schedule("1f1b", 2, 1, 4, 1, split_backward=True, eager_sends=True)
+    assert last[last.index(SendGrads(2, 0)) + 1] == WeightGrads(0)
+    slow_last = [StageCost(1.0, 2.0, wgrad_ms=0.9), StageCost(1.0, 2.3, wgrad_ms=0.9)]
+    bound = 4 * (1.0 + 2.3)  # the last stage's work per minibatch
+    split = simulate(ScheduleSpec.make("1f1b", 2, 4, 6, split_backward=True), slow_last).time_per_minibatch_ms
+    assert bound <= split < bound + 0.5  # W's ahead of the sends: 14.4, stage 0 waiting for them
+
+
 def test_split_backward_only_for_flush_schedules():
     for name in ("pipedream", "2bw"):
         with pytest.raises(UserError, match="split_backward only applies"):

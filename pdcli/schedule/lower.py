@@ -235,16 +235,25 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
     Each Backward's W waits in a queue; the oldest (the lowest microbatch: a written order may
     backward out of microbatch order) leaves the queue (1) right before a
     RecvGrads, where the stage would otherwise wait for the next stage's gradient (the
-    pipeline's drain), and (2) when more than `weight_grad_lag` are queued; the rest run
-    before the optimizer step (and its all-reduce), which needs them all. The last stage
-    receives no gradients: its W's trail by the lag and fill the time the other stages
-    spend draining. A stage that never backwards a Linear layer runs empty W's (free).
+    pipeline's drain), and (2) when more than `weight_grad_lag` are queued, after the sends
+    that follow the Backward (a W produces nothing a message carries, and ahead of a send it
+    would hold back the peer); the rest run before the optimizer step (and its all-reduce),
+    which needs them all. The last stage receives no gradients: its W's trail by the lag and
+    fill the time the other stages spend draining. A stage that never backwards a Linear
+    layer runs empty W's (free).
     Not before a RecvGrads that a send follows (stream-ordered lists, see `sends_first`):
     there the W would hold back the next stage's activations.
     """
     out: list[Action] = []
     queued: list[tuple[int, int]] = []  # (microbatch, chunk or -1)
+
+    def over_the_lag() -> None:
+        while len(queued) > spec.weight_grad_lag:
+            out.append(_weight_grads(*queued.pop(0)))
+
     for index, action in enumerate(actions):
+        if not isinstance(action, (SendActivations, SendGrads)):
+            over_the_lag()
         if isinstance(action, (OptimizerStep, AllReduceGrads)):
             out += [_weight_grads(*key) for key in queued]
             queued = []
@@ -254,8 +263,7 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
         out.append(action)
         if isinstance(action, Backward):
             bisect.insort(queued, (action.microbatch_id, -1 if action.chunk is None else action.chunk))
-            while len(queued) > spec.weight_grad_lag:
-                out.append(_weight_grads(*queued.pop(0)))
+    over_the_lag()
     return out
 
 

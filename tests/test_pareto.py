@@ -95,8 +95,13 @@ def test_the_recipes_fields_are_constraints() -> None:
 
 
 def test_nothing_fitting_names_the_limit_and_the_smallest_peak() -> None:
-    with pytest.raises(UserError, match=r"cluster.memory_bytes_per_device=1000 bytes.*smallest peak among them"):
+    with pytest.raises(UserError, match=r"cluster.memory_bytes_per_device=1000 bytes.*smallest peak among them") as e:
         search(chain(), memory_bytes_per_device=1000.0)
+    assert "train.recompute" in (e.value.hint or "")  # not searched: a lever left
+    searched = dataclasses.replace(ALL, recompute=(False, True))
+    with pytest.raises(UserError) as e:
+        search(chain(), searched, memory_bytes_per_device=1000.0)
+    assert "train.recompute" not in (e.value.hint or "")  # searched already
     with pytest.raises(UserError, match="plan.max_staleness=0"):
         search(chain(), ConfigSpace(("pipedream", "2bw"), (2, 4), (False,)), max_staleness=0)
 

@@ -274,6 +274,7 @@ def _nothing_fits(chain_at: Callable[[int], Chain], topology: Topology, base: Pl
     if free:
         best = min(free, key=lambda p: p.peak_bytes)
         smallest = f"; the smallest peak among them is {best.peak_bytes:.4g} bytes ({best.config.label()})"
+    recompute = "" if True in space.recompute else ", or set train.recompute=true (or auto, to search it)"
     return UserError(f"no configuration fits in cluster.memory_bytes_per_device={limit:.4g} bytes per device "
                      f"({len(space.configurations())} searched){smallest}",
-                     hint="raise cluster.memory_bytes_per_device, add devices, or set train.recompute=true")
+                     hint=f"raise cluster.memory_bytes_per_device or add devices{recompute}")

@@ -192,31 +192,53 @@ def split_sets(schedule: str, num_stages: int, num_microbatches: int, stages_fro
 
 def timeline_peaks(schedule: str, num_stages: int, num_microbatches: int, stages_from: Any,
                    split_backward: bool, held: Any, saved: Any, running: Any, grads: Any,
-                   eager_sends: bool | None = None) -> tuple[Any, Any]:
-    """(peak activation bytes, peak activation + gradient bytes) of a flush-schedule stage:
-    `held` per microbatch before its Backward, `saved` per microbatch waiting for its
-    WeightGrads, `running` more while a Backward runs (a recomputed forward), `grads` while
-    gradients live, counted on the schedule itself (`held_points`)."""
-    held, saved, running, grads = (np.asarray(c, dtype=float) for c in (held, saved, running, grads))
+                   eager_sends: bool | None = None, static: Any = 0.0) -> tuple[Any, Any]:
+    """(peak activation bytes, `static` + peak activation + gradient bytes) of a
+    flush-schedule stage: `held` per microbatch before its Backward, `saved` per microbatch
+    waiting for its WeightGrads, `running` more while a Backward runs (a recomputed
+    forward), `grads` while gradients live, counted on the schedule itself (`held_points`);
+    `static`: what the stage holds throughout (weights, optimizer state, stashes).
+
+    A stage's points depend on `stages_from` alone and repeat from stage to stage (a 1f1b
+    stage holds min(stages from it, microbatches)), so the peaks are taken once per kind of
+    points over the four costs' own shape and each element picks its kind's: the search's
+    (stages, start, end) arrays are written once, not once per point and term."""
+    held, saved, running, grads, static = (np.asarray(c, dtype=float) for c in (held, saved, running, grads, static))
     counts, index = _point_counts(schedule, num_stages, num_microbatches, stages_from, split_backward, eager_sends)
-    shape = np.broadcast_shapes(index.shape, held.shape, saved.shape, running.shape, grads.shape)
-    # the search's arrays are large and a fresh one costs its page faults: two fresh
-    # arrays (the results), the two temporaries reused from call to call
-    value, term = _scratch(shape)
-    acts, dynamic = np.zeros(shape), np.zeros(shape)
-    for k in range(counts.shape[1]):
-        np.multiply(counts[index, k, 0], held, out=value)
-        np.add(value, np.multiply(counts[index, k, 1], saved, out=term), out=value)
-        np.add(value, np.multiply(counts[index, k, 2], running, out=term), out=value)
-        np.maximum(acts, value, out=acts)
-        np.add(value, np.multiply(counts[index, k, 3], grads, out=term), out=value)
-        np.maximum(dynamic, value, out=dynamic)
-    return (acts, dynamic) if np.shape(acts) else (float(acts), float(dynamic))
+    kinds, kind_of = np.unique(counts.reshape(len(counts), -1), axis=0, return_inverse=True)
+    acts, dynamic = [], []
+    for kind in kinds:
+        peak, peak_with_grads = np.zeros(()), np.zeros(())
+        for count in kind.reshape(-1, 4):
+            value = count[0] * held + count[1] * saved + count[2] * running
+            peak = np.maximum(peak, value)
+            peak_with_grads = np.maximum(peak_with_grads, value + count[3] * grads)
+        acts.append(peak)
+        dynamic.append(static + peak_with_grads)
+    pick = np.reshape(kind_of, -1)[index]
+    acts_out, dynamic_out = _pick(pick, acts), _pick(pick, dynamic)
+    return (acts_out, dynamic_out) if np.shape(acts_out) else (float(acts_out), float(dynamic_out))
 
 
-@functools.lru_cache(maxsize=1)
-def _scratch(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    return np.empty(shape), np.empty(shape)
+def _pick(pick: np.ndarray, choices: list[np.ndarray]) -> np.ndarray:
+    """choices[pick] elementwise, broadcast, in a fresh array. When `pick` varies only along
+    leading axes and the choices only along the others (the search: stages x (start, end)),
+    whole choices are copied into place."""
+    shape = np.broadcast_shapes(pick.shape, *(np.shape(c) for c in choices))
+    lead = np.reshape(pick, (1,) * (len(shape) - pick.ndim) + pick.shape)
+    trail = np.broadcast_shapes(*((1,) * (len(shape) - np.ndim(c)) + np.shape(c) for c in choices))
+    split = next((axis for axis, size in enumerate(trail) if size > 1), len(shape))
+    out = np.empty(shape)
+    if all(size == 1 for size in lead.shape[split:]):
+        rows = out.reshape((-1,) + shape[split:])
+        kinds = np.broadcast_to(lead, shape[:split] + lead.shape[split:]).ravel()
+        for kind, choice in enumerate(choices):
+            padded = (1,) * (len(shape) - np.ndim(choice)) + np.shape(choice)
+            rows[kinds == kind] = np.reshape(choice, padded[split:])
+        return out
+    for kind, choice in enumerate(choices):
+        np.copyto(out, choice, where=pick == kind)
+    return out
 
 
 def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, replicas: Any,
@@ -255,9 +277,10 @@ def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, rep
         running = np.maximum(per_microbatch - held, 0.0) if recompute else 0.0
         if split_backward and waiting_bytes is not None:
             saved = np.asarray(waiting_bytes, dtype=float) / num_microbatches
-        activations, dynamic = timeline_peaks(schedule, int(num_stages), num_microbatches, stages_from, split_backward,
-                                              held, saved if split_backward else 0.0, running, params, eager_sends)
-        return StageMemory(weights, stashed, activations, params + state + stashed + dynamic, state)
+        activations, total = timeline_peaks(schedule, int(num_stages), num_microbatches, stages_from, split_backward,
+                                            held, saved if split_backward else 0.0, running, params, eager_sends,
+                                            params + state + stashed)
+        return StageMemory(weights, stashed, activations, total, state)
     sets = activation_sets(schedule, devices_from, replicas, num_microbatches)
     activations = sets * held + (np.maximum(per_microbatch - held, 0.0) if recompute else 0.0)
     return StageMemory(weights, stashed, activations, weights + state + stashed + activations, state)

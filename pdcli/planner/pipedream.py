@@ -11,16 +11,20 @@ max(A[i, k, m - m'], (compute + 4 (m' - 1) P / (bw m')) / m', 2 out_k / (bw m'),
 machines becomes the compute time of the next level. PipeDream's quirks are kept (the
 first stage of a range pays no transfers; the outer levels divide only the one-stage
 all-reduce by the inner machine count), since the point is to reproduce its optimum.
-The (i, k, j) triple loop is a vectorized min-max product over blocks of rows.
+The loop over (i, k, j) is `pdcli.planner.minmax`'s update: only the splits k a compute
+bound leaves where it holds, every k otherwise; with that bound the level under the
+outermost one holds only the rows (range starts) an outermost stage can use.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from pdcli.planner.minmax import MAX_CHUNK_ELEMENTS, ComputeBound, minmax_update
 from pdcli.planner.options import POSITION_PAIR_BYTES, PlanOptions, check_table
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
@@ -29,18 +33,29 @@ ACTIVATION_COMPRESSION_RATIO = 1.0
 ALLREDUCE_FACTOR = 4.0
 """PipeDream charges 4 (m - 1) / m * P / bw for the all-reduce of P bytes over m replicas."""
 TRANSFER_FACTOR = 2.0
-MAX_CHUNK_ELEMENTS = 2_000_000
 
 
 @dataclass(frozen=True, eq=False)
 class LevelTable:
+    rows: np.ndarray
+    """The range starts the table holds (ascending): all, or those an outer stage can use."""
     time_s: np.ndarray
-    """(n + 1, n, machines): best time of rows i..j on m + 1 machines; inf = impossible."""
+    """(machines, len(rows), n): best time of rows[r]..j on m + 1 machines; inf = impossible."""
     split_k: np.ndarray
     """Position before the last stage, or -1 when the range is one stage."""
     split_m: np.ndarray
     machines: np.ndarray
     """Replicas of the last stage."""
+
+    def row(self, start: int) -> int:
+        return int(np.searchsorted(self.rows, start))
+
+    def compute_of_next_level(self) -> np.ndarray:
+        """(n + 1, n): the best time of each range on all machines, inf for rows not held."""
+        n = self.time_s.shape[2]
+        out = np.full((n + 1, n), np.inf)
+        out[self.rows] = self.time_s[-1]
+        return out
 
 
 @dataclass(frozen=True)
@@ -54,80 +69,93 @@ class PdStage:
     """(level, start, end, machines, first stage of its range) from the top level down."""
 
 
+@dataclass(frozen=True, eq=False)
+class _LastStage:
+    """PipeDream's cost of a last stage (k, j] (positions k+1..j) on `mp` replicas:
+    max((compute + 4 (mp - 1) P / (bw mp)) / mp, 2 out_k / (bw mp), 2 out_j / (bw mp)); inf
+    unless k is a DAG ancestor of j and, under a memory limit, the stage's weights and
+    activations times `stash` fit."""
+
+    ct: np.ndarray
+    psz: np.ndarray
+    asz: np.ndarray
+    comm_in: np.ndarray
+    comm_out: np.ndarray
+    split_ok: np.ndarray
+    splits: np.ndarray
+    """The k whose last stages can have a cost (the next row holds a finite compute)."""
+    bw: float
+    mem: float | None
+    matrices: dict[int, np.ndarray]
+    """`matrix()` before the memory rule, per mp (the same for every m)."""
+    mp: int = 1
+    stash: int = 1
+
+    def _cost(self, ct: np.ndarray, psz: np.ndarray, comm_in: np.ndarray, comm_out: np.ndarray,
+              ok: np.ndarray) -> np.ndarray:
+        mp = self.mp
+        last = (ct + ALLREDUCE_FACTOR * (mp - 1) * psz / (self.bw * mp)) / mp
+        cost = np.maximum(np.maximum(last, comm_in / mp), comm_out / mp)
+        return np.where(ok & np.isfinite(last), cost, np.inf)
+
+    def _fits(self, cost: np.ndarray, asz: np.ndarray, psz: np.ndarray) -> np.ndarray:
+        """PipeDream's stash rule: it depends on the machines used so far, so it is applied per m."""
+        return cost if self.mem is None else np.where((asz + psz) * self.stash <= self.mem, cost, np.inf)
+
+    def at(self, k: np.ndarray, j: np.ndarray) -> np.ndarray:
+        i = k + 1
+        cost = self._cost(self.ct[i, j], self.psz[i, j], self.comm_in[k], self.comm_out[j], self.split_ok[k, j])
+        return self._fits(cost, self.asz[i, j], self.psz[i, j])
+
+    def matrix(self) -> np.ndarray:
+        """[k, j] for the splits k and every j."""
+        i = self.splits + 1
+        if self.mp not in self.matrices:
+            self.matrices[self.mp] = self._cost(self.ct[i], self.psz[i], self.comm_in[self.splits, None],
+                                                self.comm_out[None, :], self.split_ok[self.splits])
+        return self._fits(self.matrices[self.mp], self.asz[i], self.psz[i])
+
+
 def _level(ct: np.ndarray, psz: np.ndarray, asz: np.ndarray, oas: np.ndarray, split_ok: np.ndarray,
-           machines: int, bw: float, within: int, options: PlanOptions, final: bool) -> LevelTable:
-    """The level's table; the final (outermost) level only needs, and only holds, row 0."""
+           machines: int, bw: float, within: int, options: PlanOptions, rows: np.ndarray,
+           bound: ComputeBound | None) -> LevelTable:
+    """The level's table over the range starts `rows` (the outermost level needs row 0 alone)."""
     n = ct.shape[1]
-    rows = 1 if final else ct.shape[0]
     mem = options.memory_bytes_per_device
-    time = np.full((rows, n, machines), np.inf)
-    split_k = np.full((rows, n, machines), -1, dtype=np.int32)
-    split_m = np.zeros((rows, n, machines), dtype=np.int32)
-    reps = np.zeros((rows, n, machines), dtype=np.int32)
+    shape = (machines, len(rows), n)
+    time = np.full(shape, np.inf)
+    split_k = np.full(shape, -1, dtype=np.int32)
+    split_m = np.zeros(shape, dtype=np.int32)
+    reps = np.zeros(shape, dtype=np.int32)
+    ct_rows, psz_rows, asz_rows = ct[rows], psz[rows], asz[rows]
     for m in range(1 if options.straight else machines):
-        dp = ALLREDUCE_FACTOR * m * psz[:rows] / (bw * (m + 1)) / within
-        value = (ct[:rows] + dp) / (m + 1)
+        dp = ALLREDUCE_FACTOR * m * psz_rows / (bw * (m + 1)) / within
+        value = (ct_rows + dp) / (m + 1)
         if mem is not None:
-            value = np.where(math.ceil((machines - (m + 1)) / (m + 1)) * (asz[:rows] + psz[:rows]) > mem, np.inf,
-                             value)
-        time[:, :, m], reps[:, :, m] = value, m + 1
-    row_ids = np.arange(rows)
-    later = np.arange(n)[None, :] > row_ids[:, None]  # the search only updates j > i
+            value = np.where(math.ceil((machines - (m + 1)) / (m + 1)) * (asz_rows + psz_rows) > mem, np.inf, value)
+        time[m], reps[m] = value, m + 1
+    later = np.arange(n)[None, :] > rows[:, None]  # the search only updates j > i
     comm_in = TRANSFER_FACTOR * oas / bw / ACTIVATION_COMPRESSION_RATIO
     comm_out = np.where(np.arange(n) < n - 1, comm_in, 0.0)
-    last_stage: dict[int, np.ndarray] = {}
-
-    def _last_stage(mp: int) -> np.ndarray:
-        """Cost of a last stage (k, j] on mp replicas, [k, j]; the same for every m."""
-        last = (ct[1:, :] + ALLREDUCE_FACTOR * (mp - 1) * psz[1:, :] / (bw * mp)) / mp
-        cost = np.maximum(np.maximum(last, comm_in[:, None] / mp), comm_out[None, :] / mp)
-        last_stage[mp] = np.where(split_ok & np.isfinite(last), cost, np.inf)
-        return last_stage[mp]
-
+    splits = np.flatnonzero(np.isfinite(ct[1:, :]).any(axis=1))
+    last_stage = _LastStage(ct, psz, asz, comm_in, comm_out, split_ok, splits, bw, mem, {})
     for m in range(1, machines):
         if options.use_fewer_devices:
-            carry = later & (time[row_ids, :, m - 1] < time[row_ids, :, m])
+            carry = later & (time[m - 1] < time[m])
             for arr in (time, split_k, split_m, reps):
-                arr[row_ids, :, m] = np.where(carry, arr[row_ids, :, m - 1], arr[row_ids, :, m])
+                arr[m] = np.where(carry, arr[m - 1], arr[m])
         for mp in (1,) if options.straight else range(1, m + 1):
-            cost = last_stage[mp] if mp in last_stage else _last_stage(mp)
-            if mem is not None:  # PipeDream's stash rule depends on the machines used so far
-                held = (asz[1:, :] + psz[1:, :]) * math.ceil((machines - (m + 1)) / mp)
-                cost = np.where(held <= mem, cost, np.inf)
-            _minmax_update(time, split_k, split_m, reps, row_ids, later, cost, m, mp)
-    return LevelTable(time, split_k, split_m, reps)
+            stage = dataclasses.replace(last_stage, mp=mp, stash=math.ceil((machines - (m + 1)) / mp))
+            for r, j, value, k in minmax_update(time[m - mp], time[m], rows, later, stage, bound, m - mp + 1, mp):
+                time[m, r, j], split_k[m, r, j], split_m[m, r, j], reps[m, r, j] = value, k, m - mp, mp
+    return LevelTable(rows, time, split_k, split_m, reps)
 
 
-def _minmax_update(time: np.ndarray, split_k: np.ndarray, split_m: np.ndarray, reps: np.ndarray,
-                   row_ids: np.ndarray, later: np.ndarray, cost: np.ndarray, m: int, mp: int) -> None:
-    """time[i, j, m] = min(time[i, j, m], min_k max(time[i, k, m - mp], cost[k, j])), j > i.
-
-    time[i, k] is inf for k < i, and cost[k, j] is inf for j <= k, so a block of rows
-    starting at row k0 only needs k, j >= k0: the work is about n^3 / 3, not n^3."""
-    n = cost.shape[0]
-    lo = 0
-    while lo < len(row_ids):
-        k0 = int(row_ids[lo])
-        width = max(n - k0, 1)
-        rows = row_ids[lo : lo + max(1, MAX_CHUNK_ELEMENTS // (width * width))]
-        prev = time[rows, k0:, m - mp]  # (rows, k)
-        total = np.maximum(prev[:, :, None], cost[None, k0:, k0:])  # (rows, k, j)
-        arg = total.argmin(axis=1)
-        cand = np.take_along_axis(total, arg[:, None, :], axis=1)[:, 0, :]
-        current = time[rows, k0:, m]
-        better = later[lo : lo + len(rows), k0:] & (cand < current)
-        time[rows, k0:, m] = np.where(better, cand, current)
-        split_k[rows, k0:, m] = np.where(better, arg + k0, split_k[rows, k0:, m])
-        split_m[rows, k0:, m] = np.where(better, m - mp, split_m[rows, k0:, m])
-        reps[rows, k0:, m] = np.where(better, mp, reps[rows, k0:, m])
-        lo += len(rows)
-
-
-def level_table_bytes(n: int, machines: int, final: bool, straight: bool) -> float:
-    """About what `_level` allocates: its four (rows, n, machines) tables (8 + 3 x 4 bytes), the
-    last-stage costs it keeps per replica count (n^2 x 8 bytes each) and a chunk's temporaries."""
-    rows = 1 if final else n + 1
-    return rows * n * machines * 20.0 + n * n * 8.0 * (1 if straight else machines) + MAX_CHUNK_ELEMENTS * 8.0 * 4
+def level_table_bytes(num_rows: int, n: int, machines: int, straight: bool) -> float:
+    """About what `_level` allocates for `num_rows` rows: its four (machines, rows, n) tables
+    (8 + 3 x 4 bytes), the last-stage costs it may keep per replica count (n^2 x 8 bytes
+    each) and a chunk's temporaries."""
+    return num_rows * n * machines * 20.0 + n * n * 8.0 * (1 if straight else machines) + MAX_CHUNK_ELEMENTS * 8.0 * 4
 
 
 PARAMETRIC_MACHINES = 64
@@ -239,22 +267,23 @@ def _top_level_parametric(ct: np.ndarray, psz: np.ndarray, oas: np.ndarray, spli
 
 def _partition(table: LevelTable, start: int, end: int, machines: int) -> list[tuple[int, int, int]]:
     """(start, end, machines) of each stage of rows start..end-1 on all machines (in order)."""
-    stages, j, m = [], end - 1, machines - 1
-    while table.split_k[start, j, m] >= 0:
-        k = int(table.split_k[start, j, m])
-        stages.append((k + 1, j + 1, int(table.machines[start, j, m])))
-        j, m = k, int(table.split_m[start, j, m])
-    stages.append((start, j + 1, int(table.machines[start, j, m])))
+    stages, j, m, r = [], end - 1, machines - 1, table.row(start)
+    while table.split_k[m, r, j] >= 0:
+        k = int(table.split_k[m, r, j])
+        stages.append((k + 1, j + 1, int(table.machines[m, r, j])))
+        j, m = k, int(table.split_m[m, r, j])
+    stages.append((start, j + 1, int(table.machines[m, r, j])))
     return stages[::-1]
 
 
-def _matrices(space: SplitSpace, scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """PipeDream's compute_times (s), parameter_sizes, activation_sizes as (n + 1, n) rows."""
+def _matrices(space: SplitSpace, covered_s: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """PipeDream's compute_times (s, of the covered compute `covered_s`), parameter_sizes,
+    activation_sizes as (n + 1, n) rows."""
     def rows(covered: np.ndarray) -> np.ndarray:
         r = space.range_matrix(covered)[:, 1:]  # [i, j] = positions i..j
         return np.concatenate((r, np.full((1, space.num_positions), np.nan)))
 
-    ct = rows((space.covered_fwd_ms + space.covered_bwd_ms) * scale / 1000.0)
+    ct = rows(covered_s)
     psz = rows(space.covered_parameter_bytes)
     asz = rows(space.covered_activation_bytes * scale)
     return np.nan_to_num(ct, nan=np.inf), np.nan_to_num(psz), np.nan_to_num(asz)
@@ -262,41 +291,59 @@ def _matrices(space: SplitSpace, scale: float) -> tuple[np.ndarray, np.ndarray, 
 
 def pipedream_search(space: SplitSpace, topology: Topology, options: PlanOptions,
                      scale: float) -> tuple[float, list[PdStage]] | None:
-    """PipeDream's optimum (seconds per minibatch) and its stages; None when infeasible."""
-    ct, psz, asz = _matrices(space, scale)
+    """PipeDream's optimum (seconds per minibatch) and its stages; None when infeasible.
+
+    With a `ComputeBound` the level under the outermost one holds only the rows (range
+    starts) an outermost stage can use: a quick plan over the rows near even splits bounds
+    the optimum, and a stage can start only where the compute before it and after it fit
+    their machines within that bound (`ComputeBound.starts`). Rows are independent, so the
+    rows it holds are exactly those of the whole table."""
+    covered_s = (space.covered_fwd_ms + space.covered_bwd_ms) * scale / 1000.0
+    ct, psz, asz = _matrices(space, covered_s, scale)
     oas = space.cut_bytes * scale
-    n, levels = space.num_positions, topology.levels
-    tables, within = [], 1
-    for index, level in enumerate(levels[:-1]):
-        check_table(level_table_bytes(n, level.devices, False, options.straight),
-                    f"PipeDream's model: the table of cluster level {index} ({level.devices} machines, {n} positions)",
-                    options)
-        table = _level(ct, psz, asz, oas, space.split_ok, level.devices, level.bandwidth_bytes_per_s,
-                       within, options, final=False)
-        tables.append(table)
-        ct, within = table.time_s[:, :, -1].copy(), level.devices
-    top = levels[-1]
-    found = None
-    top_bytes = level_table_bytes(n, top.devices, True, options.straight)
+    n, levels, top = space.num_positions, topology.levels, topology.levels[-1]
+    unit = [1]
+    for level in levels[:-1]:
+        unit.append(unit[-1] * level.devices)
+    bounds = [ComputeBound.of(covered_s, space.covered_parameter_bytes, u) for u in unit]
     budget = options.max_positions ** 2 * POSITION_PAIR_BYTES if options.max_positions is not None else np.inf
-    if (top.devices > PARAMETRIC_MACHINES or top_bytes > budget) and options.memory_bytes_per_device is None \
-            and not options.straight:
-        found = _top_level_parametric(ct, psz, oas, space.split_ok, top.devices, top.bandwidth_bytes_per_s,
-                                      within, options)
-    if found is None:
+
+    def outermost(ct: np.ndarray, within: int) -> tuple[float, list[tuple[int, int, int]]]:
+        found = None
+        top_bytes = level_table_bytes(1, n, top.devices, options.straight)
+        if (top.devices > PARAMETRIC_MACHINES or top_bytes > budget) and options.memory_bytes_per_device is None \
+                and not options.straight:
+            found = _top_level_parametric(ct, psz, oas, space.split_ok, top.devices, top.bandwidth_bytes_per_s,
+                                          within, options)
+        if found is not None:
+            return found
         check_table(top_bytes, f"PipeDream's model: the table of the outermost cluster level ({top.devices} machines, "
                                f"{n} positions)", options)
         table = _level(ct, psz, asz, oas, space.split_ok, top.devices, top.bandwidth_bytes_per_s, within,
-                       options, final=True)
-        best = float(table.time_s[0, n - 1, -1])
-        top_stages = _partition(table, 0, n, top.devices) if np.isfinite(best) else []
-    else:
-        best, top_stages = found
+                       options, np.zeros(1, dtype=int), bounds[-1])
+        best = float(table.time_s[-1, 0, n - 1])
+        return best, _partition(table, 0, n, top.devices) if np.isfinite(best) else []
+
+    def table(index: int, rows: np.ndarray, ct: np.ndarray, within: int) -> LevelTable:
+        level = levels[index]
+        check_table(level_table_bytes(len(rows), n, level.devices, options.straight),
+                    f"PipeDream's model: the table of cluster level {index} ({level.devices} machines, {n} positions)",
+                    options)
+        return _level(ct, psz, asz, oas, space.split_ok, level.devices, level.bandwidth_bytes_per_s, within,
+                      options, rows, bounds[index])
+
+    tables: list[LevelTable] = []
+    within = 1
+    for index, level in enumerate(levels[:-1]):
+        rows = np.arange(n + 1)
+        if index == len(levels) - 2 and bounds[-1] is not None and top.devices <= PARAMETRIC_MACHINES:
+            quick = table(index, bounds[-1].even_starts(top.devices), ct, within).compute_of_next_level()
+            rows = bounds[-1].starts(top.devices, outermost(quick, level.devices)[0])
+        tables.append(table(index, rows, ct, within))
+        ct, within = tables[-1].compute_of_next_level(), level.devices
+    best, top_stages = outermost(ct, within)
     if not np.isfinite(best):
         return None
-    unit = [1]
-    for level in topology.levels[:-1]:
-        unit.append(unit[-1] * level.devices)
     stages: list[PdStage] = []
 
     def expand(lv: int, start: int, end: int, bases: list[int], path: tuple) -> None:

@@ -77,8 +77,11 @@ DEFAULT_ROUNDS = 2
 DRIFT_THRESHOLD_PCT = 25.0
 
 
-def profile_model_ms(chain: Chain, plan: dict[str, Any]) -> float:
-    """The plan's stages priced by the per-layer profile's model (no runtime costs)."""
+def profile_model_ms(chain: Chain, plan: dict[str, Any]) -> float | None:
+    """The plan's stages priced by the per-layer profile's model (no runtime costs; None for
+    virtual stages, which only the replay prices)."""
+    if int(plan["inputs"].get("virtual_stages", 1)) > 1:
+        return None
     meta = {k: v for k, v in chain.meta.items() if k != RUNTIME_META}
     return evaluate_plan(dataclasses.replace(chain, meta=meta), plan).time_per_minibatch_ms
 
@@ -138,6 +141,9 @@ def main() -> None:
                     rows.append({"case": name, "round": round_index, "error": str(e)})
                     continue
                 rows.append({**row, "round": round_index})
+                print(f"  measured {row['measured_ms']:.2f} ms, probe {row['probe_ms']:.2f} ms, stage compute "
+                      + " | ".join(f"{s['measured_compute_ms'] / s['predicted_compute_ms']:.2f}" for s in row["stages"]),
+                      file=sys.stderr, flush=True)
                 if (kept / name).exists():
                     shutil.rmtree(kept / name)
                 shutil.copytree(root / name, kept / name)
@@ -152,7 +158,8 @@ def main() -> None:
                 errors[k].append(abs(v - 1.0))
         table.append([
             r["case"], r["round"] + 1, r["schedule"], r["num_stages"], f"{r['measured_ms']:.2f}",
-            f"{r['profile_ms']:.2f} ({ratios['profile_ms']:.2f}x)", f"{r['probe_ms']:.2f} ({ratios['probe_ms']:.2f}x)",
+            f"{r['profile_ms']:.2f} ({ratios['profile_ms']:.2f}x)" if r["profile_ms"] else "-",
+            f"{r['probe_ms']:.2f} ({ratios['probe_ms']:.2f}x)",
             f"{r['calibrated_ms']:.2f} ({ratios['calibrated_ms']:.2f}x)" if r["calibrated_ms"] else "-",
             " | ".join(f"{s['measured_compute_ms'] / s['predicted_compute_ms']:.2f}" for s in r["stages"]),
             "yes" if r["drift_warning"] else "no",

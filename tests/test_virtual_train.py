@@ -131,6 +131,14 @@ def test_pd_train_plans_compiles_and_trains_zbv_like_1f1b(tmp_path: Path) -> Non
             assert report.exit_code == 0, report.output  # held per device: the chunks' predictions summed
             shown, _ = json.JSONDecoder().raw_decode(report.output[report.output.index("{"):])
             assert len(shown["stages"]) == 2
+            # a minibatch completes once a rank has backwarded every microbatch through each of its chunks
+            from pdcli.report.measured import completion_times_ms, read_trace, steady_time_per_minibatch_ms
+
+            first = [read_trace(root / "quickstart" / "train" / "trace.json")[0]]
+            per_rank = int(plan["inputs"]["num_microbatches"]) * 2
+            assert len(completion_times_ms(first, per_rank)) == 6
+            assert shown["pipeline"]["measured"]["steady_time_per_minibatch_ms"] == pytest.approx(
+                steady_time_per_minibatch_ms(first, per_rank))
             refit = CliRunner().invoke(app, ["plan", quickstart, f"run.root={root}", "schedule.name=zbv", *extra,
                                              "--calibrate", str(root / "quickstart")])
             assert refit.exit_code == 2 and "virtual stages" in refit.output, refit.output

@@ -107,7 +107,8 @@ def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, c
     virtual = int(inputs.get("virtual_stages", 1)) > 1
     stage_ranks = [list(s["ranks"]) for s in (device_stages(plan) if virtual else plan["stages"])]
     train_dir = run_dir / TRAIN_DIR
-    measured = load_measured(train_dir, batch_size, num_microbatches, stage_ranks, commands.train())
+    chunks_per_rank = int(inputs.get("virtual_stages", 1))
+    measured = load_measured(train_dir, batch_size, num_microbatches, stage_ranks, commands.train(), chunks_per_rank)
     if len(measured.stages) != len(stage_ranks):
         raise UserError(f"{train_dir}: the run measured {len(measured.stages)} stages, its plan has {len(stage_ranks)}",
                         hint=f"the plan changed after training: re-run `{commands.train()}`")
@@ -124,7 +125,7 @@ def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, c
         from pdcli.report.charts import LOSS_FILE, TIMELINE_FILE, draw_loss, draw_timeline
 
         if measured.ranks:
-            written["timeline"] = draw_timeline(measured.ranks, num_microbatches, stage_ranks, train_dir / TIMELINE_FILE,
+            written["timeline"] = draw_timeline(measured.ranks, num_microbatches * chunks_per_rank, stage_ranks, train_dir / TIMELINE_FILE,
                                                 timeline_steps, timeline_start)
         if measured.metrics:
             written["loss"] = draw_loss(measured.metrics, measured.minibatch_losses, batch_size, train_dir / LOSS_FILE,

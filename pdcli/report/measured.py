@@ -154,7 +154,8 @@ def _read_json(path: Path, next_step: str) -> Any:
 
 def completion_times_ms(first_stage: Sequence[RankTrace], num_microbatches: int) -> list[float]:
     """When each minibatch completed: the end of the last backward (and, with a split backward,
-    the last WeightGrads) of its microbatches on the first stage, as the simulator counts it.
+    the last WeightGrads) of its microbatches on the first stage, as the simulator counts it
+    (`num_microbatches`: the backwards a rank runs per minibatch, M x its chunks).
     Every schedule runs a replica's backwards oldest first, and its WeightGrads too, so the
     k-th backward (WeightGrads) to end belongs to microbatch k."""
     per_name = [sorted(s.end_ms for r in first_stage for s in r.spans if s.name == name)
@@ -174,9 +175,10 @@ def steady_time_per_minibatch_ms(first_stage: Sequence[RankTrace], num_microbatc
 
 
 def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage_ranks: list[list[int]],
-                  next_step: str) -> Measured:
+                  next_step: str, chunks_per_rank: int = 1) -> Measured:
     """Read a finished run from `train_dir`. `stage_ranks[k]` are the ranks of stage k (from
-    the plan); `next_step` is the command named when the run is missing."""
+    the plan); `next_step` is the command named when the run is missing; `chunks_per_rank`:
+    virtual stages, each of which backwards every microbatch."""
     summary = _read_json(train_dir / SUMMARY_FILE, next_step)
     steps = int(summary["steps"])
     ranks = read_trace(train_dir / TRACE_FILE)
@@ -207,7 +209,7 @@ def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage
         schedule=str(summary["schedule"]), num_steps=steps, batch_size=batch_size, num_microbatches=num_microbatches,
         stages=tuple(stages),
         time_per_minibatch_ms=float(summary["loop_s"]) * US_PER_MS / steps,
-        steady_time_per_minibatch_ms=steady_time_per_minibatch_ms(first, num_microbatches),
+        steady_time_per_minibatch_ms=steady_time_per_minibatch_ms(first, num_microbatches * chunks_per_rank),
         samples_per_s=float(summary["samples_per_s"]), final_loss=float(summary["final_loss"]),
         final_accuracy=None if accuracy is None else float(accuracy),
         minibatch_losses=tuple(float(x) for x in summary.get("minibatch_losses", ())),

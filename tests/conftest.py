@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import os
 
@@ -25,3 +26,16 @@ def shared_profiles() -> Path:
     if not (PROFILES / "expected.json").exists():
         pytest.skip("../shared/pipedream-profiles is not beside the repo")
     return PROFILES
+
+
+@pytest.fixture
+def deep_profile() -> Any:
+    """benchmarks/deep_profile.py, the planner benchmark's deep graph generator (`deep_graph()`)."""
+    import importlib.util
+
+    path = REPO / "benchmarks" / "deep_profile.py"
+    spec = importlib.util.spec_from_file_location("deep_profile", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -228,23 +228,11 @@ def test_flush_schedules_bounded_stage_counts_keep_the_optimum(schedule: str) ->
                 assert max(s.predicted["total_bytes"] for s in best.stages) <= limit
 
 
-def deep_profile_module() -> Any:
-    """benchmarks/deep_profile.py, the benchmark's deep graph generator."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "deep_profile.py"
-    spec = importlib.util.spec_from_file_location("deep_profile", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.timeout(60)
-def test_the_benchmarks_deep_profile_is_a_graph_txt_both_models_plan() -> None:
+def test_the_benchmarks_deep_profile_is_a_graph_txt_both_models_plan(deep_profile: Any) -> None:
     from pdcli.profiler.graphtxt import format_graph, parse_graph
 
-    graph = deep_profile_module().deep_graph(blocks=40)
+    graph = deep_profile.deep_graph(blocks=40)
     assert parse_graph(format_graph(graph)) == graph  # a graph.txt as pd plan --profile reads it
     chain = graph_to_chain(graph, max_states=MAX_STATES)
     assert "search_space" not in chain.meta and len(chain) >= len(graph.nodes) - 1  # exact antichains

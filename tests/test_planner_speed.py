@@ -8,9 +8,7 @@ flush schedules' memory peaks against their definition, point by point."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import random
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -124,19 +122,9 @@ DEEP_OPTIMUM_MS = 168.5310000000011
 and on 4 x 4, as the dense table over every row found it (41 s on 4 x 4)."""
 
 
-def deep_graph() -> Graph:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "deep_profile.py"
-    spec = importlib.util.spec_from_file_location("deep_profile", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    graph: Graph = module.deep_graph()
-    return graph
-
-
 @pytest.mark.timeout(120)
-def test_the_deep_profile_plans_at_the_dense_tables_optimum() -> None:
-    chain = graph_to_chain(deep_graph(), max_states=2000)
+def test_the_deep_profile_plans_at_the_dense_tables_optimum(deep_profile: Any) -> None:
+    chain = graph_to_chain(deep_profile.deep_graph(), max_states=2000)
     assert len(chain) == 1752
     for devices in ([16], [4, 4]):
         for fewer in (False, True):

@@ -459,7 +459,7 @@ def value_table_bytes(n: int, anchor: int, layers: int, layered: bool, options: 
 def _flat_bound(anchor: int, allowed: list[int], options: PlanOptions, costs: PdCosts,
                 runnable: tuple[int, ...], cores: int | None) -> tuple[float, int] | None:
     """(L, S0): no plan on this anchor has a smaller bottleneck than L, the best over every stage
-    count with `fn` (no memory limit: a lower bound under one too), found by the program
+    count with `costs.time` (no memory limit: a lower bound under one too), found by the program
     without the stage-count axis (about 1/S of its cost); S0 is that plan's stage count.
     None when no plan exists."""
     flat = costs.time_minmax(1, False, options.straight, runnable)

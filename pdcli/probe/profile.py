@@ -180,8 +180,6 @@ def profile_config(
                                     micro.target.to(device), device, cfg.profile.probe_minibatches)
             pipeline_minibatches = pipeline_probe_minibatches(cfg)
             if pipeline_minibatches:
-                costed = dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
-                layout = layout_of(costed) if layout_of is not None else None
-                runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches, layout)
+                runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches, layout_of)
             chain.meta[RUNTIME_META] = runtime.to_json()
     return chain

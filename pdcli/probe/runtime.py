@@ -355,7 +355,7 @@ def pipeline_layout(cfg: Any, chain: Chain, layout: StageLayout | None) -> tuple
     most PIPELINE_MAX_WORKERS workers (the stages the recipe plans, so that the probe runs the
     workers and the split the run will), else as many stages as the cluster has devices (at
     most PIPELINE_MAX_WORKERS, one replica each) with a balanced split. None: nothing to probe
-    (the layout is one worker, or the chain one position)."""
+    (the layout is one worker; one device or one position)."""
     workers = sum(r for _, _, r in layout) if layout else 0
     if layout is not None and workers == 1:
         return None
@@ -366,9 +366,10 @@ def pipeline_layout(cfg: Any, chain: Chain, layout: StageLayout | None) -> tuple
 
 
 def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int,
-                   layout: StageLayout | None = None) -> RuntimeCosts:
+                   layout_of: Callable[[Chain], StageLayout | None] | None = None) -> RuntimeCosts:
     """`runtime` refitted from a short real run of the configured schedule on this host, laid
-    out by `pipeline_layout` (one worker per replica), at least `minibatches` minibatches and
+    out by `pipeline_layout` from `layout_of(chain priced with runtime)` (the stages the recipe
+    plans; one worker per replica), at least `minibatches` minibatches and
     enough for `profile.pipeline_probe_seconds` in the measured half by the profiled time; what
     workers sharing the host, waiting for each other and waking up again pay that stages run
     alone do not (`pdcli.report.calibrate`). `sources["pipeline_probe"]` says what ran, or why
@@ -380,12 +381,12 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
 
     from pdcli.report.calibrate import calibrate_from_run
 
-    shape = pipeline_layout(cfg, chain, layout) if cfg.num_devices >= 2 and len(chain.nodes) >= 2 else None
+    costed = dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
+    shape = pipeline_layout(cfg, chain, layout_of(costed) if layout_of is not None else None)
     if shape is None or runtime.cores is None:
         return _noted(runtime, "skipped: needs 2 CPU devices, 2 workers and 2 positions")
     cuts, replicas = shape
     workers = sum(replicas)
-    costed = dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
     bandwidth = cfg.cluster.levels[0].bandwidth_bytes_per_s
     profiled = chain.meta.get("batch_size") if isinstance(chain.meta, dict) else None
     stage_ms = profiled_ms(chain, 0, len(chain.nodes)) * (cfg.data.batch_size / profiled if profiled else 1.0) / workers

@@ -104,10 +104,9 @@ def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, c
     inputs = plan.get("inputs", {})
     num_microbatches, batch_size = int(inputs["num_microbatches"]), int(inputs["batch_size"])
     # virtual stages: the plan's stages are chunks, several per rank; the run is held per device
-    virtual = int(inputs.get("virtual_stages", 1)) > 1
-    stage_ranks = [list(s["ranks"]) for s in (device_stages(plan) if virtual else plan["stages"])]
-    train_dir = run_dir / TRAIN_DIR
     chunks_per_rank = int(inputs.get("virtual_stages", 1))
+    stage_ranks = [list(s["ranks"]) for s in (device_stages(plan) if chunks_per_rank > 1 else plan["stages"])]
+    train_dir = run_dir / TRAIN_DIR
     measured = load_measured(train_dir, batch_size, num_microbatches, stage_ranks, commands.train(), chunks_per_rank)
     if len(measured.stages) != len(stage_ranks):
         raise UserError(f"{train_dir}: the run measured {len(measured.stages)} stages, its plan has {len(stage_ranks)}",
@@ -125,8 +124,8 @@ def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, c
         from pdcli.report.charts import LOSS_FILE, TIMELINE_FILE, draw_loss, draw_timeline
 
         if measured.ranks:
-            written["timeline"] = draw_timeline(measured.ranks, num_microbatches * chunks_per_rank, stage_ranks, train_dir / TIMELINE_FILE,
-                                                timeline_steps, timeline_start)
+            written["timeline"] = draw_timeline(measured.ranks, num_microbatches * chunks_per_rank, stage_ranks,
+                                                train_dir / TIMELINE_FILE, timeline_steps, timeline_start)
         if measured.metrics:
             written["loss"] = draw_loss(measured.metrics, measured.minibatch_losses, batch_size, train_dir / LOSS_FILE,
                                          measured.evals)

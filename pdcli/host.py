@@ -13,6 +13,19 @@ def host_cores() -> int:
     return os.cpu_count() or 1
 
 
+def core_share(local_rank: int, local_workers: int) -> list[int] | None:
+    """The cores worker `local_rank` of `local_workers` on this host gets to itself: an equal,
+    contiguous share of the cores this process may run on. None when there are fewer cores
+    than workers or the OS cannot pin."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // max(local_workers, 1)
+    if share == 0 or not 0 <= local_rank < local_workers:
+        return None
+    return cores[local_rank * share:(local_rank + 1) * share]
+
+
 def network_host_id() -> str:
     """Which workers can reach each other through an abstract Unix socket: those of one
     kernel (its boot id) in one network namespace (its inode). Hostnames alone do not tell:

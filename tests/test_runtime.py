@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pdcli.errors import UserError
+from pdcli.host import core_share, host_cores
 from pdcli.rundir import RunDir
 from pdcli.runtime import checkpoint
 from pdcli.runtime.comm import MessageLayout, TensorSpec, message_tag
@@ -36,6 +37,31 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- pure pieces -----------------------------------------------------------------------------
+
+
+def test_core_share_gives_each_local_worker_its_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {6, 2, 3, 7, 4, 5}, raising=False)
+    assert [core_share(r, 2) for r in range(2)] == [[2, 3, 4], [5, 6, 7]]
+    assert [core_share(r, 4) for r in range(4)] == [[2], [3], [4], [5]]  # 2 cores left over, unused
+    assert core_share(0, 7) is None  # more workers than cores: not pinned
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bind", [True, False])
+def test_bind_cores_pins_a_worker_to_its_share_or_leaves_it(bind: bool) -> None:
+    code = ("import os; from pdcli.config import Config; from pdcli.runtime.session import bind_cpu_worker\n"
+            f"cfg = Config(); cfg.train.bind_cores = {bind}\n"
+            "before = sorted(os.sched_getaffinity(0)); got = bind_cpu_worker(cfg, 1, 2)\n"
+            "print(before, got, sorted(os.sched_getaffinity(0)))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=50,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before, got, after = (json.loads(part.replace("None", "null")) for part in
+                          re.findall(r"\[[^\]]*\]|None", proc.stdout))
+    if bind and len(before) >= 2:
+        assert got == after == before[len(before) // 2:2 * (len(before) // 2)]
+    else:
+        assert got is None and after == before
 
 
 def test_message_layout_round_trips_mixed_dtypes_in_one_buffer() -> None:
@@ -261,6 +287,14 @@ def test_worker_runs_as_is_under_torchrun(tmp_path: Path) -> None:
     summary = json.loads((run_dir / "train" / "summary.json").read_text())
     assert len(summary["minibatch_losses"]) == cfg.train.steps
     assert checkpoint.complete_steps(run_dir / "train") == [cfg.train.steps]
+    # train.bind_cores: each worker on its own share of the host's cores where there are enough
+    pinned = [re.findall(r"pinned to cores \[([0-9, ]+)\]", (run_dir / "train" / f"rank{r}.log").read_text())
+              for r in range(2)]
+    if host_cores() >= 2:
+        shares = [set(map(int, p[0].split(","))) for p in pinned]
+        assert shares[0] and shares[1] and not shares[0] & shares[1]
+    else:
+        assert pinned == [[], []]
 
 
 def test_diagnosis_puts_the_root_cause_first(tmp_path: Path) -> None:

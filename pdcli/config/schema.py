@@ -254,6 +254,10 @@ class TrainConfig:
     checkpoint up to this many times (torch's elastic agent); 0 = stop at the first failure."""
     threads_per_worker: Optional[int] = None
     """torch threads per CPU worker; null = cores / workers."""
+    bind_cores: bool = True
+    """Pin each CPU worker to its own equal share of the host's cores (as DeepSpeed's
+    `--bind_cores_to_rank`) where this host's workers are no more than its cores, so the OS
+    does not put two workers on one core; false for jobs that share a host's cores."""
     init_from: Optional[str] = None
     """Start from an exported state dict (`pd export RUN -o FILE`), loaded by parameter name into any plan's stages."""
     spin_wait_ms: Optional[float] = None

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from pdcli.compiler import load_stage, read_manifest
 from pdcli.data import build_data
 from pdcli.data.registry import resolve_steps
-from pdcli.host import host_cores, interface_of, network_host_id, reach_address
+from pdcli.host import core_share, host_cores, interface_of, network_host_id, reach_address
 from pdcli.models import build_loss
 from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
@@ -46,15 +46,30 @@ AUTO_SPIN_WAIT_MS = 20.0
 """`train.spin_wait_ms: null` where this host's workers have a core each (see `comm.spin_until`)."""
 
 
-def spin_wait_s(cfg: "Config", device: torch.device, local_workers: int) -> float:
+def spin_wait_s(cfg: "Config", device: torch.device, local_workers: int, cores: int) -> float:
     """How long a receive polls before it blocks: `train.spin_wait_ms`, or AUTO_SPIN_WAIT_MS on
-    the CPU when this host's workers are no more than its cores, else 0."""
+    the CPU when this host's workers are no more than its `cores`, else 0."""
     if cfg.train.spin_wait_ms is not None:
         return cfg.train.spin_wait_ms / 1e3
     if device.type != "cpu":
         return 0.0
-    cores = host_cores()
     return AUTO_SPIN_WAIT_MS / 1e3 if local_workers <= cores else 0.0
+
+
+def bind_cpu_worker(cfg: "Config", local_rank: int, local_workers: int) -> list[int] | None:
+    """Pin this CPU worker to its share of the host's cores (`train.bind_cores`, where the
+    workers are no more than the cores). The cores it got, or None when it was not pinned."""
+    if not cfg.train.bind_cores:
+        return None
+    share = core_share(local_rank, local_workers)
+    if share is not None:  # every thread of the process, those started before too
+        tasks = Path("/proc/self/task")
+        for tid in [int(t.name) for t in tasks.iterdir()] if tasks.exists() else [0]:
+            try:
+                os.sched_setaffinity(tid, share)
+            except OSError:  # a thread that has just ended
+                pass
+    return share
 
 
 def pick_device(cfg: "Config", local_rank: int) -> tuple[torch.device, str]:
@@ -190,9 +205,12 @@ def run_session(
     check_same_plan(job_store(), run_dir, env.rank)
     groups = replica_groups(placement)
     clip_group = global_clip_group(cfg, placement)
+    cores = host_cores()  # before pinning: the host's, not this worker's share
     if device.type == "cpu":
-        cores = host_cores()
         torch.set_num_threads(cfg.train.threads_per_worker or max(1, cores // env.local_world_size))
+        pinned = bind_cpu_worker(cfg, env.local_rank, env.local_world_size)
+        if pinned is not None:
+            logger.info("pinned to cores %s", pinned)
     torch.manual_seed(cfg.train.seed + env.rank)
 
     heartbeat.beat(0, "load_stage")
@@ -232,7 +250,7 @@ def run_session(
     actions = build_for(spec, schedule_stage, replica_id, start_minibatch=resume_step or 0,
                         eager_sends=not transport.stream_ordered)
     loss_name = manifest.get("loss", cfg.model.loss)
-    mailbox = Mailbox(transport, device, spin_wait_s(cfg, device, env.local_world_size), rank=env.rank)
+    mailbox = Mailbox(transport, device, spin_wait_s(cfg, device, env.local_world_size, cores), rank=env.rank)
     data = build_data(cfg.data, cfg.data.batch_size)
 
     def context(k: int) -> StageContext:

@@ -157,6 +157,11 @@ class RuntimeCosts:
         obj = meta.get(RUNTIME_META) if isinstance(meta, dict) else None
         return RuntimeCosts.from_json(obj) if obj else None
 
+    def priced(self, chain: Any) -> Any:
+        """A copy of `chain` (a profile's `Chain`) whose meta carries these costs, which is how
+        the planner finds them."""
+        return dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: self.to_json()})
+
     def without(self, *terms: str) -> "RuntimeCosts":
         """The same costs with `terms` (of TERMS) switched off."""
         unknown = set(terms) - set(TERMS)

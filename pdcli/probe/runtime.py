@@ -33,7 +33,7 @@ from torch import nn
 
 from pdcli.host import host_cores
 from pdcli.models.loss import logits_of
-from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
+from pdcli.planner.runtime_costs import DIRECT, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
 from pdcli.planner.runtime_fit import StagePoints
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain
@@ -381,7 +381,7 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
 
     from pdcli.report.calibrate import calibrate_from_run
 
-    costed = dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
+    costed = runtime.priced(chain)
     shape = pipeline_layout(cfg, chain, layout_of(costed) if layout_of is not None else None)
     if shape is None or runtime.cores is None:
         return _noted(runtime, "skipped: needs 2 CPU devices, 2 workers and 2 positions")

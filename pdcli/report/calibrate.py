@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdcli.errors import UserError
-from pdcli.planner.runtime_costs import RUNTIME_META, Affine, ModeCosts, RuntimeCosts, steady, steady_mean, weight_mode
+from pdcli.planner.runtime_costs import Affine, ModeCosts, RuntimeCosts, steady, steady_mean, weight_mode
 from pdcli.planner.runtime_fit import KINDS, StagePoints
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain
@@ -172,7 +172,7 @@ def replayed_traces(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -
     """The replay of `plan` with `runtime`'s costs as traces of its ranks (None: no action lists)."""
     from pdcli.planner.evaluate import evaluate_plan, plan_options_of, replay
 
-    costed = replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()})
+    costed = runtime.priced(chain)
     priced = evaluate_plan(costed, plan)
     sim = replay(priced.stages, plan_options_of(plan), (priced.replay or {}).get("cores"))
     if sim is None:
@@ -224,7 +224,7 @@ def replayed_ms(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> fl
     """Time per minibatch of `plan`'s stages replayed with `runtime`'s costs."""
     from pdcli.planner.evaluate import evaluate_plan
 
-    return evaluate_plan(replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json()}), plan).time_per_minibatch_ms
+    return evaluate_plan(runtime.priced(chain), plan).time_per_minibatch_ms
 
 
 def fit_latency(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any], target_ms: float) -> RuntimeCosts:

@@ -79,9 +79,9 @@ def calibrated_chain(chain: Chain, calibration: dict[str, Any] | None) -> Chain:
     """`chain` with the calibration's runtime costs in place of the probe's."""
     if calibration is None:
         return chain
-    from pdcli.planner.runtime_costs import RUNTIME_META
+    from pdcli.planner.runtime_costs import RuntimeCosts
 
-    return dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: calibration["runtime"]})
+    return RuntimeCosts.from_json(calibration["runtime"]).priced(chain)
 
 
 def plan_inputs_hash(cfg: Config, profile_sha256: str, calibration: dict[str, Any] | None = None) -> str:

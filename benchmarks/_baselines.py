@@ -8,11 +8,14 @@ Child side: `python _baselines.py single|stages|pipelining <shape json> <arg> [a
 result line.
 
 Every child applies the same glibc allocator setting as pd's workers
-(`pdcli.runtime.executor.tune_allocator`), so no row wins by the allocator alone.
+(`pdcli.runtime.executor.tune_allocator`), and the 2-process rows pin each process to its own
+share of the cores as pd's workers are by default (`train.bind_cores`), so no row wins by the
+allocator or the pinning alone.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import sys
@@ -31,6 +34,7 @@ from torch.distributed.pipelining import (
 )
 from torch.nn import functional as F
 
+from pdcli.host import core_share
 from pdcli.runtime.executor import tune_allocator
 
 from _bench_common import (
@@ -125,7 +129,16 @@ def single_main(shape: BenchShape, num_threads: int, num_microbatches: int = 1) 
     emit_result({"samples_per_s": median_samples_per_s(shape, step_s), "threads": torch.get_num_threads()})
 
 
+def pin_like_pd(rank: int) -> None:
+    """This process on its own share of the cores, as pd pins a worker (`train.bind_cores`);
+    called before any thread starts."""
+    share = core_share(rank, NUM_STAGES)
+    if share is not None:
+        os.sched_setaffinity(0, share)
+
+
 def stages_main(shape: BenchShape, stage_id: int) -> None:
+    pin_like_pd(stage_id)
     torch.set_num_threads(1)
     m = shape.num_microbatches
     x, y = fixed_batch(shape)
@@ -194,6 +207,7 @@ def pipelining_main(shape: BenchShape, schedule_name: str, timeout_s: float) -> 
 
 
 def _pipelining_rank(rank: int, shape_json: str, schedule_name: str, port: int, result_path: str, timeout_s: float) -> None:
+    pin_like_pd(rank)
     torch.set_num_threads(PIPELINING_THREADS_PER_RANK)
     shape = BenchShape.from_json(shape_json)
     # the gloo timeout bounds every collective and send/recv: a dead peer -> an error, not a hang

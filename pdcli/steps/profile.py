@@ -64,7 +64,8 @@ def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | No
         if pipeline_minibatches:  # a real run of the schedule on this cluster's links
             section["probe"].update(schedule=asdict(cfg.schedule), batch_size=cfg.data.batch_size,
                                     devices=cfg.num_devices, levels=[asdict(x) for x in cfg.cluster.levels],
-                                    train={k: getattr(cfg.train, k) for k in ("threads_per_worker", "spin_wait_ms", "transport")})
+                                    train={k: getattr(cfg.train, k)
+                                           for k in ("threads_per_worker", "spin_wait_ms", "transport", "bind_cores")})
     return artifact_inputs_hash(section)
 
 

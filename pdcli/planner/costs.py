@@ -209,6 +209,19 @@ def bubble_factor(schedule: str, num_microbatches: int, num_stages: Any, split: 
     return replay(num_stages)
 
 
+def bubble_factor_floor(schedule: str, num_microbatches: int, num_stages: int, split: SplitShares | None) -> float:
+    """At most `bubble_factor` for this stage count, and nondecreasing in it (the search drops the
+    stage counts whose floor times the smallest bottleneck already loses). Unsplit: the factor
+    itself. Split: a minibatch's critical path on S equal stages over its work M (F + B), in
+    shares: stage 0's M forwards, the last microbatch's forward down and its Backward less W back
+    up the other S - 1 stages, then its Backward and W on stage 0; a flush starts the next
+    minibatch after it, so k(S) >= (M f + (S - 1)(1 - w) + 1 - f) / M, and k(S) >= 1."""
+    if split is None or schedule not in FLUSH_SCHEDULES:
+        return float(bubble_factor(schedule, num_microbatches, num_stages))
+    m, f, w = float(num_microbatches), split.fwd, min(split.wgrad, 1.0 - split.fwd)
+    return max(1.0, (m * f + (num_stages - 1) * (1.0 - w) + 1.0 - f) / m)
+
+
 @dataclass(frozen=True)
 class ActionCosts:
     """What one replica of a stage spends per action under the runtime's measured costs:

@@ -113,6 +113,33 @@ def _synced_versions(sync: VerticalSync, devices_from: Any, replicas: Any) -> np
     return np.asarray(values, dtype=float)[np.ravel(index)].reshape(d.shape)
 
 
+def memory_key(schedule: str, devices_from: int, replicas: int,
+               vertical_sync: VerticalSync | None = None) -> tuple[Any, ...]:
+    """What of (devices_from, replicas) `stage_memory` reads, for one pair: two pairs with the
+    same key give every stage the same memory (the search computes it once per key). Nothing
+    for a flush schedule (one weight version; its activations come from its action list, which
+    depends on the stages, not the devices); the in-flight microbatches ceil(devices_from /
+    replicas) for pipedream and 2bw (versions and sets), with the replicas' share of the
+    microbatches where the sets read it; the pair itself under vertical sync."""
+    r = rules(schedule)
+    if vertical_sync is not None and r.weight_buffers is None:
+        return (devices_from, replicas, vertical_sync)
+    if r.flush and r.weight_buffers is not None:
+        return ()
+    in_flight = int(_in_flight(devices_from, replicas))
+    return (in_flight,) if r.in_flight == "devices" else (in_flight, replicas)
+
+
+def split_counts_alike_from(num_microbatches: int) -> int:
+    """The stage count K0 from which a 1f1b stage with a split backward holds the same points
+    (`held_points`) in a pipeline of any count K >= K0, given the stages from it: the WeightGrads
+    lag is K (`ScheduleSpec.weight_grad_lag`), and a stage never queues more than the M
+    microbatches of a minibatch, so from K = M on the lag forces no W out; the rest of its list
+    depends on the stages after it (1F1B's warmup) and on the RecvGrads it waits at. Checked
+    against `held_points` by tests/test_planner_memory_speed.py."""
+    return max(1, num_microbatches)
+
+
 def activation_sets(schedule: str, devices_from: Any, replicas: Any, num_microbatches: int) -> Any:
     """How many microbatch activation sets one replica of a stage holds at its peak, as
     `ScheduleSpec.stash_depth` (without a split backward; the flush schedules' peaks, split

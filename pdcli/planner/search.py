@@ -17,14 +17,18 @@ one anchor E per residue class (the anchors share their stage costs).
 
 What keeps big clusters cheap, without changing the optimum: only the replica counts the
 runtime can run are tried (`replica_choices`); a flush schedule's stage-count axis holds only
-the counts whose bubble can still beat the best plan (`_flat_bound`, `_count_cap`; under a
-memory limit the counts deepen as plans are found), and a layer of t + 1 stages only the
-devices they can fill.
+the counts whose bubble can still beat the best plan (`_flat_bound`, `_count_cap`, with
+`bubble_factor_floor` for a split backward; under a memory limit the counts deepen as plans are
+found), and a layer of t + 1 stages only the devices they can fill. Under a memory limit a
+stage's memory is computed once per `memory_key` (what of the devices and replicas it reads:
+nothing for a flush schedule), and the layers whose stages fit alike are held once
+(`LayerCosts`): a flush schedule's memory repeats from a few stages on.
 
 With a split backward, 1f1b's memory depends on the pipeline's whole stage count (a
 microbatch is held until its WeightGrads, see planner.memory), which a suffix does not
 know: when memory counts (a limit, or the memory search) the program runs once per stage
-count and keeps the best. The flush bubble of a split backward is replayed
+count below `split_counts_alike_from` (M), and once for all the counts from M on, whose
+stages hold alike whatever the count. The flush bubble of a split backward is replayed
 (`pdcli.planner.costs.bubble_factor`); a stage count whose bottleneck alone is already
 slower than the best plan so far is not replayed (the factor is at least 1).
 
@@ -48,19 +52,66 @@ from typing import Any, Callable, Hashable, Iterator
 import numpy as np
 
 from pdcli.planner.costs import (
-    SplitShares, backward_work, bubble_factor, compute_calibration, pd_stage_terms, runtime_action_costs,
-    runtime_stage_terms, split_shares,
+    SplitShares, backward_work, bubble_factor, bubble_factor_floor, compute_calibration, pd_stage_terms,
+    runtime_action_costs, runtime_stage_terms, split_shares,
 )
-from pdcli.planner.memory import VerticalSync, stage_memory
+from pdcli.planner.memory import VerticalSync, memory_key, split_counts_alike_from, stage_memory
 from pdcli.planner.options import PlanOptions, check_table
 from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
-from pdcli.schedule.spec import FLUSH_SCHEDULES, rules
+from pdcli.schedule.spec import FLUSH_SCHEDULES, ONE_F_ONE_B, rules, stand_in
 
-StageCost = Callable[[int, int], np.ndarray]
-"""(suffix devices d, replicas r) -> cost of [i, e) as first stage, shape (L or 1, n, n + 1); inf
-unless i < e (and wherever [i, e) is not a valid stage)."""
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """The cost of every stage [i, e) on each layer t of the stage-count axis, the layers that
+    price alike held once: layer t's (n, n + 1) matrix is values[kind[t]] (kind None: values[0]
+    on every layer). Under a memory limit a flush schedule's stage fits or not by how many
+    stages follow it, and its memory repeats from a few stages on (`timeline_peaks`): a few
+    matrices stand for hundreds of layers."""
+
+    values: np.ndarray
+    """(K, n, n + 1)."""
+    kind: np.ndarray | None = None
+    """(L,) ints into values; None: every layer is values[0]."""
+
+    def layer(self, t: int) -> np.ndarray:
+        return self.values[0 if self.kind is None else int(self.kind[t])]
+
+    def groups(self, start: int, stop: int) -> Iterator[tuple[np.ndarray, slice | np.ndarray]]:
+        """(values[k:k + 1], the layers of [start, stop) of kind k) for each kind there."""
+        if self.kind is None:
+            yield self.values[:1], slice(start, stop)
+            return
+        kinds = self.kind[start:stop]
+        for k in np.unique(kinds):
+            at = np.flatnonzero(kinds == k) + start
+            run = at[-1] - at[0] + 1 == at.size  # a slice reads the value table without a copy
+            yield self.values[k:k + 1], slice(int(at[0]), int(at[-1]) + 1) if run else at
+
+    def masked(self, keep: np.ndarray) -> "LayerCosts":
+        """inf on the layers where `keep` (one bool per layer) is False."""
+        inf = np.full((1,) + self.values.shape[1:], np.inf)
+        kind = np.zeros(keep.shape, dtype=int) if self.kind is None else self.kind
+        return LayerCosts(np.concatenate([self.values, inf]), np.where(keep, kind, self.values.shape[0]))
+
+
+def distinct_layers(array: np.ndarray) -> LayerCosts:
+    """`array` (L, n, n + 1) as LayerCosts, equal layers held once."""
+    seen: dict[bytes, int] = {}
+    kind = np.array([seen.setdefault(layer.tobytes(), len(seen)) for layer in array], dtype=int)
+    firsts = np.unique(kind, return_index=True)[1]
+    return LayerCosts(array[firsts], kind)
+
+
+StageCost = Callable[[int, int], LayerCosts]
+"""(suffix devices d, replicas r) -> cost of [i, e) as first stage on each layer; inf unless
+i < e (and wherever [i, e) is not a valid stage)."""
+MEMORY_CACHE = 32
+"""(devices, replicas) memory keys whose memory, and stage times under the limit, `PdCosts`
+keeps (the least recently used go first): a flush schedule has one key, pipedream and 2bw one
+per count of in-flight microbatches."""
 ROW_BLOCK = 64
 """Start positions `min_over_ends` takes at once (each block reads only the ends after its first)."""
 SHARED_PRICINGS = 2
@@ -258,6 +309,8 @@ class PdCosts:
         self._time_cache: dict[tuple[float, ...], np.ndarray] = store["times"] if store is not None else {}
         self._tables: dict[Hashable, np.ndarray] | None = store["tables"] if store is not None else None
         self.vertical_sync = search_vertical_sync(options, anchor)
+        self._memory_cache: OrderedDict[Hashable, LayerCosts] = OrderedDict()
+        self._fits_cache: OrderedDict[Hashable, LayerCosts] = OrderedDict()
 
     def for_anchor(self, anchor: int) -> "PdCosts":
         """These costs for another anchor, sharing the matrices and the cached stage times (a
@@ -269,23 +322,34 @@ class PdCosts:
     def _link(self, a: int, b: int) -> float:
         return float(self.bw[a, b]) if 0 <= a and b < self.bw.shape[0] else np.inf
 
-    def _memory(self, d: int, r: int) -> np.ndarray:
+    def _memory_key(self, d: int, r: int) -> Hashable:
+        return memory_key(self.options.schedule, d, r, self.vertical_sync)
+
+    def _memory(self, d: int, r: int) -> LayerCosts:
+        """Every stage's memory on each layer, once per `memory_key` (kept in an LRU)."""
+        key = self._memory_key(d, r)
+        return _cached(self._memory_cache, key, lambda: self._stage_memory(d, r))
+
+    def _stage_memory(self, d: int, r: int) -> LayerCosts:
         o = self.options
         # the stage count matters to 1f1b with split backward only, and `pd_search` fixes it
-        # there (num_layers, the most stages searched, would only be an upper bound)
+        # there, or searches the counts whose stages hold alike (`split_counts_alike_from`) on
+        # num_layers of them
         total_stages = o.num_stages if o.num_stages is not None else self.num_layers
-        return stage_memory(o.schedule, self.params, self.acts.held, r, d, self.stages_from,
-                            o.num_microbatches, self.optimizer_state, o.precision, o.recompute,
-                            self.acts.inputs, o.split_backward, total_stages, self.acts.copies,
-                            self.acts.waiting, self.eager_sends, self.vertical_sync).total_bytes
+        total = stage_memory(o.schedule, self.params, self.acts.held, r, d, self.stages_from,
+                             o.num_microbatches, self.optimizer_state, o.precision, o.recompute,
+                             self.acts.inputs, o.split_backward, total_stages, self.acts.copies,
+                             self.acts.waiting, self.eager_sends, self.vertical_sync).total_bytes
+        total = np.broadcast_to(total, np.broadcast_shapes(np.shape(total), self.valid.shape))
+        return LayerCosts(total[None]) if total.ndim == 2 else distinct_layers(total)
 
     def runnable(self, r: int) -> bool:
         """The runtime spreads a minibatch's microbatches evenly over a stage's replicas."""
         return self.options.num_microbatches % r == 0
 
-    def time(self, d: int, r: int) -> np.ndarray:
+    def time(self, d: int, r: int) -> LayerCosts:
         if not self.runnable(r):
-            return np.full((1,) + self.valid.shape, np.inf)
+            return LayerCosts(np.full((1,) + self.valid.shape, np.inf))
         a = self.anchor - d
         links = (self._link(a, a + r - 1), self._link(a - 1, a), self._link(a + r - 1, a + r))
         key = (r,) + links  # on a uniform cluster most (d, r) share their bandwidths
@@ -302,13 +366,17 @@ class PdCosts:
             self._time_cache[key] = np.where(self.valid, terms.stage_time_ms, np.inf)[None]
         out = self._time_cache[key]
         limit = self.options.memory_bytes_per_device
-        if limit is not None:
-            out = np.where(self._memory(d, r) <= limit, out, np.inf)
-        return out
+        if limit is None:
+            return LayerCosts(out)
 
-    def memory(self, d: int, r: int) -> np.ndarray:
-        out = np.where(self.valid & self.runnable(r), self._memory(d, r), np.inf)
-        return out if out.ndim == 3 else out[None]
+        def fitting() -> LayerCosts:
+            memory = self._memory(d, r)
+            return LayerCosts(np.where(memory.values <= limit, out, np.inf), memory.kind)
+        return _cached(self._fits_cache, (key, self._memory_key(d, r)), fitting)
+
+    def memory(self, d: int, r: int) -> LayerCosts:
+        memory = self._memory(d, r)
+        return LayerCosts(np.where(self.valid & self.runnable(r), memory.values, np.inf), memory.kind)
 
     def time_minmax(self, num_layers: int, layered: bool, straight: bool, runnable: tuple[int, ...]) -> np.ndarray:
         """`suffix_minmax` over `time` on this anchor, shared inside `shared_programs` (read only)."""
@@ -321,6 +389,17 @@ class PdCosts:
             value.flags.writeable = False
             self._tables[key] = value
         return self._tables[key]
+
+
+def _cached(cache: "OrderedDict[Hashable, LayerCosts]", key: Hashable, make: Callable[[], LayerCosts]) -> LayerCosts:
+    """cache[key], made if missing; the cache keeps the MEMORY_CACHE most recently used."""
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    cache[key] = value = make()
+    if len(cache) > MEMORY_CACHE:
+        cache.popitem(last=False)
+    return value
 
 
 def replica_choices(d: int, straight: bool, runnable: tuple[int, ...]) -> tuple[int, ...]:
@@ -345,18 +424,20 @@ def suffix_minmax(n: int, anchor: int, num_layers: int, layered: bool, straight:
         for r in replica_choices(d, straight, runnable):
             c = cost(d, r)
             if r == d:  # the suffix is one stage [i, n)
-                value[0, :n, d] = np.minimum(value[0, :n, d], c[0, :, n])
+                value[0, :n, d] = np.minimum(value[0, :n, d], c.layer(0)[:, n])
                 continue
             if layered:  # t + 1 stages on d devices need t + 1 <= d
                 top = min(num_layers, d - r + 1)
                 if top < 2:
                     continue
-                src, dst = slice(0, top - 1), slice(1, top)
+                start, shift = 1, 1
             else:
-                src = dst = slice(0, 1)
-            stage = c[dst, :, :n] if c.shape[0] > 1 else c[:, :, :n]
-            rest = value[src, :n, d - r]  # rest[t, e]: the suffix after the stage starts at e
-            value[dst, :n, d] = np.minimum(value[dst, :n, d], min_over_ends(stage, rest))
+                top, start, shift = 1, 0, 0
+            for stage, dst in c.groups(start, top):
+                # rest[t, e]: the suffix after the stage starts at e (one stage less when layered)
+                src = slice(dst.start - shift, dst.stop - shift) if isinstance(dst, slice) else dst - shift
+                rest = value[src, :n, d - r]
+                value[dst, :n, d] = np.minimum(value[dst, :n, d], min_over_ends(stage[:, :, :n], rest))
     return value
 
 
@@ -380,8 +461,7 @@ def trace_back(value: np.ndarray, layered: bool, straight: bool, cost: StageCost
     while i < n:
         target = value[t, i, d]
         for r in replica_choices(d, straight, runnable):
-            c = cost(d, r)
-            row = c[t if c.shape[0] > 1 else 0, i]
+            row = cost(d, r).layer(t)[i]
             if r == d:
                 if t == 0 and row[n] == target:
                     stages.append((i, n, r, d))
@@ -419,10 +499,10 @@ def _devices_allowed(d: int, total: int, options: PlanOptions) -> bool:
 def fixed_replicas(cost: StageCost, replicas: tuple[int, ...]) -> StageCost:
     """`cost` where a stage may only have the replicas fixed for its index: layer t of the
     stage-count axis is the stage with t stages after it, stage len(replicas) - 1 - t."""
-    allowed = np.asarray(replicas[::-1])[:, None, None]  # layer t -> replicas of its stage
+    allowed = np.asarray(replicas[::-1])  # layer t -> replicas of its stage
 
-    def masked(d: int, r: int) -> np.ndarray:
-        return np.where(allowed == r, cost(d, r), np.inf)
+    def masked(d: int, r: int) -> LayerCosts:
+        return cost(d, r).masked(allowed == r)
     return masked
 
 
@@ -432,9 +512,14 @@ def pd_search(space: SplitSpace, topology: Topology, options: PlanOptions, scale
     stage memory (minimize="memory"); None when nothing is feasible."""
     split = backward_split(space, options)
     if memory_needs_stage_count(options, minimize):
-        counts = range(1, min(space.num_positions, topology.num_devices) + 1)
+        most = min(space.num_positions, topology.num_devices)
+        # 1f1b's stages hold alike in every pipeline of K0 or more stages: one program for them all
+        alike = split_counts_alike_from(options.num_microbatches) if stand_in(options.schedule) == ONE_F_ONE_B \
+            else most + 1
         runs = [_search(space, topology, dataclasses.replace(options, num_stages=k), scale, minimize, split)
-                for k in counts]
+                for k in range(1, min(alike, most + 1))]
+        if alike <= most:
+            runs.append(_search(space, topology, options, scale, minimize, split, fewest_stages=alike))
     else:
         runs = [_search(space, topology, options, scale, minimize, split)]
     found = [run for run in runs if run is not None]
@@ -470,18 +555,21 @@ def _flat_bound(anchor: int, allowed: list[int], options: PlanOptions, costs: Pd
     return times[d_best], len(trace_back(flat, False, options.straight, costs.time, runnable, 0, d_best))
 
 
-def _count_cap(lower: float, upper: float, max_stages: int, options: PlanOptions) -> int:
+def _count_cap(lower: float, upper: float, max_stages: int, options: PlanOptions, split: SplitShares | None) -> int:
     """The most stages a flush-schedule plan can have and still beat `upper`: its time is its
-    bottleneck (>= lower) times the bubble factor (M + S - 1) / M, which grows with S."""
+    bottleneck (>= lower) times the bubble factor, at least `bubble_factor_floor`, which grows
+    with S."""
     cap = 0
-    while cap < max_stages and lower * float(bubble_factor(options.schedule, options.num_microbatches,
-                                                            cap + 1)) <= upper:
+    while cap < max_stages and lower * bubble_factor_floor(options.schedule, options.num_microbatches,
+                                                           cap + 1, split) <= upper:
         cap += 1
     return cap
 
 
 def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float, minimize: str,
-            split: SplitShares | None) -> tuple[SearchKey, SearchResult] | None:
+            split: SplitShares | None, fewest_stages: int = 1) -> tuple[SearchKey, SearchResult] | None:
+    """The best plan of `fewest_stages` or more stages (a split 1f1b under a memory limit: the
+    stages' memory is that of any pipeline of so many stages or more, `pd_search`)."""
     n, total = space.num_positions, topology.num_devices
     layered = needs_stage_axis(options)
     max_stages = min(n, total) if options.num_stages is None else options.num_stages
@@ -492,11 +580,11 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
     kept = None  # the DP of the best anchor so far, for the trace back
     # a flush schedule runs only the stage counts whose bubble can still win (`_count_cap`);
     # under a memory limit the bound comes from the plans found, so the counts deepen
-    # (a split backward with no W to defer has the unsplit bubble; its memory still depends on the
-    # pipeline's stage count, which a search under a memory limit with deepening counts cannot fix)
+    # (a split backward's memory depends on the pipeline's stage count: under a memory limit the
+    # counts deepen only over the counts whose stages hold alike, `fewest_stages` on)
     limited = options.memory_bytes_per_device is not None
-    cap_layers = (layered and minimize == "time" and options.num_stages is None and split is None
-                  and options.replicas is None and not (options.split_backward and limited))
+    cap_layers = (layered and minimize == "time" and options.num_stages is None and options.replicas is None
+                  and not (options.split_backward and limited and fewest_stages == 1))
     cores = runtime.cores if runtime is not None else None
     shared: PdCosts | None = None
     free: PdCosts | None = None  # the costs without the memory limit, for the lower bound
@@ -517,12 +605,13 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
             lower, count = bound
             upper = best[0] if best is not None else np.inf
             if not limited:  # the unlimited plan is a plan: its time bounds the best
-                upper = min(upper, lower * float(bubble_factor(options.schedule, options.num_microbatches, count)))
-            layers_here = _count_cap(lower, upper, max_stages, options)
-            if layers_here == 0:
+                plan_ms = lower * float(bubble_factor(options.schedule, options.num_microbatches, count, split))
+                upper = min(upper, plan_ms)
+            layers_here = _count_cap(lower, upper, max_stages, options, split)
+            if layers_here < fewest_stages:
                 continue  # no stage count on this anchor can beat the best plan so far
             if limited:
-                layers_here = min(layers_here, max(count, 1))
+                layers_here = min(layers_here, max(count, fewest_stages))
         while True:
             base = PdCosts(space, topology, options, scale, anchor, layers_here) if cap_layers and limited else shared
             costs = base.for_anchor(anchor)
@@ -538,7 +627,8 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
                 value = suffix_minmax(n, anchor, layers_here, layered, options.straight, fn, runnable)
             before = best
             for d in allowed:
-                layers = range(layers_here) if options.num_stages is None else [options.num_stages - 1]
+                layers = range(fewest_stages - 1, layers_here) if options.num_stages is None \
+                    else [options.num_stages - 1]
                 for t in layers:
                     if not layered and t > 0:
                         break
@@ -556,7 +646,7 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
                 kept = (value, fn, runnable)
             if not (cap_layers and limited) or layers_here >= max_stages:
                 break
-            need = _count_cap(lower, best[0] if best is not None else np.inf, max_stages, options)
+            need = _count_cap(lower, best[0] if best is not None else np.inf, max_stages, options, split)
             if need <= layers_here:
                 break
             layers_here = min(2 * layers_here, need)

@@ -73,6 +73,24 @@ def test_loss_guard_stops_a_climbing_loss_and_names_what_to_try() -> None:
     assert "vertical_sync" not in remedies("2bw", False, 0.1) and "1f1b" in remedies("2bw", False, 0.1)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gradient_check_finds_each_nan_and_infinity_and_passes_sums_that_overflow(dtype: str) -> None:
+    import torch
+
+    from pdcli.runtime.divergence import Diverged, check_gradients
+
+    big = torch.finfo(getattr(torch, dtype)).max
+    grads = {"a.weight": torch.ones(64, 64, dtype=getattr(torch, dtype)), "b.bias": None,
+             "c.weight": torch.full((1000,), big, dtype=getattr(torch, dtype))}  # finite; its sum is not
+    check_gradients(grads, 0, 3)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for name in ("a.weight", "c.weight"):
+            broken = {k: None if v is None else v.clone() for k, v in grads.items()}
+            broken[name][7] = bad
+            with pytest.raises(Diverged, match=f"stage 2: non-finite gradient of {name} at minibatch 5"):
+                check_gradients(broken, 2, 5)
+
+
 def test_a_non_finite_checkpoint_is_never_written(tmp_path: Path) -> None:
     import torch
     from torch import nn

@@ -38,13 +38,16 @@ def check_loss(value: float, stage_id: int, microbatch_id: int, num_microbatches
 
 
 def check_gradients(named: Mapping[str, torch.Tensor | None], stage_id: int, minibatch: int) -> None:
-    """Every gradient of the optimizer step after `minibatch` is finite (one synchronization
-    for all of them)."""
+    """Every gradient of the optimizer step after `minibatch` is finite. Their sums say so in
+    one pass and one synchronization for all: a NaN or an infinity makes its tensor's sum
+    non-finite; only then is each element looked at (a sum of finite elements that overflowed
+    passes)."""
     grads = [(name, g) for name, g in named.items() if g is not None and g.numel() > 0]
-    if not grads or bool(torch.stack([torch.isfinite(g).all() for _, g in grads]).all()):
+    if not grads or bool(torch.isfinite(torch.stack([g.sum(dtype=torch.float32) for _, g in grads])).all()):
         return
-    name = next(n for n, g in grads if not bool(torch.isfinite(g).all()))
-    raise Diverged(f"stage {stage_id}: non-finite gradient of {name} at minibatch {minibatch}")
+    name = next((n for n, g in grads if not bool(torch.isfinite(g).all())), None)
+    if name is not None:
+        raise Diverged(f"stage {stage_id}: non-finite gradient of {name} at minibatch {minibatch}")
 
 
 def first_non_finite(tensors: Iterable[tuple[str, object]]) -> str | None:

@@ -15,7 +15,6 @@ allocator or the pinning alone.
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import sys
@@ -34,7 +33,7 @@ from torch.distributed.pipelining import (
 )
 from torch.nn import functional as F
 
-from pdcli.host import core_share
+from pdcli.host import core_share, pin_process
 from pdcli.runtime.executor import tune_allocator
 
 from _bench_common import (
@@ -130,11 +129,10 @@ def single_main(shape: BenchShape, num_threads: int, num_microbatches: int = 1) 
 
 
 def pin_like_pd(rank: int) -> None:
-    """This process on its own share of the cores, as pd pins a worker (`train.bind_cores`);
-    called before any thread starts."""
+    """This process on its own share of the cores, as pd pins a worker (`train.bind_cores`)."""
     share = core_share(rank, NUM_STAGES)
     if share is not None:
-        os.sched_setaffinity(0, share)
+        pin_process(share)
 
 
 def stages_main(shape: BenchShape, stage_id: int) -> None:

@@ -26,6 +26,19 @@ def core_share(local_rank: int, local_workers: int) -> list[int] | None:
     return cores[local_rank * share:(local_rank + 1) * share]
 
 
+def pin_process(cores: list[int]) -> None:
+    """Every thread of this process (those already started too; threads started later
+    inherit it) on `cores` only."""
+    from pathlib import Path
+
+    tasks = Path("/proc/self/task")
+    for tid in [int(t.name) for t in tasks.iterdir()] if tasks.exists() else [0]:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:  # a thread that has just ended
+            pass
+
+
 def network_host_id() -> str:
     """Which workers can reach each other through an abstract Unix socket: those of one
     kernel (its boot id) in one network namespace (its inode). Hostnames alone do not tell:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from pdcli.compiler import load_stage, read_manifest
 from pdcli.data import build_data
 from pdcli.data.registry import resolve_steps
-from pdcli.host import core_share, host_cores, interface_of, network_host_id, reach_address
+from pdcli.host import core_share, host_cores, pin_process, interface_of, network_host_id, reach_address
 from pdcli.models import build_loss
 from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
@@ -62,13 +62,8 @@ def bind_cpu_worker(cfg: "Config", local_rank: int, local_workers: int) -> list[
     if not cfg.train.bind_cores:
         return None
     share = core_share(local_rank, local_workers)
-    if share is not None:  # every thread of the process, those started before too
-        tasks = Path("/proc/self/task")
-        for tid in [int(t.name) for t in tasks.iterdir()] if tasks.exists() else [0]:
-            try:
-                os.sched_setaffinity(tid, share)
-            except OSError:  # a thread that has just ended
-                pass
+    if share is not None:
+        pin_process(share)
     return share
 
 

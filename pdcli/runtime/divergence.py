@@ -37,15 +37,20 @@ def check_loss(value: float, stage_id: int, microbatch_id: int, num_microbatches
                        f"(microbatch {microbatch_id})")
 
 
-def check_gradients(named: Mapping[str, torch.Tensor | None], stage_id: int, minibatch: int) -> None:
-    """Every gradient of the optimizer step after `minibatch` is finite. Their sums say so in
-    one pass and one synchronization for all: a NaN or an infinity makes its tensor's sum
-    non-finite; only then is each element looked at (a sum of finite elements that overflowed
-    passes)."""
+def non_finite_gradient(named: Mapping[str, torch.Tensor | None]) -> str | None:
+    """The name of the first gradient holding a NaN or an infinity, else None. Their sums say
+    so in one pass and one synchronization for all: a NaN or an infinity makes its tensor's
+    sum non-finite; only then is each element looked at (a sum of finite elements that
+    overflowed passes)."""
     grads = [(name, g) for name, g in named.items() if g is not None and g.numel() > 0]
     if not grads or bool(torch.isfinite(torch.stack([g.sum(dtype=torch.float32) for _, g in grads])).all()):
-        return
-    name = next((n for n, g in grads if not bool(torch.isfinite(g).all())), None)
+        return None
+    return next((n for n, g in grads if not bool(torch.isfinite(g).all())), None)
+
+
+def check_gradients(named: Mapping[str, torch.Tensor | None], stage_id: int, minibatch: int) -> None:
+    """Every gradient of the optimizer step after `minibatch` is finite (`non_finite_gradient`)."""
+    name = non_finite_gradient(named)
     if name is not None:
         raise Diverged(f"stage {stage_id}: non-finite gradient of {name} at minibatch {minibatch}")
 

@@ -30,7 +30,7 @@ from pdcli.models.loss import num_correct
 from pdcli import schedule as S
 from pdcli.runtime.comm import Mailbox, chunk_link
 from pdcli.runtime.evaluation import EvalSums
-from pdcli.runtime.divergence import check_gradients, check_loss
+from pdcli.runtime.divergence import check_gradients, check_loss, non_finite_gradient
 from pdcli.runtime.memory import MemoryTracker, tensor_bytes
 from pdcli.runtime.metrics import Timeline, action_category
 from pdcli.runtime.placement import Placement
@@ -493,17 +493,17 @@ class Executor(ActionLoop):
         """The gradients the step applies: summed over tied copies, divided by the microbatches, checked."""
         self.sum_tied_grads()  # before anything reads the gradients: the copies update as one weight
         scale = 1.0 / (a.num_microbatches * self.loss_scale)
-        for p in self.weights.live.values():
-            if p.grad is not None:
-                if scale != 1.0:  # pipedream steps once per microbatch: mostly 1
+        if scale != 1.0:  # pipedream steps once per microbatch: mostly 1
+            for p in self.weights.live.values():
+                if p.grad is not None:
                     p.grad.mul_(scale)
-                if self.loss_scale != 1.0 and not torch.isfinite(p.grad).all():
-                    raise FP16OverflowError(
-                        f"stage {self.ctx.stage_id}: non-finite fp16 gradients at step {a.step} "
-                        f"(static loss scale {self.loss_scale:g}); use train.precision=bf16 or fp32"
-                    )
-        check_gradients({name: p.grad for name, p in self.weights.live.items()}, self.ctx.stage_id,
-                        self.last_backward_mb // self.ctx.num_microbatches)
+        grads = {name: p.grad for name, p in self.weights.live.items()}
+        if self.loss_scale != 1.0 and non_finite_gradient(grads) is not None:
+            raise FP16OverflowError(
+                f"stage {self.ctx.stage_id}: non-finite fp16 gradients at step {a.step} "
+                f"(static loss scale {self.loss_scale:g}); use train.precision=bf16 or fp32"
+            )
+        check_gradients(grads, self.ctx.stage_id, self.last_backward_mb // self.ctx.num_microbatches)
 
     def apply_step(self, a: S.OptimizerStep, clip: bool = True) -> None:
         """The update itself (after `mean_grads`): learning rate, clipping (unless the caller

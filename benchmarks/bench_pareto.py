@@ -35,19 +35,19 @@ from bench_prediction import RUNTIME_SHAPE  # noqa: E402
 
 from pdcli.planner import Topology, plan_chain  # noqa: E402
 from pdcli.planner.evaluate import plan_options_of  # noqa: E402
-from pdcli.profiler.batch_points import chain_at_rows  # noqa: E402
+from pdcli.profiler.batch_points import chain_at_precision, chain_at_rows  # noqa: E402
 from pdcli.profiler.chain import Chain  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
 
 OUT = REPO / "runs" / "benchmarks" / "pareto.json"
 TIMEOUT_S = 900.0
-Point = tuple[str, int, bool, bool, tuple[int, ...], tuple[int, ...]]
-"""(schedule, microbatches, split backward, recompute, boundaries, replicas)."""
+Point = tuple[str, int, bool, bool, str, tuple[int, ...], tuple[int, ...]]
+"""(schedule, microbatches, split backward, recompute, precision, boundaries, replicas)."""
 SHAPE = tuple(o for o in RUNTIME_SHAPE if not o.startswith("schedule.num_microbatches"))
 CASES: dict[str, tuple[str, tuple[str, ...], int, tuple[Point, ...]]] = {
     "runtime-shape": ("quickstart", SHAPE, 40, (
-        ("pipedream", 1, False, False, (9,), (1, 1)), ("pipedream", 8, False, False, (9,), (1, 1)),
-        ("1f1b", 4, True, False, (9,), (1, 1)), ("1f1b", 8, True, False, (9,), (1, 1)))),
+        ("pipedream", 1, False, False, "fp32", (9,), (1, 1)), ("pipedream", 8, False, False, "fp32", (9,), (1, 1)),
+        ("1f1b", 4, True, False, "fp32", (9,), (1, 1)), ("1f1b", 8, True, False, "fp32", (9,), (1, 1)))),
     "gpt": ("gpt", (), 24, ()),
     "vgg16": ("vgg16", (), 30, ()),
 }
@@ -58,20 +58,22 @@ rows, 1f1b 4 x 64 and 8 x 32)."""
 
 def point_of(row: dict[str, Any]) -> Point:
     return (row["schedule"], int(row["num_microbatches"]), bool(row["split_backward"]), bool(row.get("recompute")),
-            tuple(row["boundaries"]), tuple(row["replicas"]))
+            str(row.get("precision", "fp32")), tuple(row["boundaries"]), tuple(row["replicas"]))
 
 
 def overrides_of(point: Point) -> list[str]:
-    schedule, m, split, recompute, bounds, reps = point
+    schedule, m, split, recompute, precision, bounds, reps = point
     return [f"schedule.name={schedule}", f"schedule.num_microbatches={m}", f"train.recompute={str(recompute).lower()}",
+            f"train.precision={precision}",
             f"schedule.split_backward={'true' if split else 'null' if schedule in ('pipedream', '2bw') else 'false'}",
             "plan.num_stages=null", f"plan.boundaries=[{','.join(map(str, bounds))}]",
             f"plan.replicas=[{','.join(map(str, reps))}]"]
 
 
 def label(point: Point) -> str:
-    schedule, m, split, recompute, bounds, reps = point
-    return (f"{schedule}{' (split bwd)' if split else ''}{', recompute' if recompute else ''} M={m} "
+    schedule, m, split, recompute, precision, bounds, reps = point
+    return (f"{schedule}{' (split bwd)' if split else ''}{', recompute' if recompute else ''}"
+            f"{'' if precision == 'fp32' else ', ' + precision} M={m} "
             f"cuts {list(bounds)} x{list(reps)}")
 
 
@@ -85,13 +87,14 @@ def predict(plan_dir: Path, point: Point) -> float:
     """The search's prediction for `point` (its profile priced at the point's microbatch size)."""
     plan = json.loads((plan_dir / "plan.json").read_text())
     chain = Chain.from_json(json.loads((plan_dir / "profile.json").read_text()))
-    schedule, m, split, recompute, bounds, reps = point
+    schedule, m, split, recompute, precision, bounds, reps = point
     options = dataclasses.replace(plan_options_of(plan), schedule=schedule, num_microbatches=m, split_backward=split,
-                                  recompute=recompute,
+                                  recompute=recompute, precision=precision,
                                   boundaries=bounds, replicas=reps, num_stages=None,
                                   memory_bytes_per_device=plan["inputs"].get("memory_bytes_per_device"))
     topology = Topology.from_levels(plan["inputs"]["topology"]["levels"])
-    return plan_chain(chain_at_rows(chain, options.batch_size // m), topology, options).time_per_minibatch_ms
+    priced = chain_at_precision(chain_at_rows(chain, options.batch_size // m), options.precision)
+    return plan_chain(priced, topology, options).time_per_minibatch_ms
 
 
 def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:

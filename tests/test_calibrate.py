@@ -79,6 +79,26 @@ def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_pipeline_probe_of_a_searched_recipe_runs_its_stand_ins(tmp_path: Path) -> None:
+    """With the schedule, microbatches and precision left to the planner (`auto`), the probe's
+    run trains the stand-ins its stages were probed with (pipedream, 4 microbatches of the
+    64-row minibatch, fp32), not a configuration it searched for itself: the refit reads the run
+    as that configuration."""
+    from pdcli.profiler.chain import Chain
+
+    env = {**__import__("os").environ, "PD_PIPELINE_PROBE": "1"}
+    args = [f"run.root={tmp_path}", "profile.repeats=3", "profile.pipeline_probe_minibatches=30",
+            "schedule.name=auto", "schedule.num_microbatches=auto", "train.precision=auto", "train.recompute=auto"]
+    proc = subprocess.run([str(PD), "profile", RECIPE, *args], capture_output=True, text=True, timeout=200,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sources = Chain.from_json(json.loads((tmp_path / "quickstart" / "profile.json").read_text())).meta["runtime"]["sources"]
+    ran = sources["pipeline"]
+    assert (ran["schedule"], ran["num_microbatches"], ran["precision"]) == ("pipedream", 4, "fp32"), sources["pipeline_probe"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_pipeline_probe_of_virtual_stages_runs_their_workers_one_stage_each(tmp_path: Path) -> None:
     """Chunks are not refitted from a run: the probe runs the same workers with 1f1b (their
     weight mode) and refits its costs, instead of failing on the chunks' cuts."""

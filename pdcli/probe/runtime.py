@@ -407,6 +407,9 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
             "plan.split_points=null", "plan.pipe_splits=false", f"plan.boundaries=[{','.join(map(str, cuts))}]",
             f"cluster.levels=[{{devices: {workers}, bandwidth_bytes_per_s: {bandwidth}}}]",
             f"schedule.name={schedule}", "schedule.virtual_stages=1",
+            # the stand-in configuration the stages were probed with, not a search of its own
+            # (whose pick, e.g. bf16 or other microbatches, the refit would read as this one)
+            "plan.search=[]",
         ]
         # From the user's directory, as their own run: relative data paths and `model.target`
         # modules beside the recipe resolve there (run.root keeps every file in tmp).

@@ -32,6 +32,7 @@ from pdcli.errors import UserError
 from pdcli.planner.runtime_costs import Affine, ModeCosts, RuntimeCosts, steady, steady_mean, weight_mode
 from pdcli.planner.runtime_fit import KINDS, StagePoints
 from pdcli.planner.space import SplitSpace
+from pdcli.profiler.batch_points import chain_at_precision, chain_at_rows
 from pdcli.profiler.chain import Chain
 from pdcli.report.build import read_trained_plan
 from pdcli.report.compare import ReplanCommands
@@ -87,6 +88,7 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     plan = read_trained_plan(run_dir, ReplanCommands(str(run_dir)))
     inputs = plan.get("inputs", {})
     schedule, m = str(inputs["schedule"]), int(inputs["num_microbatches"])
+    precision = str(inputs.get("precision", "fp32"))
     if int(inputs.get("virtual_stages", 1)) > 1:  # a rank's trace mixes its chunks' actions
         raise UserError(f"{run_dir}: --calibrate does not refit from a run with virtual stages yet "
                         f"(schedule.virtual_stages={inputs['virtual_stages']})",
@@ -95,6 +97,10 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     if not traces:
         raise UserError(f"{run_dir / TRAIN_DIR / TRACE_FILE}: no trace to calibrate from",
                         hint=f"train the run first: `pd train {run_dir / 'config.yaml'}`")
+    # the profile priced as the planner priced the run's configuration: its microbatch's rows
+    # (`meta.batch_points`) and its precision (`meta.precision_time`), so that the refit is of
+    # the costs beyond those and a plan of another configuration reads it alike
+    chain = chain_at_precision(chain_at_rows(chain, int(inputs["batch_size"]) // m), precision)
     space = SplitSpace.from_chain(chain)
     if plan["stages"][-1]["end"] != space.num_positions:
         raise UserError(f"{run_dir}: its plan covers {plan['stages'][-1]['end']} positions, the profile has "
@@ -151,8 +157,8 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
         calibrated = fit_shared(calibrated, chain, plan, compute_ms, target_ms)
     if target_ms is not None:
         calibrated = fit_latency(calibrated, chain, plan, target_ms)
-    return calibrated, {"run": str(run_dir), "schedule": schedule, "steady_time_per_minibatch_ms": target_ms,
-                        "stages": measured}
+    return calibrated, {"run": str(run_dir), "schedule": schedule, "num_microbatches": m, "precision": precision,
+                        "steady_time_per_minibatch_ms": target_ms, "stages": measured}
 
 
 def steady_compute_ms(first_stage: Sequence[RankTrace], ranks: Sequence[RankTrace], num_microbatches: int) -> float | None:

@@ -31,7 +31,14 @@ def test_calibrated_plan_predicts_the_run_it_was_fitted_to(tmp_path: Path) -> No
     before = json.loads((run_dir / "plan.json").read_text())
     report = runner.invoke(app, ["report", str(run_dir), "--format", "json", "--no-charts"])
     assert report.exit_code == 0, report.output
-    measured_ms = json.loads(report.stdout)["pipeline"]["measured"]["steady_time_per_minibatch_ms"]
+    out = json.loads(report.stdout)
+    measured_ms = out["pipeline"]["measured"]["steady_time_per_minibatch_ms"]
+    # "bubble (all ranks)": one rule for the plan's replay and the run, waiting over wall time
+    # (the replay's optimizer steps, loads and messages are not waiting)
+    for side in ("predicted", "measured"):
+        idle = sum(s[side]["idle_ms"] * s["replicas"] for s in out["stages"])
+        wall = sum(s[side]["wall_ms"] * s["replicas"] for s in out["stages"])
+        assert out["pipeline"][side]["bubble_fraction"] == pytest.approx(idle / wall)
 
     result = runner.invoke(app, ["plan", RECIPE, *args, "--calibrate", str(run_dir), "--format", "json"])
     assert result.exit_code == 0, result.output

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from pdcli.errors import UserError
 from pdcli.runtime.evaluation import EVAL_KEYS, is_eval_line
@@ -84,6 +84,15 @@ def read_trace(path: Path) -> dict[int, RankTrace]:
         rank: RankTrace(rank, labels.get(rank, f"rank {rank}"), tuple(sorted(s, key=lambda x: x.start_ms)))
         for rank, s in sorted(spans.items())
     }
+
+
+def pipeline_bubble(stages: Iterable[Any]) -> float:
+    """Share of all ranks' wall time spent waiting for a peer: the stages' `idle_ms` over their
+    `wall_ms`, each stage counted once per replica. `pd report`'s "bubble (all ranks)", the same
+    rule for the plan's replayed stages and the run's measured ones."""
+    rows = [(s.idle_ms * s.replicas, s.wall_ms * s.replicas) for s in stages]
+    wall = sum(w for _, w in rows)
+    return sum(i for i, _ in rows) / wall if wall > 0 else 0.0
 
 
 @dataclass(frozen=True)

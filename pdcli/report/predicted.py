@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from pdcli.planner.costs import updates_per_minibatch
 from pdcli.planner.evaluate import ACTIONS_KEY, replay_stage_costs
+from pdcli.report.measured import pipeline_bubble
 from pdcli.runtime.metrics import CATEGORIES, COMM, COMPUTE, IDLE, action_category
 from pdcli.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads
 from pdcli.schedule.simulator import Simulation, StageCost, simulate
@@ -68,11 +69,14 @@ class Predicted:
     time_per_minibatch_ms: float
     throughput_samples_per_s: float
     simulated_time_per_minibatch_ms: float
-    bubble_fraction: float
-    """Simulated: share of all ranks' time outside forward and backward (and WeightGrads)."""
     num_simulated_steps: int
     split_backward: bool = False
     """The plan (and so the simulation) splits the backward."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Simulated share of all ranks' wall time waiting for a peer (`pipeline_bubble`)."""
+        return pipeline_bubble(self.stages)
 
 
 def runtime_costed(plan: dict[str, Any]) -> bool:
@@ -163,7 +167,7 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
     return Predicted(
         stages=tuple(stages), time_per_minibatch_ms=float(pipeline["time_per_minibatch_ms"]),
         throughput_samples_per_s=float(pipeline["throughput_samples_per_s"]),
-        simulated_time_per_minibatch_ms=sim.time_per_minibatch_ms, bubble_fraction=sim.bubble_fraction,
+        simulated_time_per_minibatch_ms=sim.time_per_minibatch_ms,
         num_simulated_steps=steps, split_backward=split,
     )
 

@@ -9,7 +9,7 @@ from typing import Any
 from tabulate import tabulate
 
 from pdcli.report.compare import Comparison, relative_pct
-from pdcli.report.measured import WEIGHT_GRADS
+from pdcli.report.measured import WEIGHT_GRADS, pipeline_bubble
 from pdcli.runtime.evaluation import eval_metrics_text
 from pdcli.schedule.spec import rules
 
@@ -113,7 +113,7 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
         ["  whole loop (samples/s)", _rate(m.batch_size, p.simulated_time_per_minibatch_ms), f"{m.samples_per_s:.0f}",
          _pct(relative_pct(m.samples_per_s, m.batch_size * MS_PER_S / p.simulated_time_per_minibatch_ms)
               if p.simulated_time_per_minibatch_ms > 0 else None)],
-        ["bubble (all ranks)", _frac(p.bubble_fraction), _frac(_measured_bubble(c)), ""],
+        ["bubble (all ranks)", _frac(p.bubble_fraction), _frac(pipeline_bubble(s.measured for s in c.stages)), ""],
     ]
     lines.append(tabulate(pipeline, headers=["pipeline", "predicted", "measured", "diff"], tablefmt=table_fmt, disable_numparse=True))
     lines.append("")
@@ -153,12 +153,6 @@ def event_lines(events: tuple[dict[str, Any], ...]) -> list[str]:
     return lines
 
 
-def _measured_bubble(c: Comparison) -> float:
-    idle = sum(s.measured.idle_ms * s.measured.replicas for s in c.stages)
-    wall = sum(s.measured.wall_ms * s.measured.replicas for s in c.stages)
-    return idle / wall if wall > 0 else 0.0
-
-
 def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, Any]:
     m, p = c.measured, c.predicted
     stages = []
@@ -167,7 +161,8 @@ def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, 
             "stage_id": s.stage_id, "replicas": s.measured.replicas,
             "predicted": {"compute_ms": s.predicted.compute_ms, "comm_ms": s.predicted.comm_ms, "idle_ms": s.predicted.idle_ms,
                           "stage_time_ms": s.predicted.stage_time_ms, "fwd_ms": s.predicted.fwd_ms, "bwd_ms": s.predicted.bwd_ms,
-                          "wgrad_ms": s.predicted.wgrad_ms, "bubble_fraction": s.predicted.bubble_fraction},
+                          "wgrad_ms": s.predicted.wgrad_ms, "wall_ms": s.predicted.wall_ms,
+                          "bubble_fraction": s.predicted.bubble_fraction},
             "measured": {"compute_ms": s.measured.compute_ms, "comm_ms": s.measured.comm_ms, "idle_ms": s.measured.idle_ms,
                          "stage_time_ms": s.measured.stage_time_ms, "wall_ms": s.measured.wall_ms,
                          "bubble_fraction": s.measured.bubble_fraction, "actions_ms": s.measured.actions_ms},
@@ -183,7 +178,7 @@ def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, 
                           "split_backward": p.split_backward},
             "measured": {"time_per_minibatch_ms": m.time_per_minibatch_ms,
                          "steady_time_per_minibatch_ms": m.steady_time_per_minibatch_ms,
-                         "samples_per_s": m.samples_per_s, "bubble_fraction": _measured_bubble(c),
+                         "samples_per_s": m.samples_per_s, "bubble_fraction": pipeline_bubble(s.measured for s in c.stages),
                          "final_loss": m.final_loss, "final_accuracy": m.final_accuracy, **m.eval_metrics,
                          "events": list(m.events)},
             "time_per_minibatch_ratio": c.time_per_minibatch_ratio,

@@ -91,10 +91,12 @@ class LossTracker:
             self.writer.write(line)
 
 
-def summarize(records: dict[int, LossRecord], num_microbatches: int, minibatches: list[int]) -> dict[str, Any]:
-    """Mean loss (and accuracy) over the microbatches of `minibatches` present in `records`."""
-    wanted = set(minibatches)
-    picked = [r for mb, r in records.items() if mb // num_microbatches in wanted]
+def summarize(records: dict[int, LossRecord], num_microbatches: int, minibatches: Sequence[int]) -> dict[str, Any]:
+    """Mean loss (and accuracy) over the microbatches of `minibatches` present in `records`, in
+    microbatch order. Looks up only those microbatches: the last stage calls it as each
+    minibatch completes (the divergence guard), so its cost must not grow with the run."""
+    picked = [records[mb] for t in sorted(set(minibatches))
+              for mb in range(t * num_microbatches, (t + 1) * num_microbatches) if mb in records]
     out: dict[str, Any] = {"loss": sum(r[0] for r in picked) / max(len(picked), 1)}
     if picked and all(r[1] >= 0 for r in picked):
         out["accuracy"] = sum(r[1] for r in picked) / max(sum(r[2] for r in picked), 1)

@@ -145,8 +145,23 @@ def test_per_stage_numbers_are_per_minibatch(tmp_path: Path, schedule: str) -> N
     pipeline = out["pipeline"]
     assert pipeline["predicted"]["bubble_fraction"] == pytest.approx(predicted.bubble_fraction)
     assert pipeline["predicted"]["simulated_time_per_minibatch_ms"] == pytest.approx(predicted.time_per_minibatch_ms)
+    # the whole loop, fill and drain included, on both sides
+    assert pipeline["predicted"]["whole_loop_per_minibatch_ms"] == pytest.approx(predicted.makespan_ms / NUM_STEPS)
     assert pipeline["measured"]["steady_time_per_minibatch_ms"] == pytest.approx(measured.time_per_minibatch_ms)
     assert pipeline["measured"]["time_per_minibatch_ms"] == pytest.approx(measured.makespan_ms / NUM_STEPS)
+
+
+def test_the_whole_loop_of_a_run_longer_than_the_replay_adds_its_steady_minibatches() -> None:
+    from pdcli.report.predicted import MAX_SIMULATED_STEPS, predict
+
+    plan = plan_json("pipedream")  # no flush: the pipeline fills and drains once per run
+    short = simulate(ScheduleSpec.make("pipedream", 2, NUM_MICROBATCHES, MAX_SIMULATED_STEPS),
+                     stage_costs(plan, "pipedream", NUM_MICROBATCHES))
+    steps = 5 * MAX_SIMULATED_STEPS
+    out = predict(plan, "pipedream", NUM_MICROBATCHES, steps)
+    assert out.whole_loop_per_minibatch_ms == pytest.approx(
+        (short.makespan_ms + (steps - MAX_SIMULATED_STEPS) * short.time_per_minibatch_ms) / steps)
+    assert out.simulated_time_per_minibatch_ms < out.whole_loop_per_minibatch_ms < short.makespan_ms / MAX_SIMULATED_STEPS
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

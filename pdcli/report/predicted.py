@@ -69,9 +69,13 @@ class Predicted:
     time_per_minibatch_ms: float
     throughput_samples_per_s: float
     simulated_time_per_minibatch_ms: float
+    """The replay's steady time per minibatch."""
     num_simulated_steps: int
     split_backward: bool = False
     """The plan (and so the simulation) splits the backward."""
+    whole_loop_per_minibatch_ms: float = 0.0
+    """The run's whole loop (fill and drain included) per minibatch: the replay's makespan, its
+    steps beyond MAX_SIMULATED_STEPS at the steady time."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -168,6 +172,8 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
         stages=tuple(stages), time_per_minibatch_ms=float(pipeline["time_per_minibatch_ms"]),
         throughput_samples_per_s=float(pipeline["throughput_samples_per_s"]),
         simulated_time_per_minibatch_ms=sim.time_per_minibatch_ms,
+        whole_loop_per_minibatch_ms=(sim.makespan_ms + (max(num_steps, 1) - steps) * sim.time_per_minibatch_ms)
+        / max(num_steps, 1),
         num_simulated_steps=steps, split_backward=split,
     )
 

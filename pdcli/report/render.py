@@ -106,13 +106,13 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     lines.append("")
     pipeline = [
         ["time per minibatch (ms)", _ms(p.time_per_minibatch_ms), _ms(steady), _pct(relative_pct(steady, p.time_per_minibatch_ms) if steady else None)],
-        ["  whole loop incl. fill/drain (ms)", _ms(p.simulated_time_per_minibatch_ms), _ms(m.time_per_minibatch_ms),
-         _pct(relative_pct(m.time_per_minibatch_ms, p.simulated_time_per_minibatch_ms))],
+        ["  whole loop incl. fill/drain (ms)", _ms(p.whole_loop_per_minibatch_ms), _ms(m.time_per_minibatch_ms),
+         _pct(relative_pct(m.time_per_minibatch_ms, p.whole_loop_per_minibatch_ms))],
         ["throughput (samples/s)", f"{p.throughput_samples_per_s:.0f}", _rate(m.batch_size, steady),
          _pct(relative_pct(m.batch_size * MS_PER_S / steady, p.throughput_samples_per_s) if steady else None)],
-        ["  whole loop (samples/s)", _rate(m.batch_size, p.simulated_time_per_minibatch_ms), f"{m.samples_per_s:.0f}",
-         _pct(relative_pct(m.samples_per_s, m.batch_size * MS_PER_S / p.simulated_time_per_minibatch_ms)
-              if p.simulated_time_per_minibatch_ms > 0 else None)],
+        ["  whole loop (samples/s)", _rate(m.batch_size, p.whole_loop_per_minibatch_ms), f"{m.samples_per_s:.0f}",
+         _pct(relative_pct(m.samples_per_s, m.batch_size * MS_PER_S / p.whole_loop_per_minibatch_ms)
+              if p.whole_loop_per_minibatch_ms > 0 else None)],
         ["bubble (all ranks)", _frac(p.bubble_fraction), _frac(pipeline_bubble(s.measured for s in c.stages)), ""],
     ]
     lines.append(tabulate(pipeline, headers=["pipeline", "predicted", "measured", "diff"], tablefmt=table_fmt, disable_numparse=True))
@@ -174,6 +174,7 @@ def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, 
         "pipeline": {
             "predicted": {"time_per_minibatch_ms": p.time_per_minibatch_ms,
                           "simulated_time_per_minibatch_ms": p.simulated_time_per_minibatch_ms,
+                          "whole_loop_per_minibatch_ms": p.whole_loop_per_minibatch_ms,
                           "throughput_samples_per_s": p.throughput_samples_per_s, "bubble_fraction": p.bubble_fraction,
                           "split_backward": p.split_backward},
             "measured": {"time_per_minibatch_ms": m.time_per_minibatch_ms,

@@ -118,7 +118,7 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     lines.append(tabulate(pipeline, headers=["pipeline", "predicted", "measured", "diff"], tablefmt=table_fmt, disable_numparse=True))
     lines.append("")
     split = has_weight_grads(c)
-    lines.append("measured compute per action, ms per minibatch (other: data loads, weight stashing, loss; the plan has no term for them"
+    lines.append("measured compute per action, ms per minibatch (other compute: data loads and weight stashing, beside the plan's fwd, bwd and optimizer steps"
                  + ("; split backward: Backward and plan bwd leave the weight gradients to WeightGrads and plan wgrad" if split else "")
                  + "):")
     lines.append(tabulate(action_rows(c), headers=SPLIT_ACTION_HEADERS if split else ACTION_HEADERS, tablefmt=table_fmt,

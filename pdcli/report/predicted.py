@@ -137,7 +137,8 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
             vertical_sync: bool = False, orders: Sequence[Order] = ()) -> Predicted:
     """The plan's numbers for a run of `num_steps` minibatches of `schedule` (a hand-written
     one: its written `orders`, else its stand-in's, see `ScheduleRules.stand_in`)."""
-    steps = max(1, min(num_steps, MAX_SIMULATED_STEPS))
+    run_steps = max(1, num_steps)
+    steps = min(run_steps, MAX_SIMULATED_STEPS)
     split = plan_splits_backward(plan, schedule)
     plan_stages = device_stages(plan) if rules(schedule).chunked else plan["stages"]
     replicas = [int(s["replicas"]) for s in plan_stages]
@@ -172,8 +173,7 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
         stages=tuple(stages), time_per_minibatch_ms=float(pipeline["time_per_minibatch_ms"]),
         throughput_samples_per_s=float(pipeline["throughput_samples_per_s"]),
         simulated_time_per_minibatch_ms=sim.time_per_minibatch_ms,
-        whole_loop_per_minibatch_ms=(sim.makespan_ms + (max(num_steps, 1) - steps) * sim.time_per_minibatch_ms)
-        / max(num_steps, 1),
+        whole_loop_per_minibatch_ms=(sim.makespan_ms + (run_steps - steps) * sim.time_per_minibatch_ms) / run_steps,
         num_simulated_steps=steps, split_backward=split,
     )
 

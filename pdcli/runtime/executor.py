@@ -30,7 +30,7 @@ from pdcli.models.loss import num_correct
 from pdcli import schedule as S
 from pdcli.runtime.comm import Mailbox, chunk_link
 from pdcli.runtime.evaluation import EvalSums
-from pdcli.runtime.divergence import check_gradients, check_loss, non_finite_gradient
+from pdcli.runtime.divergence import Diverged, check_gradients, check_loss
 from pdcli.runtime.memory import MemoryTracker, tensor_bytes
 from pdcli.runtime.metrics import Timeline, action_category
 from pdcli.runtime.placement import Placement
@@ -498,12 +498,15 @@ class Executor(ActionLoop):
                 if p.grad is not None:
                     p.grad.mul_(scale)
         grads = {name: p.grad for name, p in self.weights.live.items()}
-        if self.loss_scale != 1.0 and non_finite_gradient(grads) is not None:
+        try:  # one pass over the gradients: under fp16's static loss scale a non-finite one is an overflow
+            check_gradients(grads, self.ctx.stage_id, self.last_backward_mb // self.ctx.num_microbatches)
+        except Diverged:
+            if self.loss_scale == 1.0:
+                raise
             raise FP16OverflowError(
                 f"stage {self.ctx.stage_id}: non-finite fp16 gradients at step {a.step} "
                 f"(static loss scale {self.loss_scale:g}); use train.precision=bf16 or fp32"
-            )
-        check_gradients(grads, self.ctx.stage_id, self.last_backward_mb // self.ctx.num_microbatches)
+            ) from None
 
     def apply_step(self, a: S.OptimizerStep, clip: bool = True) -> None:
         """The update itself (after `mean_grads`): learning rate, clipping (unless the caller

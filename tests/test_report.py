@@ -9,6 +9,7 @@ One real 2-process quickstart run (a few seconds) checks the report against `pd 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -382,5 +383,7 @@ def test_report_of_a_real_quickstart_run(real_run: Path) -> None:
         else:
             assert stage["predicted"]["stage_time_ms"] == planned["stage_time_ms"]
     assert out["pipeline"]["measured"]["steady_time_per_minibatch_ms"] > 0
+    for log in sorted((real_run / "train").glob("rank*.log")):  # each worker's loop walks only its own objects
+        assert re.search(r"\b[1-9]\d* objects of the setup frozen out of the garbage collector", log.read_text()), log
     for name in (TIMELINE_FILE, LOSS_FILE):
         assert (real_run / "train" / name).read_bytes()[:8] == PNG_MAGIC

@@ -125,6 +125,7 @@ def run_stage_actions(cfg: Any, stages_dir: Path, stage_id: int, num_stages: int
     from pdcli.models import build_loss
     from pdcli.runtime.comm import Mailbox
     from pdcli.runtime.executor import Executor, StageContext
+    from pdcli.runtime.heap import collector_paused
     from pdcli.runtime.metrics import Timeline
     from pdcli.torchutil.optim import build_optimizer
     from pdcli.runtime.placement import Placement
@@ -151,13 +152,14 @@ def run_stage_actions(cfg: Any, stages_dir: Path, stage_id: int, num_stages: int
         heartbeat=Heartbeat(stages_dir / f"probe_status_{stage_id}"),
     )
     actions = build_for(spec, stage_id, 0, eager_sends=True)
-    start_s = time.perf_counter()
-    Executor(ctx, actions).run()
-    loop_ms = (time.perf_counter() - start_s) * 1e3
+    with collector_paused():  # a worker's loop runs with its setup frozen out of the collector
+        start_s = time.perf_counter()
+        Executor(ctx, actions).run()
+        loop_ms = (time.perf_counter() - start_s) * 1e3
     out: dict[str, list[float]] = {}
-    for event in timeline.stats.events:
-        out.setdefault(str(event["name"]), []).append(float(event["dur"]) / 1e3)
-    inside_ms = sum(float(e["dur"]) / 1e3 for e in timeline.stats.events)
+    for name, _, _, dur_us, _ in timeline.stats.events:
+        out.setdefault(name, []).append(dur_us / 1e3)
+    inside_ms = sum(span[3] / 1e3 for span in timeline.stats.events)
     out[GAP_KEY] = [max(loop_ms - inside_ms, 0.0) / max(len(actions), 1)]
     return out
 

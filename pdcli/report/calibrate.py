@@ -22,6 +22,7 @@ stays the run's profile.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -37,7 +38,8 @@ from pdcli.profiler.chain import Chain
 from pdcli.report.build import read_trained_plan
 from pdcli.report.compare import ReplanCommands
 from pdcli.report.measured import (
-    COMPUTE, TRACE_FILE, TRAIN_DIR, RankTrace, Span, completion_times_ms, read_trace, steady_time_per_minibatch_ms,
+    COMPUTE, SUMMARY_FILE, TRACE_FILE, TRAIN_DIR, RankTrace, Span, completion_times_ms, evaluated_after, read_trace,
+    steady_time_per_minibatch_ms,
 )
 from pdcli.runtime.metrics import action_category
 
@@ -149,7 +151,9 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
         gap_ms=gaps_mean, sources={**base.sources, "calibrated_from": str(run_dir)},
     )
     first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
-    target_ms = steady_time_per_minibatch_ms(first, m)
+    summary_path = run_dir / TRAIN_DIR / SUMMARY_FILE
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    target_ms = steady_time_per_minibatch_ms(first, m, evaluated_after(summary))
     num_ranks = sum(int(stage["replicas"]) for stage in plan["stages"])
     shared = base.cores is not None and num_ranks > base.cores
     compute_ms = steady_compute_ms(first, list(traces.values()), m) if shared else None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 from pdcli.errors import UserError
 from pdcli.runtime.evaluation import EVAL_KEYS, is_eval_line
@@ -174,13 +174,22 @@ def completion_times_ms(first_stage: Sequence[RankTrace], num_microbatches: int)
     return [max(ends[(t + 1) * num_microbatches - 1] for ends in ends_ms) for t in range(count)]
 
 
-def steady_time_per_minibatch_ms(first_stage: Sequence[RankTrace], num_microbatches: int) -> float | None:
-    """Mean time between minibatch completions over the second half of the traced run."""
+def steady_time_per_minibatch_ms(first_stage: Sequence[RankTrace], num_microbatches: int,
+                                 evaluated_after: Collection[int] = ()) -> float | None:
+    """Mean time between minibatch completions over the second half of the traced run. The
+    run evaluated after each minibatch index (from the trace's first) in `evaluated_after`:
+    the interval that holds an evaluation is left out (the plan prices training)."""
     done_ms = completion_times_ms(first_stage, num_microbatches)
-    if len(done_ms) < 2:
-        return None
     first = (len(done_ms) - 1) // 2
-    return (done_ms[-1] - done_ms[first]) / (len(done_ms) - 1 - first)
+    gaps = [done_ms[i] - done_ms[i - 1] for i in range(first + 1, len(done_ms)) if i not in evaluated_after]
+    return sum(gaps) / len(gaps) if gaps else None
+
+
+def evaluated_after(summary: dict[str, Any]) -> set[int]:
+    """The minibatch counts of a run's `summary.json` after which it evaluated, counted from
+    the first minibatch its trace holds (a resumed run traces from where it resumed)."""
+    first = int(summary.get("first_step", 0))
+    return {int(e["step"]) - first for e in summary.get("evals", ())}
 
 
 def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage_ranks: list[list[int]],
@@ -218,7 +227,8 @@ def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage
         schedule=str(summary["schedule"]), num_steps=steps, batch_size=batch_size, num_microbatches=num_microbatches,
         stages=tuple(stages),
         time_per_minibatch_ms=float(summary["loop_s"]) * US_PER_MS / steps,
-        steady_time_per_minibatch_ms=steady_time_per_minibatch_ms(first, num_microbatches * chunks_per_rank),
+        steady_time_per_minibatch_ms=steady_time_per_minibatch_ms(first, num_microbatches * chunks_per_rank,
+                                                                  evaluated_after(summary)),
         samples_per_s=float(summary["samples_per_s"]), final_loss=float(summary["final_loss"]),
         final_accuracy=None if accuracy is None else float(accuracy),
         minibatch_losses=tuple(float(x) for x in summary.get("minibatch_losses", ())),

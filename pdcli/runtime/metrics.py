@@ -35,6 +35,19 @@ S_TO_MS = 1e3
 S_TO_US = 1e6
 
 
+TraceSpan = tuple[str, str, float, float, "str | None"]
+"""One traced span: (name, category, start us, duration us, label or None). A plain tuple of
+atomic values, which the garbage collector stops tracking once it has seen it, so a rank's
+trace does not lengthen its collections (`pdcli.runtime.heap`)."""
+
+
+def chrome_event(span: TraceSpan, rank: int) -> dict[str, Any]:
+    """`span` as a Chrome trace event of process `rank`."""
+    name, category, ts_us, dur_us, label = span
+    return {"name": name, "cat": category, "ph": "X", "ts": ts_us, "dur": dur_us, "pid": rank, "tid": 0,
+            **({"args": {"action": label}} if label is not None else {})}
+
+
 @dataclass
 class RankStats:
     """Totals of one rank, gathered to the metrics writer at the end."""
@@ -49,7 +62,7 @@ class RankStats:
     num_weight_versions_max: int = 0
     memory: dict[str, Any] = field(default_factory=dict)
     """Measured bytes per category (`pdcli.runtime.memory.MemoryTracker.report`)."""
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[TraceSpan] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
@@ -74,18 +87,8 @@ class Timeline:
         attr = f"{category}_ms"
         setattr(self.stats, attr, getattr(self.stats, attr) + dur_s * S_TO_MS)
         if len(self.stats.events) < MAX_TRACE_EVENTS:
-            self.stats.events.append(
-                {
-                    "name": name,
-                    "cat": category,
-                    "ph": "X",
-                    "ts": (self._wall0_s + start_s - self._perf0_s) * S_TO_US,
-                    "dur": dur_s * S_TO_US,
-                    "pid": self.stats.rank,
-                    "tid": 0,
-                    **({"args": {"action": label}} if label is not None else {}),
-                }
-            )
+            ts_us = (self._wall0_s + start_s - self._perf0_s) * S_TO_US
+            self.stats.events.append((name, category, ts_us, dur_s * S_TO_US, label))
 
     def finish(self) -> RankStats:
         self.stats.wall_ms = (time.perf_counter() - self._perf0_s) * S_TO_MS
@@ -99,7 +102,7 @@ def chrome_trace(all_stats: list[RankStats]) -> dict[str, Any]:
         label = f"rank {s.rank} (stage {s.stage_id}, replica {s.replica_id})"
         events.append({"name": "process_name", "ph": "M", "pid": s.rank, "tid": 0, "args": {"name": label}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": s.rank, "tid": 0, "args": {"sort_index": s.rank}})
-        events.extend(s.events)
+        events.extend(chrome_event(span, s.rank) for span in s.events)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -21,6 +21,7 @@ from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
 from pdcli.runtime.comm import Mailbox, TorchDistTransport, Transport
 from pdcli.runtime.evaluation import EVAL_KEYS, EvalPlan, plan_evaluation
+from pdcli.runtime.heap import freeze_setup
 from pdcli.runtime.divergence import LossGuard, remedies
 from pdcli.runtime.chunks import ChunkRunner, chunk_actions
 from pdcli.runtime.executor import Executor, StageContext
@@ -292,6 +293,7 @@ def run_session(
 
     if tracker is not None:
         tracker.restart_clock()
+    logger.info("%d objects of the setup frozen out of the garbage collector", freeze_setup())
     start_s = time.perf_counter()
     executor.run(on_step)
     loop_s = time.perf_counter() - start_s - executor.eval_s  # training only: samples/s and pd report's times
@@ -333,7 +335,7 @@ def write_reports(
     end_eval = {k: v for e in evals if e["step"] == cfg.train.steps for k, v in e.items() if k in EVAL_KEYS}
     summary = {
         "final_loss": final["loss"], "final_accuracy": final.get("accuracy"), "samples_per_s": samples_per_s,
-        "loop_s": loop_s, "steps": cfg.train.steps, "schedule": cfg.schedule.name, "stages": stages,
+        "loop_s": loop_s, "steps": cfg.train.steps, "first_step": first_step, "schedule": cfg.schedule.name, "stages": stages,
         "minibatch_losses": losses, "microbatch_losses": {str(k): v[0] for k, v in sorted(records.items())},
         "checkpoint": str(checkpoint.checkpoint_dir(train_dir, cfg.train.steps)), **end_eval, "evals": evals,
         "eval_s": eval_s,

@@ -112,8 +112,8 @@ def run_case(name: str, root: Path, previous: Path | None) -> dict[str, Any]:
                    for s in c.stages],
     }
     base = RuntimeCosts.from_meta(chain.meta)
-    if previous is not None and base is not None and int(plan["inputs"].get("virtual_stages", 1)) == 1:
-        calibrated, _ = calibrate_from_run(previous, chain, base)  # (chunked runs: not refitted yet)
+    if previous is not None and base is not None:
+        calibrated, _ = calibrate_from_run(previous, chain, base)
         row["calibrated_ms"] = replayed_ms(calibrated, chain, plan)
     return row
 

@@ -106,9 +106,9 @@ def test_pipeline_probe_of_a_searched_recipe_runs_its_stand_ins(tmp_path: Path) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_pipeline_probe_of_virtual_stages_runs_their_workers_one_stage_each(tmp_path: Path) -> None:
-    """Chunks are not refitted from a run: the probe runs the same workers with 1f1b (their
-    weight mode) and refits its costs, instead of failing on the chunks' cuts."""
+def test_pipeline_probe_of_virtual_stages_runs_their_chunks(tmp_path: Path) -> None:
+    """The probe trains the chunked schedule itself (each worker several chunks) and refits
+    its costs from that run."""
     from pdcli.profiler.chain import Chain
 
     env = {**__import__("os").environ, "PD_PIPELINE_PROBE": "1"}
@@ -118,8 +118,33 @@ def test_pipeline_probe_of_virtual_stages_runs_their_workers_one_stage_each(tmp_
                           cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     sources = Chain.from_json(json.loads((tmp_path / "quickstart" / "profile.json").read_text())).meta["runtime"]["sources"]
-    assert sources["pipeline_probe"].startswith("30 minibatches of 1f1b on 2 workers"), sources["pipeline_probe"]
+    assert sources["pipeline_probe"].startswith("30 minibatches of interleaved on 2 workers"), sources["pipeline_probe"]
+    assert sources["pipeline"]["schedule"] == "interleaved"
+    assert [s["stage_id"] for s in sources["pipeline"]["stages"]] == [0, 1, 2, 3]  # one refit point per chunk
     assert sources["pipeline"]["steady_time_per_minibatch_ms"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_calibrated_plan_of_virtual_stages_predicts_its_run(tmp_path: Path) -> None:
+    """A run of chunks refits per chunk (a rank's trace holds several); re-planning it predicts the run."""
+    args = ["schedule.name=interleaved", "schedule.virtual_stages=2", "plan.boundaries=[5,9,14]",
+            f"train.steps={STEPS}", "train.log_every=10", "profile.repeats=3", f"run.root={tmp_path}"]
+    proc = subprocess.run([str(PD), "train", RECIPE, *args], capture_output=True, text=True, timeout=200, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_dir = tmp_path / "quickstart"
+    report = runner.invoke(app, ["report", str(run_dir), "--format", "json", "--no-charts"])
+    assert report.exit_code == 0, report.output
+    measured_ms = json.loads(report.stdout)["pipeline"]["measured"]["steady_time_per_minibatch_ms"]
+    result = runner.invoke(app, ["plan", RECIPE, *args, "--calibrate", str(run_dir), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    calibration = json.loads((run_dir / "calibration.json").read_text())
+    assert [s["stage_id"] for s in calibration["measured"]["stages"]] == [0, 1, 2, 3]  # refitted per chunk
+    for chunk in calibration["measured"]["stages"]:
+        assert chunk["actions_ms"]["Forward"] > 0 and "OptimizerStep" not in chunk["actions_ms"]  # a rank's, not a chunk's
+    after = json.loads((run_dir / "plan.json").read_text())
+    assert after["inputs"]["virtual_stages"] == 2 and len(after["stages"]) == 4
+    assert after["pipeline"]["time_per_minibatch_ms"] == pytest.approx(measured_ms, rel=0.05)
 
 
 @pytest.mark.slow

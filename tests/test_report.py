@@ -387,3 +387,14 @@ def test_report_of_a_real_quickstart_run(real_run: Path) -> None:
         assert re.search(r"\b[1-9]\d* objects of the setup frozen out of the garbage collector", log.read_text()), log
     for name in (TIMELINE_FILE, LOSS_FILE):
         assert (real_run / "train" / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_a_trace_of_virtual_stages_names_each_actions_chunk(tmp_path: Path) -> None:
+    from pdcli.runtime.metrics import Timeline, chrome_trace
+
+    timeline = Timeline(rank=0, stage_id=0, replica_id=0)
+    for i, label in enumerate(("F0:c0@v0", "SA0:c0->r0", "RA0:c2<-r0", "F0:c2@v0", "W0:c2", "U#0/4")):
+        timeline.add(label.split("0")[0], "compute", float(i), i + 0.5, label)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(chrome_trace([timeline.stats])))
+    assert [s.chunk for s in read_trace(path)[0].spans] == [0, 0, 2, 2, 2, None]

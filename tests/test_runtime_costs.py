@@ -204,7 +204,8 @@ def test_probes_run_long_enough_to_measure_by_time() -> None:
 
 def test_pipeline_probe_runs_the_stages_the_recipe_plans() -> None:
     """`pd profile`'s pipeline probe runs the workers and split the recipe's plan has (two
-    stages on two of three devices, not three workers), and its own layout otherwise."""
+    stages on two of three devices, not three workers; a worker's chunks with virtual stages),
+    and its own layout otherwise."""
     from pathlib import Path
 
     from pdcli.config import load_config
@@ -224,5 +225,9 @@ def test_pipeline_probe_runs_the_stages_the_recipe_plans() -> None:
     assert pipeline_layout(cfg, c, [(0, 8, 3)]) == balanced  # no pipeline to probe
     wide = [(0, 4, PIPELINE_MAX_WORKERS), (4, 8, 1)]
     assert pipeline_layout(cfg, c, wide) == balanced
+    # virtual stages: the chunks are the stages, two per worker
     virtual = load_config(recipe, ["schedule.name=interleaved", "schedule.virtual_stages=2"]).config
-    assert planned_layout(c, virtual) is None
+    chunks = planned_layout(c, virtual)
+    assert chunks is not None and len(chunks) == 4
+    assert pipeline_layout(virtual, c, chunks) == ([start for start, _, _ in chunks[1:]], [1, 1])
+    assert pipeline_layout(virtual, c, None) == (balanced_cuts(c, 4), [1, 1])

@@ -31,10 +31,12 @@ class StagePoints:
     def __post_init__(self) -> None:
         self._optimizer = optimizer_step_matrix(self.space)
 
-    def add(self, start: int, end: int, durations: Mapping[str, Sequence[float]], last: bool) -> None:
+    def add(self, start: int, end: int, durations: Mapping[str, Sequence[float]], last: bool,
+            update: bool = True) -> None:
         """Stage [start, end)'s actions (name -> durations, ms); `last`: it computes the loss,
         which is taken out (the loss is priced on its own). Backward is the whole backward:
-        a split one's WeightGrads are added back."""
+        a split one's WeightGrads are added back. `update`: its updates too (`add_update`
+        otherwise)."""
         space, m = self.space, self.per_microbatch
         w_ms = steady_mean(durations.get("WeightGrads", []))
         self._add("forward", space.range_total(space.covered_fwd_ms, start, end) * m,
@@ -44,8 +46,18 @@ class StagePoints:
         wgrad = space.range_total(covered_or_zeros(space, space.covered_wgrad_ms), start, end) * m
         if wgrad > 0 and "WeightGrads" in durations:
             self._add("wgrad", wgrad, w_ms)
-        self._add("update", float(self._optimizer[start, end]),
-                  sum(steady_mean(durations.get(a, [])) for a in UPDATE_ACTIONS))
+        if update:
+            self.add_update([(start, end)], durations)
+
+    def add_update(self, ranges: Sequence[tuple[int, int]], durations: Mapping[str, Sequence[float]]) -> None:
+        """The updates of a process that steps the stages `ranges` at once (the chunks of one
+        rank): one point per range, the measured time shared in proportion to the profiled,
+        so that the points' sums are the process's."""
+        profiled = [float(self._optimizer[start, end]) for start, end in ranges]
+        measured = sum(steady_mean(durations.get(a, [])) for a in UPDATE_ACTIONS)
+        total = sum(profiled)
+        for x in profiled:
+            self._add("update", x, measured * x / total if total > 0 else measured / len(profiled))
 
     def _add(self, kind: str, profiled_ms: float, measured_ms: float) -> None:
         self.points[kind][0].append(profiled_ms)

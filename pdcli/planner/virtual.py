@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 
 from pdcli.errors import UserError
 from pdcli.planner.evaluate import (
-    REFINE_SHIFTS, REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, batch_scale, evaluate_pd, pipeline_summary, stage_predicted,
+    REFINE_SHIFTS, REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, batch_scale, evaluate_pd, pipeline_summary, plan_options_of,
+    stage_predicted,
 )
 from pdcli.planner.options import PlanOptions
 from pdcli.planner.plan import Plan, Stage
@@ -73,6 +74,32 @@ def device_activation_bytes(spec: ScheduleSpec, device: int, per_microbatch_byte
     return peak
 
 
+def chunk_pricing(topology: Topology, options: PlanOptions, num_chunks: int) -> tuple[Topology, PlanOptions]:
+    """How the chunks of a chunked schedule are priced: as `num_chunks` straight stages on as many
+    devices of the cluster's innermost bandwidth, under the schedule's one-chunk stand-in."""
+    chunk_topology = Topology.flat(num_chunks, topology.levels[0].bandwidth_bytes_per_s)
+    stand_in = dataclasses.replace(options, schedule=STAND_INS[options.schedule], num_stages=num_chunks, straight=True,
+                                   memory_bytes_per_device=None, use_fewer_devices=False, virtual_stages=1)
+    return chunk_topology, stand_in
+
+
+def replay_chunked_plan(chain: Chain, plan: dict[str, Any]) -> Simulation:
+    """A chunked plan.json's schedule replayed with its chunks priced by `chain` (its runtime
+    costs), as `plan_virtual` priced them: the same chunks, another profile or cost model."""
+    inputs = plan["inputs"]
+    options = dataclasses.replace(plan_options_of(plan), virtual_stages=int(inputs["virtual_stages"]))
+    space = SplitSpace.from_chain(chain)
+    devices = len({int(r) for s in plan["stages"] for r in s["ranks"]})
+    chunk_topology, stand_in = chunk_pricing(Topology.from_levels(inputs["topology"]["levels"]), options,
+                                             len(plan["stages"]))
+    cuts = [(int(s["start"]), int(s["end"]), 1) for s in plan["stages"]]
+    priced = evaluate_pd(space, chunk_topology, stand_in, batch_scale(chain.meta, options), cuts, replay=False)
+    runtime = runtime_of(space, chunk_topology)
+    spec = device_spec(options, devices, max(REPLAY_MIN_MINIBATCHES, 2 * devices + 2))
+    return simulate(spec, chunk_costs(priced.stages, options.num_microbatches),
+                    cores=runtime.cores if runtime is not None else None)
+
+
 def refine_by_replay(space: SplitSpace, partition: list[tuple[int, int, int]],
                      replayed: Callable[[Sequence[tuple[int, int, int]]], tuple[PlanEval, Simulation]],
                      best: tuple[PlanEval, Simulation]) -> tuple[PlanEval, Simulation]:
@@ -108,10 +135,7 @@ def plan_virtual(chain: Chain, topology: Topology, options: PlanOptions, space: 
         raise UserError(f"schedule.name={options.schedule} plans one device per pipeline position with the pd cost "
                         "model; plan.replicas, plan.split_points and plan.cost_model=pipedream do not apply")
     scale = batch_scale(chain.meta, options)
-    chunk_topology = Topology.flat(num_chunks, topology.levels[0].bandwidth_bytes_per_s)
-    stand_in = dataclasses.replace(options, schedule=STAND_INS[options.schedule], num_stages=num_chunks, straight=True,
-                                   memory_bytes_per_device=None, use_fewer_devices=False, virtual_stages=1,
-                                   split_backward=options.split_backward)
+    chunk_topology, stand_in = chunk_pricing(topology, options, num_chunks)
     if options.boundaries is not None:
         if len(options.boundaries) != num_chunks - 1:
             raise UserError(f"plan.boundaries: {len(options.boundaries)} cuts, but {num_chunks} chunks need "

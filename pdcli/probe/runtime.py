@@ -353,18 +353,22 @@ StageLayout = Sequence[tuple[int, int, int]]
 
 
 def pipeline_layout(cfg: Any, chain: Chain, layout: StageLayout | None) -> tuple[list[int], list[int]] | None:
-    """(cuts, replicas per stage) of the pipeline probe: `layout` when it is a pipeline of at
-    most PIPELINE_MAX_WORKERS workers (the stages the recipe plans, so that the probe runs the
-    workers and the split the run will), else as many stages as the cluster has devices (at
-    most PIPELINE_MAX_WORKERS, one replica each) with a balanced split. None: nothing to probe
-    (the layout is one worker; one device or one position)."""
-    workers = sum(r for _, _, r in layout) if layout else 0
+    """(cuts, replicas per worker's stage) of the pipeline probe: `layout` when it is a pipeline
+    of at most PIPELINE_MAX_WORKERS workers (the stages the recipe plans, so that the probe runs
+    the workers and the split the run will), else as many stages as the cluster has devices (at
+    most PIPELINE_MAX_WORKERS, one replica each) with a balanced split. With virtual stages
+    (`schedule.virtual_stages` = V) the stages are chunks, V per worker: the cuts are the
+    chunks', the replicas one per worker. None: nothing to probe (the layout is one worker; one
+    device or one position per chunk)."""
+    v = int(cfg.schedule.virtual_stages)
+    workers = sum(r for _, _, r in layout) // v if layout else 0
     if layout is not None and workers == 1:
         return None
-    if layout is not None and len(layout) >= 2 and workers <= PIPELINE_MAX_WORKERS:
-        return [start for start, _, _ in layout[1:]], [r for _, _, r in layout]
-    num_stages = min(cfg.num_devices, len(chain.nodes), PIPELINE_MAX_WORKERS)
-    return (balanced_cuts(chain, num_stages), [1] * num_stages) if num_stages >= 2 else None
+    if layout is not None and len(layout) >= 2 * v and workers <= PIPELINE_MAX_WORKERS:
+        replicas = [r for _, _, r in layout]
+        return [start for start, _, _ in layout[1:]], (replicas if v == 1 else [1] * workers)
+    num_stages = min(cfg.num_devices, len(chain.nodes) // v, PIPELINE_MAX_WORKERS)
+    return (balanced_cuts(chain, num_stages * v), [1] * num_stages) if num_stages >= 2 else None
 
 
 def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int,
@@ -394,9 +398,7 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     stage_ms = profiled_ms(chain, 0, len(chain.nodes)) * (cfg.data.batch_size / profiled if profiled else 1.0) / workers
     minibatches = minibatches_for(cfg.profile.pipeline_probe_seconds, stage_ms, minibatches, PIPELINE_MAX_MINIBATCHES)
     replicated = any(r > 1 for r in replicas)
-    # chunks (virtual stages) are not refitted from a run yet: their workers run 1f1b, whose
-    # weight mode is theirs, one stage each
-    schedule = cfg.schedule.name if cfg.schedule.virtual_stages == 1 else "1f1b"
+    schedule = cfg.schedule.name
     with tempfile.TemporaryDirectory(prefix="pd-pipeline-probe-") as tmp:
         recipe = Path(tmp) / "config.yaml"
         recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -408,7 +410,7 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
             f"plan.replicas=[{','.join(map(str, replicas))}]" if replicated else "plan.replicas=null",
             "plan.split_points=null", "plan.pipe_splits=false", f"plan.boundaries=[{','.join(map(str, cuts))}]",
             f"cluster.levels=[{{devices: {workers}, bandwidth_bytes_per_s: {bandwidth}}}]",
-            f"schedule.name={schedule}", "schedule.virtual_stages=1",
+            f"schedule.name={schedule}", f"schedule.virtual_stages={cfg.schedule.virtual_stages}",
             # the stand-in configuration the stages were probed with, not a search of its own
             # (whose pick, e.g. bf16 or other microbatches, the refit would read as this one)
             "plan.search=[]",

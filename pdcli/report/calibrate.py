@@ -56,11 +56,13 @@ def _quantile(values: list[float], q: float) -> float:
     return float(np.quantile(steady(values), q)) if values else 0.0
 
 
-def _durations(traces: Sequence[RankTrace]) -> dict[str, list[float]]:
+def _durations(traces: Sequence[RankTrace], chunk: int | None = None) -> dict[str, list[float]]:
+    """Action name -> durations (ms) on `traces`; only chunk `chunk`'s actions unless None."""
     out: dict[str, list[float]] = {}
     for trace in traces:
         for span in trace.spans:
-            out.setdefault(span.name, []).append(span.dur_ms)
+            if chunk is None or span.chunk == chunk:
+                out.setdefault(span.name, []).append(span.dur_ms)
     return out
 
 
@@ -91,10 +93,8 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     inputs = plan.get("inputs", {})
     schedule, m = str(inputs["schedule"]), int(inputs["num_microbatches"])
     precision = str(inputs.get("precision", "fp32"))
-    if int(inputs.get("virtual_stages", 1)) > 1:  # a rank's trace mixes its chunks' actions
-        raise UserError(f"{run_dir}: --calibrate does not refit from a run with virtual stages yet "
-                        f"(schedule.virtual_stages={inputs['virtual_stages']})",
-                        hint="calibrate from a run of the same model with one stage per device (e.g. schedule.name=1f1b)")
+    chunks_per_rank = int(inputs.get("virtual_stages", 1))
+    chunked = chunks_per_rank > 1  # the plan's stages are chunks, several per rank
     traces = read_trace(run_dir / TRAIN_DIR / TRACE_FILE)
     if not traces:
         raise UserError(f"{run_dir / TRAIN_DIR / TRACE_FILE}: no trace to calibrate from",
@@ -118,14 +118,16 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     load_inputs, load_target = base.load_inputs_ms, base.load_target_ms
     measured: list[dict[str, Any]] = []
     cut = np.asarray(chain.cut_bytes, dtype=float)
+    ranks_of = [set(int(r) for r in stage["ranks"]) for stage in plan["stages"]]
     for stage in plan["stages"]:
         k, start, end = int(stage["stage_id"]), int(stage["start"]), int(stage["end"])
         own = [traces[r] for r in stage["ranks"] if r in traces]
-        times = _durations(own)
+        times = _durations(own, k if chunked else None)
         last = k == last_id
-        fits.add(start, end, times, last)
-        in_bytes = cut[start - 1] * per_mb if start > 0 else 0.0
-        out_bytes = cut[end - 1] * per_mb if end < n else 0.0
+        fits.add(start, end, times, last, update=not chunked)  # a rank steps all of its chunks at once
+        # a message to a chunk on the same rank does not leave the process: not a transfer's cost
+        in_bytes = cut[start - 1] * per_mb if start > 0 and ranks_of[k - 1] != ranks_of[k] else 0.0
+        out_bytes = cut[end - 1] * per_mb if end < n and ranks_of[k + 1] != ranks_of[k] else 0.0
         for action, nbytes in (("SendActivations", out_bytes), ("SendGrads", in_bytes)):
             if nbytes and action in times:
                 sends.append((nbytes, steady_mean(times[action])))
@@ -140,6 +142,11 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
         elif last and loads:
             load_target = load_ms
         measured.append({"stage_id": k, "actions_ms": {a: steady_mean(v) for a, v in sorted(times.items())}})
+    if chunked:
+        for rank in sorted(set().union(*ranks_of)):
+            if rank in traces:
+                fits.add_update([(int(st["start"]), int(st["end"])) for st, held in zip(plan["stages"], ranks_of)
+                                 if rank in held], _durations([traces[rank]]))
     modes = dict(base.modes)
     modes[mode_name] = ModeCosts(*(refit(*fits.points[kind], getattr(mode, kind)) for kind in KINDS))
     gaps = _gaps(list(traces.values()))
@@ -153,10 +160,10 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
     summary_path = run_dir / TRAIN_DIR / SUMMARY_FILE
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    target_ms = steady_time_per_minibatch_ms(first, m, evaluated_after(summary))
-    num_ranks = sum(int(stage["replicas"]) for stage in plan["stages"])
+    target_ms = steady_time_per_minibatch_ms(first, m * chunks_per_rank, evaluated_after(summary))
+    num_ranks = len(set().union(*ranks_of))
     shared = base.cores is not None and num_ranks > base.cores
-    compute_ms = steady_compute_ms(first, list(traces.values()), m) if shared else None
+    compute_ms = steady_compute_ms(first, list(traces.values()), m * chunks_per_rank) if shared else None
     if compute_ms:
         calibrated = fit_shared(calibrated, chain, plan, compute_ms, target_ms)
     if target_ms is not None:
@@ -183,8 +190,13 @@ def replayed_traces(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -
     from pdcli.planner.evaluate import evaluate_plan, plan_options_of, replay
 
     costed = runtime.priced(chain)
-    priced = evaluate_plan(costed, plan)
-    sim = replay(priced.stages, plan_options_of(plan), (priced.replay or {}).get("cores"))
+    if _chunked(plan):
+        from pdcli.planner.virtual import replay_chunked_plan
+
+        sim = replay_chunked_plan(costed, plan)
+    else:
+        priced = evaluate_plan(costed, plan)
+        sim = replay(priced.stages, plan_options_of(plan), (priced.replay or {}).get("cores"))
     if sim is None:
         return None
     return [RankTrace(rank, f"rank {rank}", tuple(
@@ -227,14 +239,24 @@ def replayed_compute_ms(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any
     if traces is None:
         return None
     first = set(int(r) for r in plan["stages"][0]["ranks"])
-    return steady_compute_ms([t for t in traces if t.rank in first], traces, int(plan["inputs"]["num_microbatches"]))
+    per_rank = int(plan["inputs"]["num_microbatches"]) * int(plan["inputs"].get("virtual_stages", 1))
+    return steady_compute_ms([t for t in traces if t.rank in first], traces, per_rank)
 
 
 def replayed_ms(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> float:
     """Time per minibatch of `plan`'s stages replayed with `runtime`'s costs."""
+    if _chunked(plan):
+        from pdcli.planner.virtual import replay_chunked_plan
+
+        return replay_chunked_plan(runtime.priced(chain), plan).time_per_minibatch_ms
     from pdcli.planner.evaluate import evaluate_plan
 
     return evaluate_plan(runtime.priced(chain), plan).time_per_minibatch_ms
+
+
+def _chunked(plan: dict[str, Any]) -> bool:
+    """A plan of virtual stages: its stages are chunks, several per rank."""
+    return int(plan["inputs"].get("virtual_stages", 1)) > 1
 
 
 def fit_latency(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any], target_ms: float) -> RuntimeCosts:

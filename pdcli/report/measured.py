@@ -21,6 +21,7 @@ from pdcli.errors import UserError
 from pdcli.runtime.evaluation import EVAL_KEYS, is_eval_line
 from pdcli.runtime.events import read_events
 from pdcli.runtime.metrics import read_metrics
+from pdcli.schedule.actions import parse_action
 
 TRAIN_DIR = "train"
 SUMMARY_FILE = "summary.json"  # pdcli.runtime.session.SUMMARY_FILE
@@ -40,6 +41,8 @@ class Span:
     category: str
     start_ms: float
     dur_ms: float
+    chunk: int | None = None
+    """With virtual stages: the chunk the action ran (from its text form); None otherwise."""
 
     @property
     def end_ms(self) -> float:
@@ -79,11 +82,23 @@ def read_trace(path: Path) -> dict[int, RankTrace]:
     spans: dict[int, list[Span]] = {}
     for e in complete:
         start_ms = (float(e["ts"]) - t0_us) / US_PER_MS
-        spans.setdefault(int(e["pid"]), []).append(Span(str(e["name"]), str(e.get("cat", "")), start_ms, float(e["dur"]) / US_PER_MS))
+        label = (e.get("args") or {}).get("action")
+        spans.setdefault(int(e["pid"]), []).append(Span(str(e["name"]), str(e.get("cat", "")), start_ms,
+                                                        float(e["dur"]) / US_PER_MS, chunk_of(label)))
     return {
         rank: RankTrace(rank, labels.get(rank, f"rank {rank}"), tuple(sorted(s, key=lambda x: x.start_ms)))
         for rank, s in sorted(spans.items())
     }
+
+
+def chunk_of(text: Any) -> int | None:
+    """The chunk of an action's text form (`F3:c2@v1`), None when it names none or is no action."""
+    if not isinstance(text, str) or ":c" not in text:
+        return None
+    try:
+        return getattr(parse_action(text), "chunk", None)
+    except ValueError:
+        return None
 
 
 def pipeline_bubble(stages: Iterable[Any]) -> float:

@@ -116,12 +116,10 @@ def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str
 
 def planned_layout(chain: Chain, cfg: Config) -> list[tuple[int, int, int]] | None:
     """The stages (start, end, replicas) `cfg`'s options plan for `chain`, without the search of
-    `plan.search` (its stand-ins' plan): what `pd profile`'s pipeline probe runs. None when
-    planning fails (the probe then picks its own layout) or with virtual stages."""
+    `plan.search` (its stand-ins' plan): what `pd profile`'s pipeline probe runs (with virtual
+    stages: the chunks). None when planning fails (the probe then picks its own layout)."""
     from pdcli.planner import Topology, plan_chain
 
-    if cfg.schedule.virtual_stages > 1:
-        return None
     try:
         plan = plan_chain(chain, Topology.from_levels(cfg.cluster.levels), plan_options(cfg, None))
     except UserError:

@@ -123,6 +123,26 @@ def _ratio(row: dict[str, Any], key: str) -> float | None:
     return row["measured_ms"] / value if value else None
 
 
+def run_to_run(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The host's noise: the mean |measured / mean of its case's rounds - 1| over the runs of the
+    cases measured in two rounds or more, and the probe's mean error against those means (None:
+    no case has two rounds)."""
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if "error" not in r:
+            by_case.setdefault(r["case"], []).append(r)
+    spread, probe = [], []
+    for runs in by_case.values():
+        if len(runs) < 2:
+            continue
+        mean_ms = statistics.mean(r["measured_ms"] for r in runs)
+        spread.extend(abs(r["measured_ms"] / mean_ms - 1.0) for r in runs)
+        probe.append(abs(mean_ms / statistics.mean(r["probe_ms"] for r in runs) - 1.0))
+    if not spread:
+        return None
+    return {"spread_pct": statistics.mean(spread) * 100, "probe_vs_mean_pct": statistics.mean(probe) * 100}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -170,8 +190,13 @@ def main() -> None:
     summary = {k: statistics.mean(v) * 100 if v else None for k, v in errors.items()}
     print("\nmean |measured / predicted - 1|: " + ", ".join(
         f"{k.removesuffix('_ms')} {v:.1f}%" for k, v in summary.items() if v is not None))
+    noise = run_to_run(rows)
+    if noise is not None:
+        print(f"run to run: a case's measured time differs from the mean of its rounds by {noise['spread_pct']:.1f}% "
+              f"on average (what a perfect prediction of that mean would score run by run); the probe against "
+              f"each case's mean: {noise['probe_vs_mean_pct']:.1f}%")
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(OUT, {"rows": rows, "mean_abs_error_pct": summary})
+    atomic_write_json(OUT, {"rows": rows, "mean_abs_error_pct": summary, "run_to_run": noise})
     print(f"wrote {OUT}")
 
 

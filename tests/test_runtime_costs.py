@@ -58,6 +58,35 @@ def test_each_runtime_term_moves_the_prediction(schedule: str, term: str) -> Non
     assert predicted_ms(chain(base.without(term)), schedule) < full * (1 - 1e-6)
 
 
+def test_the_measured_all_reduce_prices_replicated_stages() -> None:
+    """This host's all-reduce line (slower than the ring over the nominal bandwidth) prices a
+    replicated stage's sync; switched off with the measured transport, the ring is back."""
+    from pdcli.planner.costs import replica_allreduce_ms
+
+    measured = dataclasses.replace(RUNTIME.without("cores"), allreduce=Affine(2e-6, 3.0))
+    assert RuntimeCosts.from_json(measured.to_json()) == measured
+    assert measured.without("transport").allreduce is None
+    line = Affine(2e-6, 3.0)
+    assert replica_allreduce_ms(1e6, 1, 1e9, line) == 0.0
+    assert replica_allreduce_ms(1e6, 2, 1e9, line) == pytest.approx(3.0 + 2.0)  # slower than the ring's 1 ms
+    assert replica_allreduce_ms(1e6, 4, 1e9, line) == pytest.approx(3 * 3.0 + 2e-6 * 1e6 * 1.5)
+    assert replica_allreduce_ms(1e6, 2, 1e5, line) == pytest.approx(replica_allreduce_ms(1e6, 2, 1e5))  # a slow link
+    options = PlanOptions(schedule="1f1b", num_microbatches=4, batch_size=64, replicas=(2,), num_stages=1)
+    ring = plan_chain(chain(measured.without("transport")), Topology.flat(2, 1e9), options)
+    host = plan_chain(chain(measured), Topology.flat(2, 1e9), options)
+    assert host.stages[0].predicted["sync_ms"] > ring.stages[0].predicted["sync_ms"] + 2.0
+    assert host.time_per_minibatch_ms > ring.time_per_minibatch_ms
+
+
+def test_calibration_rescales_the_all_reduce_to_the_runs() -> None:
+    from pdcli.report.calibrate import refit_allreduce
+
+    line = Affine(1e-6, 1.0)
+    assert refit_allreduce([], line) == line and refit_allreduce([(1e6, 2, 4.0)], None) is None
+    refitted = refit_allreduce([(1e6, 2, 4.0), (3e6, 2, 8.0)], line)  # predicted 2 + 4 = 6 ms, measured 12
+    assert refitted == Affine(2e-6, 2.0)
+
+
 def test_without_rejects_an_unknown_term() -> None:
     with pytest.raises(ValueError, match="unknown runtime terms"):
         RUNTIME.without("bogus")
@@ -231,3 +260,13 @@ def test_pipeline_probe_runs_the_stages_the_recipe_plans() -> None:
     assert chunks is not None and len(chunks) == 4
     assert pipeline_layout(virtual, c, chunks) == ([start for start, _, _ in chunks[1:]], [1, 1])
     assert pipeline_layout(virtual, c, None) == (balanced_cuts(c, 4), [1, 1])
+
+
+def test_the_profile_summary_shows_the_all_reduce() -> None:
+    from pdcli.profiler.summary import runtime_rows
+
+    def row(runtime: RuntimeCosts) -> list[str]:
+        return next(r for r in runtime_rows(runtime.to_json()) if r[0] == "all-reduce")
+
+    assert row(RUNTIME)[1].startswith("not measured")
+    assert row(dataclasses.replace(RUNTIME, allreduce=Affine(1e-6, 0.5)))[1].startswith("0.500 ms + 1.049 ms/MiB")

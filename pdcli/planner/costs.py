@@ -113,10 +113,17 @@ def ring_allreduce_ms(parameter_bytes: Any, replicas: Any, bandwidth_bytes_per_s
     return 2.0 * (r - 1.0) / r * np.asarray(parameter_bytes, dtype=float) / bandwidth_bytes_per_s * MS_PER_S
 
 
-def replica_allreduce_ms(parameter_bytes: Any, replicas: Any, bandwidth_bytes_per_s: Any) -> Any:
-    """One all-reduce of a stage's gradients over its replicas (0 for one replica)."""
+def replica_allreduce_ms(parameter_bytes: Any, replicas: Any, bandwidth_bytes_per_s: Any, measured: Any = None) -> Any:
+    """One all-reduce of a stage's gradients over its replicas (0 for one replica): the ring
+    over the slowest level spanned; with `measured` (this host's all-reduce between two
+    processes, ms in bytes: `RuntimeCosts.allreduce`) the slower of the ring and that line
+    stretched to r replicas (r - 1 times its fixed cost, 2 (r - 1) / r times its bytes')."""
     r = np.asarray(replicas, dtype=float)
-    return np.where(r > 1, ring_allreduce_ms(parameter_bytes, r, bandwidth_bytes_per_s), 0.0)
+    ring = ring_allreduce_ms(parameter_bytes, r, bandwidth_bytes_per_s)
+    if measured is not None:
+        p = np.asarray(parameter_bytes, dtype=float)
+        ring = np.maximum(ring, measured.fixed_ms * (r - 1.0) + measured.scale * p * (r - 1.0) / r * 2.0)
+    return np.where(r > 1, ring, 0.0)
 
 
 def transfer_ms(cut_bytes: Any, bandwidth_bytes_per_s: Any) -> Any:
@@ -249,6 +256,8 @@ class ActionCosts:
     actions_per_microbatch: Any = 0.0
     """Actions the stage's list holds per microbatch (for the interpreter's time)."""
     actions_per_update: Any = 0.0
+    allreduce: Any = None
+    """This host's measured all-reduce (`RuntimeCosts.allreduce`), None: not measured."""
 
 
 def _per_message(affine: Any, message_bytes: Any) -> Any:
@@ -288,6 +297,7 @@ def runtime_action_costs(runtime: RuntimeCosts, schedule: str, num_microbatches:
         load_ms=first_f * runtime.load_inputs_ms + np.maximum(last_f - first_f, 0.0) * runtime.load_target_ms,
         link_in_ms=link(in_bytes, in_bw), link_out_ms=link(out_bytes, out_bw),
         latency_ms=runtime.latency_ms if runtime.latency_ms is not None and runtime.bandwidth_bytes_per_s else 0.0,
+        allreduce=runtime.allreduce,
     )
 
 
@@ -300,7 +310,7 @@ def runtime_stage_terms(actions: ActionCosts, parameter_bytes: Any, replicas: An
     per_replica = num_microbatches / r
     a = actions
     updates = updates_per_minibatch(schedule, num_microbatches, r)
-    allreduce = replica_allreduce_ms(parameter_bytes, r, sync_bw)
+    allreduce = replica_allreduce_ms(parameter_bytes, r, sync_bw, a.allreduce)
     sync = allreduce * updates
     fwd, bwd = a.forward_ms * num_microbatches, a.backward_ms * num_microbatches
     compute = (fwd + bwd) / r + a.load_ms

@@ -195,7 +195,7 @@ def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, sca
                                            float(optimizer[start, end]), cut_in, cut_out, start == 0, end == n,
                                            in_bw, out_bw)
             terms = runtime_stage_terms(actions, params, r, sync_bw, options.schedule, options.num_microbatches)
-            actions_ms = _actions_ms(actions, split, float(replica_allreduce_ms(params, r, sync_bw)))
+            actions_ms = _actions_ms(actions, split, float(replica_allreduce_ms(params, r, sync_bw, actions.allreduce)))
         else:
             terms = pd_stage_terms(fwd, bwd, params, cut_in, cut_out, r, sync_bw, in_bw, out_bw,
                                    options.schedule, options.num_microbatches, float(optimizer[start, end]))

@@ -27,8 +27,8 @@ STASHED, DIRECT = "stashed", "direct"
 `gpipe`/`1f1b` on the live module."""
 TERMS = ("layers", "fixed", "loss", "load", "messages", "transport", "cores", "interpreter")
 """What `without` can switch off: the layer scales (1 instead), the fixed costs per action,
-the loss, data loading, packing/unpacking messages, the measured transport (latency and
-bandwidth: the cluster's nominal bandwidth instead), the core count bound, the
+the loss, data loading, packing/unpacking messages, the measured transport (latency,
+bandwidth and the all-reduce: the cluster's nominal bandwidth instead), the core count bound, the
 interpreter's time between actions."""
 RUNTIME_META = "runtime"
 """`profile.json` meta key."""
@@ -116,6 +116,10 @@ class RuntimeCosts:
     """The transport measured (`socket`)."""
     cores: int | None = None
     """CPU cores the workers share (None: no bound, e.g. GPUs)."""
+    allreduce: Affine | None = None
+    """One AllReduceGrads of a stage's gradients between two processes of this host (gloo),
+    x = their bytes (`pdcli.probe.allreduce`); None: not measured (the ring over the
+    cluster's bandwidth only)."""
     gap_ms: float = 0.0
     """The interpreter's own time per action, outside every action (heartbeat, posting
     receives ahead, the timeline)."""
@@ -133,6 +137,7 @@ class RuntimeCosts:
             "send": self.send.to_json(), "recv": self.recv.to_json(),
             "latency_ms": self.latency_ms, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
             "transport": self.transport, "cores": self.cores, "gap_ms": self.gap_ms, "sources": self.sources,
+            "allreduce": self.allreduce.to_json() if self.allreduce is not None else None,
         }
 
     @staticmethod
@@ -150,6 +155,7 @@ class RuntimeCosts:
             latency_ms=opt("latency_ms"), bandwidth_bytes_per_s=opt("bandwidth_bytes_per_s"),
             transport=str(obj.get("transport", "")), cores=None if cores is None else int(cores),
             gap_ms=float(obj.get("gap_ms", 0.0)), sources=dict(obj.get("sources", {})),
+            allreduce=Affine.from_json(obj["allreduce"]) if obj.get("allreduce") else None,
         )
 
     @staticmethod
@@ -181,7 +187,7 @@ class RuntimeCosts:
         if "messages" in terms:
             out = dataclasses.replace(out, send=Affine(0.0, 0.0), recv=Affine(0.0, 0.0))
         if "transport" in terms:
-            out = dataclasses.replace(out, latency_ms=None, bandwidth_bytes_per_s=None)
+            out = dataclasses.replace(out, latency_ms=None, bandwidth_bytes_per_s=None, allreduce=None)
         if "cores" in terms:
             out = dataclasses.replace(out, cores=None)
         if "interpreter" in terms:

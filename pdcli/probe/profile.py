@@ -179,6 +179,10 @@ def profile_config(
             runtime = probe_runtime(probed, model, chain, tuple(t.to(device) for t in micro.inputs),
                                     micro.target.to(device), device, cfg.profile.probe_minibatches)
             pipeline_minibatches = pipeline_probe_minibatches(cfg)
+            if pipeline_minibatches and device.type == "cpu" and cfg.num_devices >= 2:
+                from pdcli.probe.allreduce import with_allreduce
+
+                runtime = with_allreduce(runtime, cpu_threads_per_worker(cfg))
             if pipeline_minibatches:
                 runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches, layout_of)
             chain.meta[RUNTIME_META] = runtime.to_json()

@@ -122,5 +122,9 @@ def runtime_rows(obj: object) -> list[list[str]]:
     rows.append(["transport", str(obj.get("transport") or "not measured"),
                  f"latency {latency:.3f} ms" if latency is not None else "latency -",
                  "bandwidth", f"{bw / 1e9:.2f} GB/s" if bw else "- (cluster.levels)"])
+    allreduce = obj.get("allreduce")
+    rows.append(["all-reduce", f"{allreduce.get('fixed_ms', 0.0):.3f} ms + "
+                               f"{allreduce.get('scale', 0.0) * 2 ** 20:.3f} ms/MiB (gloo, 2 processes)"
+                 if allreduce else "not measured (ring over cluster.levels)", "", "", ""])
     rows.append(["cores", str(obj.get("cores") or "-"), "", "", ""])
     return rows

@@ -7,7 +7,8 @@ the plan prices (`pdcli.planner.runtime_costs`): per action kind the probe's aff
 the stage's profiled time, rescaled to what the run's stages took in all (`refit`),
 the optimizer step with its weight-version bookkeeping, packing and unpacking messages (a
 receive's unpacking: the low quantile of its durations, when the message was already
-there), data loading, and the interpreter's time between actions. Last, the latency of a
+there), data loading, the interpreter's time between actions, and a replicated stage's
+all-reduce (this host's measured line, `refit_allreduce`). Last, the latency of a
 message is refitted so that the replay of the run's plan with all of these takes the run's
 steady time per minibatch (bisection; the replay's time grows with the latency): what the
 run waited beyond its compute, messages in flight and the pipeline's own order. The
@@ -30,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdcli.errors import UserError
+from pdcli.planner.costs import replica_allreduce_ms
 from pdcli.planner.runtime_costs import Affine, ModeCosts, RuntimeCosts, steady, steady_mean, weight_mode
 from pdcli.planner.runtime_fit import KINDS, StagePoints
 from pdcli.planner.space import SplitSpace
@@ -87,6 +89,19 @@ def refit(xs: Sequence[float], ys: Sequence[float], base: Affine) -> Affine:
     return Affine(base.scale * factor, base.fixed_ms * factor)
 
 
+def refit_allreduce(points: Sequence[tuple[float, int, float]], base: Affine | None) -> Affine | None:
+    """`base` (this host's all-reduce, `RuntimeCosts.allreduce`) rescaled so that it prices the
+    run's replicated stages' AllReduceGrads, (parameter bytes, replicas, measured ms) each, at
+    their measured total; `base` when the run had none or nothing was measured."""
+    if base is None or not points:
+        return base
+    predicted = sum(float(replica_allreduce_ms(p, r, float("inf"), base)) for p, r, _ in points)
+    if not predicted > 0:
+        return base
+    factor = sum(ms for _, _, ms in points) / predicted
+    return Affine(base.scale * factor, base.fixed_ms * factor)
+
+
 def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple[RuntimeCosts, dict[str, Any]]:
     """`base` refitted to the run in `run_dir` (trained from a plan of `chain`), and what was measured."""
     plan = read_trained_plan(run_dir, ReplanCommands(str(run_dir)))
@@ -117,6 +132,7 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     n, last_id = space.num_positions, len(plan["stages"]) - 1
     load_inputs, load_target = base.load_inputs_ms, base.load_target_ms
     measured: list[dict[str, Any]] = []
+    allreduces: list[tuple[float, int, float]] = []
     cut = np.asarray(chain.cut_bytes, dtype=float)
     ranks_of = [set(int(r) for r in stage["ranks"]) for stage in plan["stages"]]
     for stage in plan["stages"]:
@@ -141,6 +157,9 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
             load_inputs = load_ms
         elif last and loads:
             load_target = load_ms
+        if int(stage["replicas"]) > 1 and "AllReduceGrads" in times:
+            params = space.range_total(space.covered_parameter_bytes, start, end)
+            allreduces.append((params, int(stage["replicas"]), steady_mean(times["AllReduceGrads"])))
         measured.append({"stage_id": k, "actions_ms": {a: steady_mean(v) for a, v in sorted(times.items())}})
     if chunked:
         for rank in sorted(set().union(*ranks_of)):
@@ -155,7 +174,8 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
         base, modes=modes, load_inputs_ms=load_inputs, load_target_ms=load_target,
         send=refit([b for b, _ in sends], [t for _, t in sends], base.send) if sends else base.send,
         recv=refit([b for b, _ in recvs], [t for _, t in recvs], base.recv) if recvs else base.recv,
-        gap_ms=gaps_mean, sources={**base.sources, "calibrated_from": str(run_dir)},
+        gap_ms=gaps_mean, allreduce=refit_allreduce(allreduces, base.allreduce),
+        sources={**base.sources, "calibrated_from": str(run_dir)},
     )
     first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
     summary_path = run_dir / TRAIN_DIR / SUMMARY_FILE

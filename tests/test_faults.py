@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pdcli.testing.toy import write_toy_run
-from pdcli.runtime.watchdog import Heartbeat, exists, read_life, status_path
+from pdcli.runtime.watchdog import Heartbeat, Watchdog, exists, read_error, read_life, status_path, write_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_reliability import KILL_SCRIPT, worker_pids  # noqa: E402
@@ -53,6 +54,35 @@ def test_sign_of_life_is_read_back_and_a_finished_rank_is_never_silent(tmp_path:
     assert not exists(ended.pid)
     ended.wait()
     assert not exists(ended.pid)  # a dead rank is never called silent: the launcher says how it died
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_whose_wait_failed_waits_for_a_stuck_peer_to_report_first(tmp_path: Path) -> None:
+    """A receive that timed out on a peer stuck in compute is the symptom: the failing rank waits
+    (up to a timeout) until the stuck peer's own watchdog reported, so the diagnosis names it first;
+    a peer that waits itself, or moves on, is not waited for."""
+    own, stuck = Heartbeat(status_path(tmp_path, 0)), Heartbeat(status_path(tmp_path, 1))
+    own.beat(2, "RA4<-r0")
+    watchdog = Watchdog(own, GENEROUS_S, tmp_path, 0, "rank 0", world_size=2)
+    stuck.beat(2, "RG3<-r0")  # waiting on a peer too: not a cause to wait for
+    watchdog.await_stuck_peers()
+    assert read_error(tmp_path, 1) is None
+
+    stuck.beat(2, "F4@v2")  # in compute: its watchdog will report
+    reporter = threading.Timer(0.3, write_error, (tmp_path, 1, "hang", "rank 1 made no progress"))
+    reporter.start()
+    watchdog.await_stuck_peers()
+    assert read_error(tmp_path, 1) is not None  # returned once the stuck rank had reported
+    reporter.join()
+
+    (tmp_path / "status" / "rank1.error.json").unlink()
+    mover = threading.Timer(0.3, stuck.beat, (2, "B4@v2"))  # it moves on: not stuck
+    mover.start()
+    watchdog.await_stuck_peers()
+    assert read_error(tmp_path, 1) is None and mover.finished.is_set()
+    mover.join()
+    own.close()
+    stuck.close()
 
 
 def test_loss_guard_stops_a_climbing_loss_and_names_what_to_try() -> None:

@@ -196,6 +196,7 @@ class Watchdog(threading.Thread):
         super().__init__(name="pd-watchdog", daemon=True)
         self.heartbeat = heartbeat
         self.timeout_s = timeout_s
+        self.poll_s = min(1.0, timeout_s / 10)
         self.train_dir = train_dir
         self.rank = rank
         self.who = who
@@ -224,9 +225,29 @@ class Watchdog(threading.Thread):
             killed = True
         return killed
 
+    def await_stuck_peers(self) -> None:
+        """Wait (at most one timeout and two polls, keeping this rank's sign of life) while another rank of this
+        host stays in the compute action it is in now without an error report: it is likely stuck,
+        and its own watchdog names it as the cause before this rank's wait on it (a symptom) does.
+        A rank that moves on to another action, reports, or ends is not waited for."""
+        deadline_s = time.monotonic() + self.timeout_s + 2 * self.poll_s
+        busy = {}
+        for peer in range(self.world_size):
+            status = read_status(self.train_dir, peer) if peer != self.rank else None
+            if status and read_life(self.train_dir, peer) and not _is_waiting(_action_of(status)) \
+                    and read_error(self.train_dir, peer) is None:
+                busy[peer] = status
+        while busy and time.monotonic() < deadline_s:
+            time.sleep(0.1)
+            self.heartbeat.alive()
+            for peer, status in list(busy.items()):
+                life = read_life(self.train_dir, peer)
+                if life is None or not exists(life[0]) or read_error(self.train_dir, peer) is not None \
+                        or read_status(self.train_dir, peer) != status:
+                    del busy[peer]
+
     def run(self) -> None:
-        poll_s = min(1.0, self.timeout_s / 10)
-        while not self._stop_event.wait(poll_s):
+        while not self._stop_event.wait(self.poll_s):
             self.heartbeat.alive()
             if os.getppid() != self.parent_pid:  # the launcher is gone: nobody will stop this process
                 os._exit(ORPHAN_EXIT_CODE)
@@ -234,9 +255,11 @@ class Watchdog(threading.Thread):
             stuck_s = time.monotonic() - self.heartbeat.started_s
             starting = self.heartbeat.action in STARTUP_ACTIONS
             if stuck_s > (max(self.timeout_s, STARTUP_MIN_TIMEOUT_S) if starting else self.timeout_s):
-                waiting = self.heartbeat.action.startswith(WAITING_STEPS) or waits_for_peer(self.heartbeat.action)
+                waiting = _is_waiting(self.heartbeat.action)
                 if waiting and self.stop_silent_peers(FROZEN_S):
                     continue  # the silent peer is the cause; its death stops the job
+                if waiting:
+                    self.await_stuck_peers()
                 message = (
                     f"{self.who} {'waited' if waiting else 'made no progress'} for {stuck_s:.1f} s "
                     f"(train.timeout_s={self.timeout_s:g}) in action {self.heartbeat.action} at step {self.heartbeat.step}"
@@ -251,6 +274,16 @@ class Watchdog(threading.Thread):
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=5.0)  # its last sign of life must not follow the `done` below
         self.heartbeat.alive(done=True)
+
+
+def _is_waiting(action: str) -> bool:
+    """`action` waits for another rank (a receive, an all-reduce, a step outside the action lists)."""
+    return action.startswith(WAITING_STEPS) or waits_for_peer(action)
+
+
+def _action_of(status: str) -> str:
+    """The action of a `step=<n> action=<action>` status line."""
+    return status.split("action=", 1)[-1]
 
 
 def parse_fault(spec: str | None, rank: int) -> tuple[int, str] | None:

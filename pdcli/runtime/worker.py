@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                 watchdog.stop_silent_peers(FROZEN_S)
         write_error(train_dir, env.rank, kind, message)
         logger.error(message)
+        if kind == "peer":  # a peer stuck in compute: its watchdog's report names the cause
+            watchdog.await_stuck_peers()
         raise
     finally:
         watchdog.stop()

@@ -62,8 +62,8 @@ def test_calibrate_needs_a_run_directory(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Path) -> None:
-    """`pd profile` runs the schedule on two workers and refits its costs: a plan of the probe
-    run's split then predicts the probe run's steady time."""
+    """`pd profile` runs the schedule on two workers three times and refits its costs to the
+    median run: a plan of the probe run's split then predicts that run's steady time."""
     from pdcli.profiler.chain import Chain
     from pdcli.probe.runtime import balanced_cuts
 
@@ -76,7 +76,10 @@ def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Pa
     chain = Chain.from_json(json.loads((tmp_path / "quickstart" / "profile.json").read_text()))
     sources = chain.meta["runtime"]["sources"]
     assert sources["pipeline_probe"].startswith("30 minibatches of pipedream on 2 workers")
+    assert "pipeline probe" in proc.stdout and "the median of 3 runs" in proc.stdout
     measured_ms = sources["pipeline"]["steady_time_per_minibatch_ms"]
+    runs_ms = sources["pipeline_runs_ms"]
+    assert len(runs_ms) == 3 and runs_ms == sorted(runs_ms) and measured_ms == pytest.approx(runs_ms[1], abs=1e-3)
     out = tmp_path / "plan.json"
     result = runner.invoke(app, ["plan", RECIPE, *args, f"plan.boundaries={balanced_cuts(chain, 2)}", "-o", str(out)],
                            env={"PD_PIPELINE_PROBE": "1"})
@@ -95,7 +98,8 @@ def test_pipeline_probe_of_a_searched_recipe_runs_its_stand_ins(tmp_path: Path) 
 
     env = {**__import__("os").environ, "PD_PIPELINE_PROBE": "1"}
     args = [f"run.root={tmp_path}", "profile.repeats=3", "profile.pipeline_probe_minibatches=30",
-            "schedule.name=auto", "schedule.num_microbatches=auto", "train.precision=auto", "train.recompute=auto"]
+            "schedule.name=auto", "schedule.num_microbatches=auto", "train.precision=auto", "train.recompute=auto",
+            "profile.pipeline_probe_runs=1"]
     proc = subprocess.run([str(PD), "profile", RECIPE, *args], capture_output=True, text=True, timeout=200,
                           cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -113,7 +117,7 @@ def test_pipeline_probe_of_virtual_stages_runs_their_chunks(tmp_path: Path) -> N
 
     env = {**__import__("os").environ, "PD_PIPELINE_PROBE": "1"}
     args = [f"run.root={tmp_path}", "profile.repeats=3", "profile.pipeline_probe_minibatches=30",
-            "schedule.name=interleaved", "schedule.virtual_stages=2"]
+            "schedule.name=interleaved", "schedule.virtual_stages=2", "profile.pipeline_probe_runs=1"]
     proc = subprocess.run([str(PD), "profile", RECIPE, *args], capture_output=True, text=True, timeout=200,
                           cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]

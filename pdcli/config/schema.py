@@ -118,6 +118,9 @@ class ProfileConfig:
     pipeline_probe_seconds: float = 2.0
     """The pipeline probe's measured half lasts at least about this long (by the profiled time
     of a minibatch): its latency and scale are fitted to what that half measured."""
+    pipeline_probe_runs: int = 3
+    """The pipeline probe trains this many times and keeps the run with the median steady time
+    (one run's speed is one draw of the host's run-to-run spread)."""
 
 
 @dataclass
@@ -375,6 +378,7 @@ def check_values(cfg: Config) -> list[str]:
     positive("profile.pipeline_probe_minibatches", cfg.profile.pipeline_probe_minibatches, allow_zero=True)
     positive("profile.probe_seconds", cfg.profile.probe_seconds, allow_zero=True)
     positive("profile.pipeline_probe_seconds", cfg.profile.pipeline_probe_seconds, allow_zero=True)
+    positive("profile.pipeline_probe_runs", cfg.profile.pipeline_probe_runs)
     positive("plan.num_stages", cfg.plan.num_stages)
     positive("plan.max_states", cfg.plan.max_states)
     positive("plan.max_staleness", cfg.plan.max_staleness, allow_zero=True)

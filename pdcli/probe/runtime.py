@@ -378,15 +378,12 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     plans; one worker per replica), at least `minibatches` minibatches and
     enough for `profile.pipeline_probe_seconds` in the measured half by the profiled time; what
     workers sharing the host, waiting for each other and waking up again pay that stages run
-    alone do not (`pdcli.report.calibrate`). `sources["pipeline_probe"]` says what ran, or why
-    nothing did (fewer than 2 devices or workers, not the CPU, fewer than 2 positions, or the
-    run failed: then the costs are unchanged)."""
-    import subprocess
-
-    from omegaconf import OmegaConf
-
-    from pdcli.report.calibrate import calibrate_from_run
-
+    alone do not (`pdcli.report.calibrate`). It trains `profile.pipeline_probe_runs` times and
+    keeps the refit of the run with the median steady time: how fast a run goes moves from one
+    run to the next on a shared host, and one run's level would price every plan.
+    `sources["pipeline_probe"]` says what ran, or why nothing did (fewer than 2 devices or
+    workers, not the CPU, fewer than 2 positions, or every run failed: then the costs are
+    unchanged); `sources["pipeline_runs_ms"]` holds each run's steady time per minibatch."""
     costed = runtime.priced(chain)
     shape = pipeline_layout(cfg, chain, layout_of(costed) if layout_of is not None else None)
     if shape is None or runtime.cores is None:
@@ -399,34 +396,64 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     minibatches = minibatches_for(cfg.profile.pipeline_probe_seconds, stage_ms, minibatches, PIPELINE_MAX_MINIBATCHES)
     replicated = any(r > 1 for r in replicas)
     schedule = cfg.schedule.name
+    overrides = [
+        "profile.runtime_probe=false", "profile.repeats=1",
+        "profile.warmup=1", f"train.steps={minibatches}", "train.epochs=null", f"train.log_every={minibatches}",
+        "train.eval_batches=0", "train.eval_every=0", "train.eval_at_start=false", "train.tensorboard=false",
+        "train.checkpoint_every=0", "train.init_from=null", f"plan.num_stages={len(replicas)}",
+        f"plan.replicas=[{','.join(map(str, replicas))}]" if replicated else "plan.replicas=null",
+        "plan.split_points=null", "plan.pipe_splits=false", f"plan.boundaries=[{','.join(map(str, cuts))}]",
+        f"cluster.levels=[{{devices: {workers}, bandwidth_bytes_per_s: {bandwidth}}}]",
+        f"schedule.name={schedule}", f"schedule.virtual_stages={cfg.schedule.virtual_stages}",
+        # the stand-in configuration the stages were probed with, not a search of its own
+        # (whose pick, e.g. bf16 or other microbatches, the refit would read as this one)
+        "plan.search=[]",
+    ]
+    fitted: list[tuple[float, RuntimeCosts, dict[str, Any]]] = []
+    failures: list[str] = []
+    for _ in range(max(1, int(cfg.profile.pipeline_probe_runs))):
+        outcome = _pipeline_run(cfg, costed, runtime, overrides)
+        if isinstance(outcome, str):
+            failures.append(outcome)
+        else:
+            fitted.append(outcome)
+    if not fitted:
+        return _noted(runtime, f"skipped: the probe run failed ({failures[0]})")
+    fitted.sort(key=lambda run: run[0])
+    _, calibrated, measured = fitted[(len(fitted) - 1) // 2]  # the median run (the lower of two)
+    runs_ms = [round(ms, 4) for ms, _, _ in fitted]
+    calibrated = dataclasses.replace(calibrated, sources={**runtime.sources, "pipeline": measured,
+                                                          "pipeline_runs_ms": runs_ms})
+    shown = f" x replicas {replicas}" if replicated else ""
+    runs = f"; the median of {len(fitted)} runs ({', '.join(f'{ms:.2f}' for ms in runs_ms)} ms per minibatch)" \
+        if len(fitted) > 1 else ""
+    return _noted(calibrated, f"{minibatches} minibatches of {schedule} on {workers} workers, "
+                              f"split at {cuts}{shown}{runs}")
+
+
+def _pipeline_run(cfg: Any, costed: Chain, runtime: RuntimeCosts,
+                  overrides: list[str]) -> tuple[float, RuntimeCosts, dict[str, Any]] | str:
+    """One run of the pipeline probe (`pd train` with `overrides`) refitted: (its steady time
+    per minibatch, the refitted costs, what it measured), or why it failed."""
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    from pdcli.report.calibrate import calibrate_from_run
+
     with tempfile.TemporaryDirectory(prefix="pd-pipeline-probe-") as tmp:
         recipe = Path(tmp) / "config.yaml"
         recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        overrides = [
-            f"run.root={tmp}", f"run.name={PIPELINE_RUN}", "profile.runtime_probe=false", "profile.repeats=1",
-            "profile.warmup=1", f"train.steps={minibatches}", "train.epochs=null", f"train.log_every={minibatches}",
-            "train.eval_batches=0", "train.eval_every=0", "train.eval_at_start=false", "train.tensorboard=false",
-            "train.checkpoint_every=0", "train.init_from=null", f"plan.num_stages={len(replicas)}",
-            f"plan.replicas=[{','.join(map(str, replicas))}]" if replicated else "plan.replicas=null",
-            "plan.split_points=null", "plan.pipe_splits=false", f"plan.boundaries=[{','.join(map(str, cuts))}]",
-            f"cluster.levels=[{{devices: {workers}, bandwidth_bytes_per_s: {bandwidth}}}]",
-            f"schedule.name={schedule}", f"schedule.virtual_stages={cfg.schedule.virtual_stages}",
-            # the stand-in configuration the stages were probed with, not a search of its own
-            # (whose pick, e.g. bf16 or other microbatches, the refit would read as this one)
-            "plan.search=[]",
-        ]
         # From the user's directory, as their own run: relative data paths and `model.target`
         # modules beside the recipe resolve there (run.root keeps every file in tmp).
-        proc = subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe), *overrides],
+        proc = subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe),
+                               f"run.root={tmp}", f"run.name={PIPELINE_RUN}", *overrides],
                               capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S)
         if proc.returncode != 0:
-            tail = " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
-            return _noted(runtime, f"skipped: the probe run failed ({tail})")
+            return " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
         calibrated, measured = calibrate_from_run(Path(tmp) / PIPELINE_RUN, costed, runtime)
-    calibrated = dataclasses.replace(calibrated, sources={**runtime.sources, "pipeline": measured})
-    shown = f" x replicas {replicas}" if replicated else ""
-    return _noted(calibrated, f"{minibatches} minibatches of {schedule} on {workers} workers, "
-                              f"split at {cuts}{shown}")
+    steady_ms = measured.get("steady_time_per_minibatch_ms")
+    return (float(steady_ms) if steady_ms is not None else float("inf")), calibrated, measured
 
 
 def _noted(runtime: RuntimeCosts, how: str) -> RuntimeCosts:

@@ -89,6 +89,9 @@ def summarize(chain: Chain, top: int = 10) -> str:
     if runtime:
         totals += "\n\nwhat the runtime pays per action (runtime probe: real stages run by its executor; " \
                   "ms = scale x profiled ms + fixed ms)\n" + tabulate(runtime, tablefmt="plain", disable_numparse=True)
+        probe = (meta["runtime"].get("sources") or {}).get("pipeline_probe")
+        if probe:
+            totals += f"\npipeline probe: {probe}"
     where = ", ".join(
         f"{key} {meta[key]}" for key in ("model", "device", "batch_size", "dtype") if key in meta
     )

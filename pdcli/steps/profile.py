@@ -61,6 +61,8 @@ def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | No
                             "recompute": cfg.train.recompute, "seed": cfg.train.seed}
         pipeline_minibatches = pipeline_probe_minibatches(cfg)
         section["probe"]["pipeline_minibatches"] = pipeline_minibatches
+        if pipeline_minibatches:
+            section["probe"]["pipeline_runs"] = cfg.profile.pipeline_probe_runs
         if pipeline_minibatches:  # a real run of the schedule on this cluster's links
             section["probe"].update(schedule=asdict(cfg.schedule), batch_size=cfg.data.batch_size,
                                     devices=cfg.num_devices, levels=[asdict(x) for x in cfg.cluster.levels],

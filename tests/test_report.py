@@ -335,13 +335,6 @@ def test_user_errors_exit_2_and_name_the_next_command(tmp_path: Path, setup: str
     assert "Traceback" not in result.output
 
 
-def test_file_names_match_the_runtime() -> None:
-    from pdcli.report import measured
-    from pdcli.runtime import metrics, session
-
-    assert measured.SUMMARY_FILE == session.SUMMARY_FILE
-    assert (measured.COMPUTE, measured.COMM, measured.IDLE) == metrics.CATEGORIES
-
 
 # ---- one real run --------------------------------------------------------------------------
 

@@ -20,14 +20,10 @@ from typing import Any, Collection, Iterable, Sequence
 from pdcli.errors import UserError
 from pdcli.runtime.evaluation import EVAL_KEYS, is_eval_line
 from pdcli.runtime.events import read_events
-from pdcli.runtime.metrics import read_metrics
+from pdcli.runtime.metrics import COMM, COMPUTE, IDLE, METRICS_FILE, SUMMARY_FILE, TRACE_FILE, read_metrics
 from pdcli.schedule.actions import parse_action
 
 TRAIN_DIR = "train"
-SUMMARY_FILE = "summary.json"  # pdcli.runtime.session.SUMMARY_FILE
-METRICS_FILE = "metrics.jsonl"
-TRACE_FILE = "trace.json"
-COMPUTE, COMM, IDLE = "compute", "comm", "idle"  # pdcli.runtime.metrics categories
 BACKWARD = "Backward"  # the action whose end completes a microbatch on the first stage
 WEIGHT_GRADS = "WeightGrads"  # with a split backward, the microbatch's weight gradients come after
 US_PER_MS = 1e3

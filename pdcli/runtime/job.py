@@ -27,7 +27,8 @@ from pdcli.runtime.placement import Placement
 from pdcli.runtime.rendezvous import JOIN_TIMEOUT_S, job_prefix, open_job_store, rendezvous_id
 from pdcli.runtime.restarts import keep_metrics_through, reset_attempt
 from pdcli.schedule import ScheduleSpec, build_for, eval_points
-from pdcli.runtime.session import SUMMARY_FILE, run_spec
+from pdcli.runtime.metrics import METRICS_FILE, SUMMARY_FILE, TRACE_FILE
+from pdcli.runtime.session import run_spec
 from pdcli.runtime.sockets import transport_from_env
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import check_schedule
@@ -64,7 +65,7 @@ class TrainResult:
             samples_per_s=float(s["samples_per_s"]), steps=int(s["steps"]), stages=list(s["stages"]),
             minibatch_losses=[float(x) for x in s["minibatch_losses"]],
             eval_metrics={k: float(s[k]) for k in EVAL_KEYS if s.get(k) is not None}, checkpoint_dir=Path(s["checkpoint"]),
-            metrics_path=train_dir / "metrics.jsonl", trace_path=train_dir / "trace.json",
+            metrics_path=train_dir / METRICS_FILE, trace_path=train_dir / TRACE_FILE,
         )
 
 
@@ -231,7 +232,7 @@ def run_training(
         check_init_from(cfg, run, manifest)
     _clean_previous(cfg, train_dir, resume_step)
     write_launch(train_dir, plan_json, resume_step)
-    bar = ProgressBar(train_dir / "metrics.jsonl", cfg.train.steps) if progress else None
+    bar = ProgressBar(train_dir / METRICS_FILE, cfg.train.steps) if progress else None
     try:
         launch_workers(run.path, placement, hosts, cfg.train.timeout_s, cfg.train.max_restarts, cfg.train.steps, run_id)
     finally:

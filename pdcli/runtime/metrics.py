@@ -18,6 +18,11 @@ from typing import Any
 
 from pdcli import schedule as S
 
+METRICS_FILE = "metrics.jsonl"
+TRACE_FILE = "trace.json"
+SUMMARY_FILE = "summary.json"
+"""What a run leaves in its `train/` directory: a line per logged step, the Chrome trace of
+every rank, the run's summary."""
 COMPUTE = "compute"
 COMM = "comm"
 IDLE = "idle"

@@ -29,7 +29,7 @@ from pdcli.runtime import checkpoint
 from pdcli.runtime.evaluation import is_eval_line
 from pdcli.runtime.launch import set_resume_step
 from pdcli.runtime.metrics import TENSORBOARD_DIR, add_scalars, open_tensorboard, read_metrics
-from pdcli.runtime.session import SUMMARY_FILE
+from pdcli.runtime.metrics import METRICS_FILE, SUMMARY_FILE, TRACE_FILE
 
 NO_RESTART_KINDS = ("diverged",)
 """Error-report kinds a restart cannot cure: the job stops with its restarts unused."""
@@ -39,7 +39,7 @@ def reset_attempt(train_dir: Path) -> None:
     """Remove what one launch of the workers leaves for the next to misread: status and error
     files (they would blame the wrong rank), the summary and the trace."""
     shutil.rmtree(train_dir / "status", ignore_errors=True)
-    for name in (SUMMARY_FILE, "trace.json"):
+    for name in (SUMMARY_FILE, TRACE_FILE):
         (train_dir / name).unlink(missing_ok=True)
 
 
@@ -47,7 +47,7 @@ def keep_metrics_through(train_dir: Path, step: int | None, tensorboard: bool) -
     """Keep the metrics lines up to minibatch `step` (a checkpoint the launch resumes from),
     none for a fresh start: the resumed workers append from there. The evaluation after
     `step` runs again, so its line goes; TensorBoard's scalars are rewritten from the kept lines."""
-    metrics = train_dir / "metrics.jsonl"
+    metrics = train_dir / METRICS_FILE
     if step is None:
         metrics.unlink(missing_ok=True)
         shutil.rmtree(train_dir / TENSORBOARD_DIR, ignore_errors=True)

@@ -26,7 +26,9 @@ from pdcli.runtime.divergence import LossGuard, remedies
 from pdcli.runtime.chunks import ChunkRunner, chunk_actions
 from pdcli.runtime.executor import Executor, StageContext
 from pdcli.runtime.launch import read_plan, read_resume_step
-from pdcli.runtime.metrics import S_TO_MS, MetricsLog, RankStats, Timeline, chrome_trace, open_tensorboard, per_stage
+from pdcli.runtime.metrics import (
+    METRICS_FILE, S_TO_MS, SUMMARY_FILE, TRACE_FILE, MetricsLog, RankStats, Timeline, chrome_trace, open_tensorboard, per_stage,
+)
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
 from pdcli.runtime.resume import Checkpointer
@@ -42,7 +44,6 @@ if TYPE_CHECKING:
     from pdcli.config import Config
     from pdcli.runtime.launch import WorkerEnv
 
-SUMMARY_FILE = "summary.json"
 AUTO_SPIN_WAIT_MS = 20.0
 """`train.spin_wait_ms: null` where this host's workers have a core each (see `comm.spin_until`)."""
 
@@ -234,7 +235,7 @@ def run_session(
             num_microbatches=m, num_minibatches=cfg.train.steps, log_every=cfg.train.log_every,
             batch_size=cfg.data.batch_size,
             own_per_minibatch=lambda t: sum(1 for mb in range(t * m, (t + 1) * m) if replica_for(mb, r) == replica_id),
-            writer=MetricsLog(train_dir / "metrics.jsonl", append=resume_step is not None,
+            writer=MetricsLog(train_dir / METRICS_FILE, append=resume_step is not None,
                               tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard)) if env.rank == writer_rank else None,
             guard=loss_guard(cfg, num_stages - 1),
         )
@@ -326,7 +327,7 @@ def write_reports(
     for g in gathered:
         records.update(g["losses"])
     m = cfg.schedule.num_microbatches
-    atomic_write_json(train_dir / "trace.json", chrome_trace(all_stats))
+    atomic_write_json(train_dir / TRACE_FILE, chrome_trace(all_stats))
     stages = per_stage(all_stats)
     losses = minibatch_losses(records, m)
     samples_per_s = cfg.data.batch_size * (cfg.train.steps - first_step) / max(loop_s, 1e-9)  # this launch's
@@ -350,7 +351,7 @@ def write_reports(
     # A replicated last stage: live lines saw replica 0's share only; rewrite them from all records.
     if tracker is not None and tracker.writer is not None:
         tracker.writer.close()
-    log = MetricsLog(train_dir / "metrics.jsonl", tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard, fresh=True))
+    log = MetricsLog(train_dir / METRICS_FILE, tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard, fresh=True))
     every, steps = cfg.train.log_every, cfg.train.steps
     lines = []
     for start in range(0, steps, every):

@@ -52,6 +52,25 @@ def test_calibrated_plan_predicts_the_run_it_was_fitted_to(tmp_path: Path) -> No
     again = runner.invoke(app, ["plan", RECIPE, *args])
     assert again.exit_code == 0 and "reused" in again.output
 
+    # each stage computes what the run's stage computed (its positions refitted), which the
+    # line through both stages alone does not promise
+    from pdcli.planner.runtime_costs import RuntimeCosts
+    from pdcli.profiler.chain import Chain
+    from pdcli.report.calibrate import replayed_traces, steady_compute_ms
+    from pdcli.report.measured import read_trace
+
+    chain = Chain.from_json(json.loads((run_dir / "profile.json").read_text()))
+    runtime = RuntimeCosts.from_json(calibration["runtime"])
+    assert runtime.position_scale is not None and len(runtime.position_scale) == len(chain.nodes)
+    m = int(before["inputs"]["num_microbatches"])
+    traces = read_trace(run_dir / "train" / "trace.json")
+    replayed = replayed_traces(runtime, chain, before)
+    assert replayed is not None
+    for stage in before["stages"]:
+        rank = int(stage["ranks"][0])
+        measured = steady_compute_ms([traces[0]], [traces[rank]], m)
+        assert steady_compute_ms([replayed[0]], [replayed[rank]], m) == pytest.approx(measured, rel=0.05), stage
+
 
 def test_calibrate_needs_a_run_directory(tmp_path: Path) -> None:
     result = runner.invoke(app, ["plan", RECIPE, f"run.root={tmp_path}", "profile.repeats=2", "profile.probe_minibatches=4",

@@ -24,6 +24,7 @@ RUNTIME = RuntimeCosts(
     modes={STASHED: MODE, DIRECT: MODE}, loss_fwd_ms=0.02, loss_bwd_ms=0.03, load_inputs_ms=0.2,
     load_target_ms=0.1, send=Affine(1e-6, 0.02), recv=Affine(1e-6, 0.01), latency_ms=1.0,
     bandwidth_bytes_per_s=5e7, transport="socket", cores=1, gap_ms=0.01,
+    position_scale=tuple(1.0 + 0.05 * i for i in range(8)),  # the default chain's 8 positions
 )
 
 
@@ -85,6 +86,28 @@ def test_calibration_rescales_the_all_reduce_to_the_runs() -> None:
     assert refit_allreduce([], line) == line and refit_allreduce([(1e6, 2, 4.0)], None) is None
     refitted = refit_allreduce([(1e6, 2, 4.0), (3e6, 2, 8.0)], line)  # predicted 2 + 4 = 6 ms, measured 12
     assert refitted == Affine(2e-6, 2.0)
+
+
+def test_calibration_refits_each_stages_positions_to_what_the_stage_took() -> None:
+    """A run's stage that took more than the refitted line through all stages says gets that
+    factor on its positions (times the factors it was priced with); a plan of the run's split
+    then prices each stage's compute as measured, and the factors of a profile of another
+    length are ignored."""
+    from pdcli.report.calibrate import POSITION_FACTORS, refit_positions
+
+    mode = ModeCosts(forward=Affine(2.0, 0.1), backward=Affine(1.0, 0.2), wgrad=Affine(1.0, 0.0),
+                     update=Affine(1.0, 0.0))
+    # two stages: [0, 3) measured on the line, [3, 5) 1.5x above it
+    points = {"forward": ([1.0, 2.0], [2.1, 6.1]), "backward": ([2.0, 4.0], [2.2, 6.2])}
+    factors = refit_positions([(0, 3), (3, 5)], points, mode, [1.0, 1.0, 1.0, 2.0, 2.0])
+    assert factors == pytest.approx([1.0, 1.0, 1.0, 3.0, 3.0])  # 1.5 x the 2.0 it was priced with
+    wild = {"forward": ([1.0, 1.0], [100.0, 0.0]), "backward": ([1.0, 1.0], [0.0, 0.0])}
+    assert refit_positions([(0, 1), (1, 2)], wild, mode, [1.0, 1.0]) == POSITION_FACTORS[::-1]
+    assert RUNTIME.position_factors(8)[3] == pytest.approx(1.15) and RUNTIME.position_factors(5) == [1.0] * 5
+    space = SplitSpace.from_chain(chain(RUNTIME))
+    plain = SplitSpace.from_chain(chain(RUNTIME.without("positions")))
+    assert np.diff(space.covered_fwd_ms, prepend=0.0) == pytest.approx(
+        np.diff(plain.covered_fwd_ms, prepend=0.0) * np.asarray(RUNTIME.position_factors(8)))
 
 
 def test_without_rejects_an_unknown_term() -> None:

@@ -25,11 +25,11 @@ from pdcli.schedule.spec import rules
 STASHED, DIRECT = "stashed", "direct"
 """Weight modes: `pipedream`/`2bw` run forwards on stashed versions (functional_call),
 `gpipe`/`1f1b` on the live module."""
-TERMS = ("layers", "fixed", "loss", "load", "messages", "transport", "cores", "interpreter")
+TERMS = ("layers", "fixed", "loss", "load", "messages", "transport", "cores", "interpreter", "positions")
 """What `without` can switch off: the layer scales (1 instead), the fixed costs per action,
 the loss, data loading, packing/unpacking messages, the measured transport (latency,
 bandwidth and the all-reduce: the cluster's nominal bandwidth instead), the core count bound, the
-interpreter's time between actions."""
+interpreter's time between actions, the per-position factors a real run refitted."""
 RUNTIME_META = "runtime"
 """`profile.json` meta key."""
 
@@ -123,6 +123,11 @@ class RuntimeCosts:
     gap_ms: float = 0.0
     """The interpreter's own time per action, outside every action (heartbeat, posting
     receives ahead, the timeline)."""
+    position_scale: tuple[float, ...] | None = None
+    """A factor per profiled position on its forward, backward and weight-gradient times,
+    refitted from a real run (`pdcli.report.calibrate`): a stage of the run took its factor
+    times what the affine costs of its positions' profiled times say (a region of the model
+    that runs slower or faster among workers sharing the host than alone). None: all 1."""
     sources: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What the fit was made from (probe stages, samples, residuals); informational."""
 
@@ -138,6 +143,7 @@ class RuntimeCosts:
             "latency_ms": self.latency_ms, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
             "transport": self.transport, "cores": self.cores, "gap_ms": self.gap_ms, "sources": self.sources,
             "allreduce": self.allreduce.to_json() if self.allreduce is not None else None,
+            "position_scale": list(self.position_scale) if self.position_scale is not None else None,
         }
 
     @staticmethod
@@ -156,6 +162,7 @@ class RuntimeCosts:
             transport=str(obj.get("transport", "")), cores=None if cores is None else int(cores),
             gap_ms=float(obj.get("gap_ms", 0.0)), sources=dict(obj.get("sources", {})),
             allreduce=Affine.from_json(obj["allreduce"]) if obj.get("allreduce") else None,
+            position_scale=tuple(float(x) for x in obj["position_scale"]) if obj.get("position_scale") else None,
         )
 
     @staticmethod
@@ -192,7 +199,15 @@ class RuntimeCosts:
             out = dataclasses.replace(out, cores=None)
         if "interpreter" in terms:
             out = dataclasses.replace(out, gap_ms=0.0)
+        if "positions" in terms:
+            out = dataclasses.replace(out, position_scale=None)
         return out
+
+    def position_factors(self, num_positions: int) -> list[float]:
+        """`position_scale` for a profile of `num_positions` positions (all 1 when there is none
+        or it was fitted on a profile of another length)."""
+        scale = self.position_scale
+        return list(scale) if scale is not None and len(scale) == num_positions else [1.0] * num_positions
 
     def cpu_scaled(self, factor: float) -> "RuntimeCosts":
         """Every CPU cost (the actions, the loss, loading, packing and unpacking, the gap)

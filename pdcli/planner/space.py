@@ -151,10 +151,13 @@ class SplitSpace:
         meta = chain.meta if isinstance(chain.meta, dict) else {}
         overhead_ms = float((meta.get("optimizer") or {}).get("step_overhead_ms", 0.0))
         ratio = (meta.get("calibration") or {}).get("ratio")
+        runtime = RuntimeCosts.from_meta(meta)
+        # the layers' times as a real run refitted them, region by region (1 without a run)
+        factor = runtime.position_factors(n) if runtime is not None else [1.0] * n
         return cls(
             num_positions=n,
-            covered_fwd_ms=cum([x.fwd_ms for x in nodes]),
-            covered_bwd_ms=cum([x.bwd_ms for x in nodes]),
+            covered_fwd_ms=cum([x.fwd_ms * f for x, f in zip(nodes, factor)]),
+            covered_bwd_ms=cum([x.bwd_ms * f for x, f in zip(nodes, factor)]),
             covered_parameter_bytes=cum([x.parameter_bytes for x in nodes]),
             covered_activation_bytes=cum(held_activation_bytes(nodes)),
             cut_bytes=cut,
@@ -167,8 +170,8 @@ class SplitSpace:
             covered_optimizer_state_bytes=cum([x.optimizer_state_bytes for x in nodes]),
             optimizer_step_overhead_ms=overhead_ms,
             calibration_ratio=float(ratio) if ratio is not None else None,
-            covered_wgrad_ms=cum([min(max(x.wgrad_ms, 0.0), x.bwd_ms) for x in nodes]),
-            runtime=RuntimeCosts.from_meta(meta),
+            covered_wgrad_ms=cum([min(max(x.wgrad_ms, 0.0), x.bwd_ms) * f for x, f in zip(nodes, factor)]),
+            runtime=runtime,
             held=meta.get(HELD_META) if isinstance(meta.get(HELD_META), dict) else None,
             input_bytes=float(chain.input_bytes),
             eager_sends={"cpu": True, "cuda": False}.get(str(meta.get("device_type"))),

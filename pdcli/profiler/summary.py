@@ -130,4 +130,8 @@ def runtime_rows(obj: object) -> list[list[str]]:
                                f"{allreduce.get('scale', 0.0) * 2 ** 20:.3f} ms/MiB (gloo, 2 processes)"
                  if allreduce else "not measured (ring over cluster.levels)", "", "", ""])
     rows.append(["cores", str(obj.get("cores") or "-"), "", "", ""])
+    factors = obj.get("position_scale")
+    if factors:
+        rows.append(["positions", f"x {min(factors):.2f} to x {max(factors):.2f} on the layers' times",
+                     "(each stage of a real run refitted)", "", ""])
     return rows

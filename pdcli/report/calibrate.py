@@ -5,7 +5,9 @@ run shares the host with its peers, waits for messages and wakes up again, and a
 slows all of it. This module reads a run's `trace.json` and refits, on its own stages, what
 the plan prices (`pdcli.planner.runtime_costs`): per action kind the probe's affine cost in
 the stage's profiled time, rescaled to what the run's stages took in all (`refit`),
-the optimizer step with its weight-version bookkeeping, packing and unpacking messages (a
+then each stage's own deviation from that line as a factor on its positions' times
+(`refit_positions`: a region of the model that runs slower among workers sharing the host
+than alone), the optimizer step with its weight-version bookkeeping, packing and unpacking messages (a
 receive's unpacking: the low quantile of its durations, when the message was already
 there), data loading, the interpreter's time between actions, and a replicated stage's
 all-reduce (this host's measured line, `refit_allreduce`). Last, the latency of a
@@ -50,6 +52,8 @@ LATENCY_BISECTIONS = 16
 SHARED_FACTORS = (0.25, 4.0)
 """Shared cores: the range of the factor on the CPU costs fitted from the run's spans."""
 SHARED_BISECTIONS = 8
+POSITION_FACTORS = (0.5, 2.0)
+"""The range of a stage's own factor on its positions' times (`refit_positions`)."""
 UNPACK_QUANTILE = 0.1
 """A receive's unpacking cost: this quantile of its durations (most receives also wait)."""
 
@@ -89,6 +93,28 @@ def refit(xs: Sequence[float], ys: Sequence[float], base: Affine) -> Affine:
     return Affine(base.scale * factor, base.fixed_ms * factor)
 
 
+def refit_positions(ranges: Sequence[tuple[int, int]], points: dict[str, tuple[list[float], list[float]]],
+                    mode: ModeCosts, factors: Sequence[float]) -> tuple[float, ...]:
+    """`factors` (one per position) times, on each of the run's stages `ranges` (in the order
+    their forward and backward points were added), the factor that makes the refitted `mode`
+    price the stage's measured forward + backward: the stage's own deviation from the line
+    through all of them. Clipped to POSITION_FACTORS; as the refit matched the stages' total,
+    the factors average about 1 weighted by time."""
+    out = list(factors)
+    (xf, yf), (xb, yb) = points["forward"], points["backward"]
+    if not (len(xf) == len(xb) == len(ranges)):
+        return tuple(out)
+    low, high = POSITION_FACTORS
+    for (start, end), x_fwd, y_fwd, x_bwd, y_bwd in zip(ranges, xf, yf, xb, yb):
+        scaled = mode.forward.scale * x_fwd + mode.backward.scale * x_bwd
+        if not scaled > 0:
+            continue
+        factor = (y_fwd + y_bwd - mode.forward.fixed_ms - mode.backward.fixed_ms) / scaled
+        for i in range(start, end):
+            out[i] *= min(max(factor, low), high)
+    return tuple(out)
+
+
 def refit_allreduce(points: Sequence[tuple[float, int, float]], base: Affine | None) -> Affine | None:
     """`base` (this host's all-reduce, `RuntimeCosts.allreduce`) rescaled so that it prices the
     run's replicated stages' AllReduceGrads, (parameter bytes, replicas, measured ms) each, at
@@ -117,8 +143,8 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     # the profile priced as the planner priced the run's configuration: its microbatch's rows
     # (`meta.batch_points`) and its precision (`meta.precision_time`), so that the refit is of
     # the costs beyond those and a plan of another configuration reads it alike
-    chain = chain_at_precision(chain_at_rows(chain, int(inputs["batch_size"]) // m), precision)
-    space = SplitSpace.from_chain(chain)
+    chain = base.priced(chain_at_precision(chain_at_rows(chain, int(inputs["batch_size"]) // m), precision))
+    space = SplitSpace.from_chain(chain)  # the positions' times with `base`'s factors
     if plan["stages"][-1]["end"] != space.num_positions:
         raise UserError(f"{run_dir}: its plan covers {plan['stages'][-1]['end']} positions, the profile has "
                         f"{space.num_positions}", hint="calibrate from a run trained with this profile")
@@ -168,13 +194,15 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
                                  if rank in held], _durations([traces[rank]]))
     modes = dict(base.modes)
     modes[mode_name] = ModeCosts(*(refit(*fits.points[kind], getattr(mode, kind)) for kind in KINDS))
+    ranges = [(int(stage["start"]), int(stage["end"])) for stage in plan["stages"]]
+    position_scale = refit_positions(ranges, fits.points, modes[mode_name], base.position_factors(n))
     gaps = _gaps(list(traces.values()))
     gaps_mean = float(sum(gaps)) / len(gaps) if gaps else base.gap_ms
     calibrated = replace(
         base, modes=modes, load_inputs_ms=load_inputs, load_target_ms=load_target,
         send=refit([b for b, _ in sends], [t for _, t in sends], base.send) if sends else base.send,
         recv=refit([b for b, _ in recvs], [t for _, t in recvs], base.recv) if recvs else base.recv,
-        gap_ms=gaps_mean, allreduce=refit_allreduce(allreduces, base.allreduce),
+        gap_ms=gaps_mean, allreduce=refit_allreduce(allreduces, base.allreduce), position_scale=position_scale,
         sources={**base.sources, "calibrated_from": str(run_dir)},
     )
     first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]

@@ -80,11 +80,12 @@ def measured_costs(plan: dict[str, Any], schedule: str, compute_scale: float) ->
 
 
 def write_run(run_dir: Path, schedule: str = "pipedream", compute_scale: float = 1.0, send_ms: float = 0.0,
-              split: bool = False) -> Path:
+              split: bool = False, first_step: int = 0) -> Path:
     """A trained run: plan.json, config.yaml and train/ (summary, metrics, trace) in the runtime's formats.
 
     Measured forward/backward (and WeightGrads, `split`) = the plan's x `compute_scale`; each
-    send takes `send_ms` (comm); an optimizer step costs nothing; receives wait as the simulator says."""
+    send takes `send_ms` (comm); an optimizer step costs nothing; receives wait as the simulator says.
+    `first_step`: the launch resumed after that many minibatches and trained NUM_STEPS more."""
     plan = plan_json(schedule, split)
     spec = ScheduleSpec.make(schedule, 2, NUM_MICROBATCHES, NUM_STEPS, split_backward=split)
     costs = measured_costs(plan, schedule, compute_scale)
@@ -110,7 +111,8 @@ def write_run(run_dir: Path, schedule: str = "pipedream", compute_scale: float =
     samples_per_s = BATCH_SIZE * NUM_STEPS / loop_s
     losses = [2.3 / (1 + t) for t in range(NUM_STEPS)]
     summary = {"final_loss": losses[-1], "final_accuracy": 0.9, "samples_per_s": samples_per_s, "loop_s": loop_s,
-               "steps": NUM_STEPS, "schedule": schedule, "stages": stages, "minibatch_losses": losses,
+               "steps": first_step + NUM_STEPS, "first_step": first_step, "schedule": schedule, "stages": stages,
+               "minibatch_losses": losses,
                "microbatch_losses": {}, "checkpoint": str(train / "checkpoints" / f"step_{NUM_STEPS}")}
     (train / "summary.json").write_text(json.dumps(summary))
     lines = [{"accuracy": 0.5 + 0.1 * i, "loss": losses[3 * i + 2], "samples_per_s": samples_per_s, "step": 3 * i + 3} for i in range(4)]
@@ -150,6 +152,19 @@ def test_per_stage_numbers_are_per_minibatch(tmp_path: Path, schedule: str) -> N
     assert pipeline["predicted"]["whole_loop_per_minibatch_ms"] == pytest.approx(predicted.makespan_ms / NUM_STEPS)
     assert pipeline["measured"]["steady_time_per_minibatch_ms"] == pytest.approx(measured.time_per_minibatch_ms)
     assert pipeline["measured"]["time_per_minibatch_ms"] == pytest.approx(measured.makespan_ms / NUM_STEPS)
+
+
+def test_a_resumed_run_is_measured_per_minibatch_of_its_own_launch(tmp_path: Path) -> None:
+    whole = report_json(write_run(tmp_path / "whole", compute_scale=1.5))
+    resumed = report_json(write_run(tmp_path / "resumed", compute_scale=1.5, first_step=3 * NUM_STEPS))
+    assert resumed["num_steps"] == whole["num_steps"] == NUM_STEPS
+    for a, b in zip(whole["stages"], resumed["stages"], strict=True):
+        assert b["measured"]["compute_ms"] == pytest.approx(a["measured"]["compute_ms"])
+        assert b["measured"]["actions_ms"] == pytest.approx(a["measured"]["actions_ms"])
+    for key in ("time_per_minibatch_ms", "steady_time_per_minibatch_ms", "bubble_fraction"):
+        assert resumed["pipeline"]["measured"][key] == pytest.approx(whole["pipeline"]["measured"][key])
+    text = runner.invoke(app, ["report", str(tmp_path / "resumed"), "--no-charts"]).output
+    assert f"resumed after minibatch {3 * NUM_STEPS}" in text
 
 
 def test_the_whole_loop_of_a_run_longer_than_the_replay_adds_its_steady_minibatches() -> None:

@@ -138,7 +138,8 @@ class Measured:
 
     schedule: str
     num_steps: int
-    """Minibatches trained (`train.steps`)."""
+    """Minibatches this launch trained and timed: `train.steps`, less the minibatches before a
+    resume (`first_step`)."""
     batch_size: int
     """Samples per minibatch (`data.batch_size`)."""
     num_microbatches: int
@@ -161,6 +162,8 @@ class Measured:
     """The evaluation at the end (`pdcli.runtime.evaluation.EVAL_KEYS`); empty: none."""
     events: tuple[dict[str, Any], ...] = ()
     """`train/events.jsonl`: the restarts (and failures) of the run (`pdcli.runtime.events`)."""
+    first_step: int = 0
+    """Minibatches trained before this launch resumed the run (0: not resumed)."""
 
 
 def _read_json(path: Path, next_step: str) -> Any:
@@ -209,7 +212,8 @@ def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage
     the plan); `next_step` is the command named when the run is missing; `chunks_per_rank`:
     virtual stages, each of which backwards every microbatch."""
     summary = _read_json(train_dir / SUMMARY_FILE, next_step)
-    steps = int(summary["steps"])
+    first_step = int(summary.get("first_step", 0))
+    steps = max(1, int(summary["steps"]) - first_step)  # a resumed launch's totals and loop are its own
     ranks = read_trace(train_dir / TRACE_FILE)
     stage_of_rank = {rank: k for k, group in enumerate(stage_ranks) for rank in group}
     stages = []
@@ -246,6 +250,6 @@ def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage
         metrics=tuple(line for line in lines if not line.get("final") and not is_eval_line(line)), ranks=ranks,
         evals=tuple(summary.get("evals", ())),
         eval_metrics={k: float(summary[k]) for k in EVAL_KEYS if summary.get(k) is not None},
-        events=tuple(read_events(train_dir)),
+        events=tuple(read_events(train_dir)), first_step=first_step,
     )
 

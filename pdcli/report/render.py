@@ -94,6 +94,7 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     lines.append(
         f"{m.schedule}{' with split backward' if p.split_backward or has_weight_grads(c) else ''}, "
         f"{len(c.stages)} stages, {m.num_steps} minibatches of {m.batch_size} samples "
+        + (f"(this launch, resumed after minibatch {m.first_step}) " if m.first_step else "") +
         f"({m.num_microbatches} microbatches each{PIPEDREAM_NOTE if rules(m.schedule).step_per_microbatch else ''}); "
         f"final loss {m.final_loss:.4f}" + ("" if m.final_accuracy is None else f", accuracy {m.final_accuracy:.3f}")
         + " (training minibatches)" + ("" if not m.eval_metrics else "; held-out eval: " + ", ".join(

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -122,6 +122,15 @@ def thread_env(num_threads: int) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = str(num_threads)
     env["MKL_NUM_THREADS"] = str(num_threads)
     return env
+
+
+def paired_ratios(a: Sequence[float | None], b: Sequence[float | None]) -> list[float]:
+    """a / b of each round in which both were measured (None: a round that failed). Rounds
+    are aligned by position: a[i] and b[i] ran in the same round, minutes apart at most, so a
+    slow spell of the host that lasts longer than that moves both alike."""
+    if len(a) != len(b):
+        raise ValueError(f"paired rounds need as many rounds of each: {len(a)} and {len(b)}")
+    return [x / y for x, y in zip(a, b) if x is not None and y is not None and y > 0]
 
 
 def emit_result(obj: dict[str, Any]) -> None:

@@ -33,7 +33,11 @@ synthetic data source (about 3 ms of a stage's 80 ms step here), as training doe
 
 Every row's samples/s is the median over its timed steps of batch / step time (pd logs it per
 minibatch; the baselines time each step), and with `--rounds R` the median over R rounds run
-one after the other. Prints a table per section, writes `runs/benchmarks/runtime.json`.
+one after the other (every other round in reverse order). pd's rows beside torch.pipelining's
+counterpart (same schedule, split and microbatches) also get a paired ratio: pd / torch of
+each round, the two measured minutes apart at most, and their median, which the host's slow
+spells (lasting minutes, moving single rounds by 25% here) move far less than a ratio of the
+rows' medians. Prints a table per section, writes `runs/benchmarks/runtime.json`.
 Numbers are printed, never asserted: on a shared host they move with the other load (see
 `load before`).
 """
@@ -56,7 +60,9 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from _baselines import run_single, run_stage_bound, run_torch_pipelining  # noqa: E402
-from _bench_common import NUM_STAGES, VIRTUAL_STAGES, BenchFailed, BenchShape, chunk_points, split_point  # noqa: E402
+from _bench_common import (  # noqa: E402
+    NUM_STAGES, VIRTUAL_STAGES, BenchFailed, BenchShape, chunk_points, paired_ratios, split_point,
+)
 from _pd_train import run_pd_train, virtual_overrides  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
 
@@ -75,6 +81,11 @@ the limit."""
 SECTIONS = ("small", "large")
 DEFAULT_LARGE_MICROBATCHES = 4
 UNSPLIT = "schedule.split_backward=false"
+TORCH_PREFIX = "torch pipelining "
+PD_PREFIX = "pd train "
+TORCH_SCHEDULES = {"Schedule1F1B": "1f1b", "ScheduleGPipe": "gpipe", "ScheduleInterleaved1F1B": "interleaved",
+                   "ScheduleLoopedBFS": "loopedbfs", "ScheduleZBVZeroBubble": "zbv"}
+"""torch.pipelining's schedule class -> pd's `schedule.name` for the same schedule."""
 MAX_REASON_CHARS = 100
 """An unavailable row shows the last line of its reason, cut to this (the JSON keeps all)."""
 
@@ -86,8 +97,9 @@ class Row:
     variant: str
     samples_per_s: float | None
     note: str = ""
-    per_round_samples_per_s: tuple[float, ...] = ()
-    """Each round's median-over-steps samples/s; their spread shows how noisy the host was."""
+    per_round_samples_per_s: tuple[float | None, ...] = ()
+    """Each round's median-over-steps samples/s (None: that round failed); their spread shows
+    how noisy the host was."""
     wall_s: float = 0.0
     """Wall time of the variant over all rounds (process start-up, warm-up, timed steps)."""
     load_avg_1min: float = 0.0
@@ -129,18 +141,18 @@ def variants(shape: BenchShape, timeout_s: float, section: str) -> list[tuple[st
     rows += [
         (f"single process, 1 thread, {m} microbatches", lambda _: (run_single(shape, 1, timeout_s, m), MICROBATCHED_NOTE)),
         (f"bound: each stage alone, at once, 1 thread each, {m} microbatches", bound_row),
-        (f"torch pipelining Schedule1F1B, {m} microbatches",
+        (f"{TORCH_PREFIX}Schedule1F1B, {m} microbatches",
          lambda _: (run_torch_pipelining(shape, "1f1b", timeout_s), baseline_split)),
-        (f"torch pipelining ScheduleGPipe, {m} microbatches",
+        (f"{TORCH_PREFIX}ScheduleGPipe, {m} microbatches",
          lambda _: (run_torch_pipelining(shape, "gpipe", timeout_s), baseline_split)),
-        (f"pd train pipedream, {m} microbatches", lambda work_dir: pd_row("pipedream", work_dir)),
-        (f"pd train 1f1b, {m} microbatches", lambda work_dir: pd_row("1f1b", work_dir)),
-        (f"pd train 1f1b, {m} microbatches, {UNSPLIT}", lambda work_dir: pd_row("1f1b", work_dir, extra=[UNSPLIT])),
+        (f"{PD_PREFIX}pipedream, {m} microbatches", lambda work_dir: pd_row("pipedream", work_dir)),
+        (f"{PD_PREFIX}1f1b, {m} microbatches", lambda work_dir: pd_row("1f1b", work_dir)),
+        (f"{PD_PREFIX}1f1b, {m} microbatches, {UNSPLIT}", lambda work_dir: pd_row("1f1b", work_dir, extra=[UNSPLIT])),
     ]
     if section == "large":
-        rows.append((f"pd train gpipe, {m} microbatches", lambda work_dir: pd_row("gpipe", work_dir)))
+        rows.append((f"{PD_PREFIX}gpipe, {m} microbatches", lambda work_dir: pd_row("gpipe", work_dir)))
     else:
-        rows.append((f"pd train pipedream, {ONE_MICROBATCH} microbatch",
+        rows.append((f"{PD_PREFIX}pipedream, {ONE_MICROBATCH} microbatch",
                      lambda work_dir: pd_row("pipedream", work_dir, replace(shape, num_microbatches=ONE_MICROBATCH))))
         rows += virtual_rows(shape, timeout_s)
     return rows
@@ -167,9 +179,9 @@ def virtual_rows(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure
 
     rows: list[tuple[str, Measure]] = []
     for name, torch_name in VIRTUAL_ROWS:
-        rows.append((f"torch pipelining {torch_name}, V={VIRTUAL_STAGES}, {m} microbatches",
+        rows.append((f"{TORCH_PREFIX}{torch_name}, V={VIRTUAL_STAGES}, {m} microbatches",
                      lambda _, name=name: (run_torch_pipelining(shape, name, timeout_s), chunks)))
-        rows.append((f"pd train {name}, V={VIRTUAL_STAGES}, {m} microbatches",
+        rows.append((f"{PD_PREFIX}{name}, V={VIRTUAL_STAGES}, {m} microbatches",
                      lambda work_dir, name=name: pd_row(name, work_dir)))
     return rows
 
@@ -181,24 +193,25 @@ def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int, section: s
     `only`: the variants whose name contains one of these (all when empty)."""
     table = [(name, measure) for name, measure in variants(shape, timeout_s, section)
              if not only or any(part in name for part in only)]
-    values: dict[str, list[float]] = {name: [] for name, _ in table}
+    values: dict[str, list[float | None]] = {name: [] for name, _ in table}
     notes: dict[str, str] = {}
     wall_s: dict[str, float] = {name: 0.0 for name, _ in table}
     loads: dict[str, list[float]] = {name: [] for name, _ in table}
     with tempfile.TemporaryDirectory(prefix="pd-bench-runtime-") as tmp:
         for round_id in range(num_rounds):
-            for variant_id, (name, measure) in enumerate(table):
+            order = list(enumerate(table))
+            for variant_id, (name, measure) in order if round_id % 2 == 0 else order[::-1]:
                 load = os.getloadavg()[0]
                 print(f"{section} round {round_id + 1}/{num_rounds}: {name} (load average {load:.2f}) ...",
                       file=sys.stderr, flush=True)
                 start_s = time.perf_counter()
                 try:
                     samples_per_s, note = measure(Path(tmp) / f"variant{variant_id}")
-                    values[name].append(samples_per_s)
                     notes[name] = note
                 except BenchFailed as exc:
                     samples_per_s, note = None, f"{UNAVAILABLE}{exc}"
                     notes.setdefault(name, note)
+                values[name].append(samples_per_s)
                 elapsed_s = time.perf_counter() - start_s
                 wall_s[name] += elapsed_s
                 loads[name].append(load)
@@ -206,7 +219,7 @@ def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int, section: s
     return [
         Row(
             name,
-            statistics.median(values[name]) if values[name] else None,
+            statistics.median(done) if (done := [v for v in values[name] if v is not None]) else None,
             notes[name],
             tuple(values[name]),
             wall_s[name],
@@ -214,6 +227,31 @@ def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int, section: s
         )
         for name, _ in table
     ]
+
+
+def counterparts(names: Sequence[str]) -> list[tuple[str, str]]:
+    """(pd's row, torch.pipelining's row) for every schedule both measured: the same schedule,
+    split and microbatches (pd's split backward on, as by default)."""
+    pairs = []
+    for torch_name in names:
+        if not torch_name.startswith(TORCH_PREFIX):
+            continue
+        schedule, _, rest = torch_name.removeprefix(TORCH_PREFIX).partition(", ")
+        pd_name = f"{PD_PREFIX}{TORCH_SCHEDULES.get(schedule, schedule)}, {rest}"
+        if pd_name in names:
+            pairs.append((pd_name, torch_name))
+    return pairs
+
+
+def paired(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """pd / torch.pipelining per round and their median, for every pair `counterparts` finds."""
+    by_name = {r.variant: r for r in rows}
+    out = []
+    for pd_name, torch_name in counterparts(list(by_name)):
+        ratios = paired_ratios(by_name[pd_name].per_round_samples_per_s, by_name[torch_name].per_round_samples_per_s)
+        out.append({"pd": pd_name, "torch": torch_name, "per_round": ratios,
+                    "median": statistics.median(ratios) if ratios else None})
+    return out
 
 
 def flush_bound(shape: BenchShape) -> float:
@@ -236,6 +274,7 @@ def report(shape: BenchShape, rows: list[Row]) -> dict[str, Any]:
         "physical_limit_samples_per_s": limit,
         "flush_bubble_bound_ratio": flush_bound(shape),
         "rows": out_rows,
+        "paired": paired(rows),
     }
 
 
@@ -259,8 +298,16 @@ def table(result: dict[str, Any]) -> str:
     return tabulate(body, headers=headers, disable_numparse=True)
 
 
-def spread(values: Sequence[float]) -> str:
-    return f"{min(values):.0f}-{max(values):.0f}" if len(values) > 1 else "-"
+def paired_table(result: dict[str, Any]) -> str:
+    body = [[p["pd"].removeprefix(PD_PREFIX), p["torch"].removeprefix(TORCH_PREFIX),
+             " ".join(f"{x:.2f}" for x in p["per_round"]) or "-",
+             "-" if p["median"] is None else f"{p['median']:.2f}x"] for p in result["paired"]]
+    return tabulate(body, headers=["pd", "torch.pipelining", "pd / torch per round", "median"], disable_numparse=True)
+
+
+def spread(values: Sequence[float | None]) -> str:
+    done = [v for v in values if v is not None]
+    return f"{min(done):.0f}-{max(done):.0f}" if len(done) > 1 else "-"
 
 
 def short_reason(note: str) -> str:
@@ -317,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{NUM_STAGES}x single-thread, unsplit flush-bubble bound = {result['flush_bubble_bound_ratio']:.2f}x"
         )
         print(table(result))
+        if result["paired"]:
+            print(f"\npaired, pd / torch.pipelining in each round (median of the rounds):\n{paired_table(result)}")
     atomic_write_json(args.out, results)
     print(f"wrote {args.out}")
     return 0

@@ -1,0 +1,42 @@
+"""The runtime benchmark's paired ratios: pd's row against torch.pipelining's counterpart,
+round by round. No process is started."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from _bench_common import paired_ratios  # noqa: E402
+from bench_runtime import Row, counterparts, paired  # noqa: E402
+
+
+def test_paired_ratios_take_each_round_in_which_both_ran() -> None:
+    assert paired_ratios([200.0, None, 150.0], [100.0, 120.0, 100.0]) == [2.0, 1.5]
+    assert paired_ratios([1.0], [None]) == []
+    with pytest.raises(ValueError, match="as many rounds"):
+        paired_ratios([1.0, 2.0], [1.0])
+
+
+def test_each_torch_schedule_is_paired_with_pds_same_schedule_and_microbatches() -> None:
+    names = ["torch pipelining Schedule1F1B, 8 microbatches", "torch pipelining ScheduleGPipe, 8 microbatches",
+             "pd train pipedream, 8 microbatches", "pd train 1f1b, 8 microbatches",
+             "pd train 1f1b, 8 microbatches, schedule.split_backward=false",
+             "torch pipelining ScheduleZBVZeroBubble, V=2, 8 microbatches", "pd train zbv, V=2, 8 microbatches"]
+    assert counterparts(names) == [
+        ("pd train 1f1b, 8 microbatches", "torch pipelining Schedule1F1B, 8 microbatches"),
+        ("pd train zbv, V=2, 8 microbatches", "torch pipelining ScheduleZBVZeroBubble, V=2, 8 microbatches"),
+    ]  # no pd gpipe row in this list: ScheduleGPipe has no pair
+
+
+def test_the_paired_median_is_of_the_rounds_ratios_not_of_the_rows_medians() -> None:
+    # a slow spell in round 2 hits both: the rows' medians say 1.1x, the rounds 1.2x, 1.2x, 1.1x
+    rows = [Row("pd train 1f1b, 4 microbatches", 1100.0, per_round_samples_per_s=(1200.0, 600.0, 1100.0)),
+            Row("torch pipelining Schedule1F1B, 4 microbatches", 1000.0, per_round_samples_per_s=(1000.0, 500.0, 1000.0))]
+    (pair,) = paired(rows)
+    assert pair["per_round"] == pytest.approx([1.2, 1.2, 1.1])
+    assert pair["median"] == pytest.approx(1.2)

@@ -59,7 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the _helpers beside 
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from _baselines import run_single, run_stage_bound, run_torch_pipelining  # noqa: E402
+from _baselines import (  # noqa: E402
+    TORCH_SCHEDULES, TORCH_VIRTUAL_SCHEDULES, run_single, run_stage_bound, run_torch_pipelining,
+)
 from _bench_common import (  # noqa: E402
     NUM_STAGES, VIRTUAL_STAGES, BenchFailed, BenchShape, chunk_points, paired_ratios, split_point,
 )
@@ -83,9 +85,8 @@ DEFAULT_LARGE_MICROBATCHES = 4
 UNSPLIT = "schedule.split_backward=false"
 TORCH_PREFIX = "torch pipelining "
 PD_PREFIX = "pd train "
-TORCH_SCHEDULES = {"Schedule1F1B": "1f1b", "ScheduleGPipe": "gpipe", "ScheduleInterleaved1F1B": "interleaved",
-                   "ScheduleLoopedBFS": "loopedbfs", "ScheduleZBVZeroBubble": "zbv"}
-"""torch.pipelining's schedule class -> pd's `schedule.name` for the same schedule."""
+PD_NAME_OF_TORCH = {cls.__name__: name for name, cls in {**TORCH_SCHEDULES, **TORCH_VIRTUAL_SCHEDULES}.items()}
+"""torch.pipelining's schedule class name -> pd's `schedule.name` for the same schedule."""
 MAX_REASON_CHARS = 100
 """An unavailable row shows the last line of its reason, cut to this (the JSON keeps all)."""
 
@@ -141,10 +142,9 @@ def variants(shape: BenchShape, timeout_s: float, section: str) -> list[tuple[st
     rows += [
         (f"single process, 1 thread, {m} microbatches", lambda _: (run_single(shape, 1, timeout_s, m), MICROBATCHED_NOTE)),
         (f"bound: each stage alone, at once, 1 thread each, {m} microbatches", bound_row),
-        (f"{TORCH_PREFIX}Schedule1F1B, {m} microbatches",
-         lambda _: (run_torch_pipelining(shape, "1f1b", timeout_s), baseline_split)),
-        (f"{TORCH_PREFIX}ScheduleGPipe, {m} microbatches",
-         lambda _: (run_torch_pipelining(shape, "gpipe", timeout_s), baseline_split)),
+        *[(f"{TORCH_PREFIX}{cls.__name__}, {m} microbatches",
+           lambda _, name=name: (run_torch_pipelining(shape, name, timeout_s), baseline_split))
+          for name, cls in TORCH_SCHEDULES.items()],
         (f"{PD_PREFIX}pipedream, {m} microbatches", lambda work_dir: pd_row("pipedream", work_dir)),
         (f"{PD_PREFIX}1f1b, {m} microbatches", lambda work_dir: pd_row("1f1b", work_dir)),
         (f"{PD_PREFIX}1f1b, {m} microbatches, {UNSPLIT}", lambda work_dir: pd_row("1f1b", work_dir, extra=[UNSPLIT])),
@@ -158,9 +158,6 @@ def variants(shape: BenchShape, timeout_s: float, section: str) -> list[tuple[st
     return rows
 
 
-VIRTUAL_ROWS = (("interleaved", "ScheduleInterleaved1F1B"), ("loopedbfs", "ScheduleLoopedBFS"),
-                ("zbv", "ScheduleZBVZeroBubble"))
-"""pd's virtual-stage schedules and torch.pipelining's counterparts, side by side."""
 
 
 def virtual_rows(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure]]:
@@ -178,8 +175,8 @@ def virtual_rows(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure
         return result.samples_per_s, f"chunks {result.split}{differs}, median of {result.num_logged_steps} steps"
 
     rows: list[tuple[str, Measure]] = []
-    for name, torch_name in VIRTUAL_ROWS:
-        rows.append((f"{TORCH_PREFIX}{torch_name}, V={VIRTUAL_STAGES}, {m} microbatches",
+    for name, cls in TORCH_VIRTUAL_SCHEDULES.items():  # pd's virtual-stage schedules beside torch's
+        rows.append((f"{TORCH_PREFIX}{cls.__name__}, V={VIRTUAL_STAGES}, {m} microbatches",
                      lambda _, name=name: (run_torch_pipelining(shape, name, timeout_s), chunks)))
         rows.append((f"{PD_PREFIX}{name}, V={VIRTUAL_STAGES}, {m} microbatches",
                      lambda work_dir, name=name: pd_row(name, work_dir)))
@@ -237,7 +234,7 @@ def counterparts(names: Sequence[str]) -> list[tuple[str, str]]:
         if not torch_name.startswith(TORCH_PREFIX):
             continue
         schedule, _, rest = torch_name.removeprefix(TORCH_PREFIX).partition(", ")
-        pd_name = f"{PD_PREFIX}{TORCH_SCHEDULES.get(schedule, schedule)}, {rest}"
+        pd_name = f"{PD_PREFIX}{PD_NAME_OF_TORCH[schedule]}, {rest}"
         if pd_name in names:
             pairs.append((pd_name, torch_name))
     return pairs

@@ -90,24 +90,60 @@ def test_calibration_rescales_the_all_reduce_to_the_runs() -> None:
 
 def test_calibration_refits_each_stages_positions_to_what_the_stage_took() -> None:
     """A run's stage that took more than the refitted line through all stages says gets that
-    factor on its positions (times the factors it was priced with); a plan of the run's split
-    then prices each stage's compute as measured, and the factors of a profile of another
-    length are ignored."""
-    from pdcli.report.calibrate import POSITION_FACTORS, refit_positions
+    factor on its positions (times the factors it was priced with), fixed costs included; the
+    factors of a profile of another length are ignored."""
+    from pdcli.report.calibrate import refit_positions
 
     mode = ModeCosts(forward=Affine(2.0, 0.1), backward=Affine(1.0, 0.2), wgrad=Affine(1.0, 0.0),
                      update=Affine(1.0, 0.0))
-    # two stages: [0, 3) measured on the line, [3, 5) 1.5x above it
-    points = {"forward": ([1.0, 2.0], [2.1, 6.1]), "backward": ([2.0, 4.0], [2.2, 6.2])}
-    factors = refit_positions([(0, 3), (3, 5)], points, mode, [1.0, 1.0, 1.0, 2.0, 2.0])
+    # [0, 3) on the line (2 x 1 + 1 x 2 + 0.3 = 4.3); [3, 5), priced with factor 2, 1.5x above
+    # its line (2 x 2 + 1 x 4 + 0.3 x 2 = 8.6)
+    points = {"forward": ([1.0, 2.0], [2.1, 6.45]), "backward": ([2.0, 4.0], [2.2, 6.45])}
+    factors = refit_positions([(0, 3), (3, 5)], points, mode, [1.0, 1.0, 1.0, 2.0, 2.0], [1.0, 2.0])
     assert factors == pytest.approx([1.0, 1.0, 1.0, 3.0, 3.0])  # 1.5 x the 2.0 it was priced with
-    wild = {"forward": ([1.0, 1.0], [100.0, 0.0]), "backward": ([1.0, 1.0], [0.0, 0.0])}
-    assert refit_positions([(0, 1), (1, 2)], wild, mode, [1.0, 1.0]) == POSITION_FACTORS[::-1]
+    # a line of mostly fixed cost: a stage 20% above it gets 1.2, not 20% / its layers' share
+    fixed = ModeCosts(forward=Affine(0.1, 1.0), backward=Affine(0.1, 1.0), wgrad=Affine(1.0, 0.0),
+                      update=Affine(1.0, 0.0))
+    mostly_fixed = {"forward": ([1.0, 1.0], [1.32, 0.88]), "backward": ([1.0, 1.0], [1.32, 0.88])}
+    assert refit_positions([(0, 1), (1, 2)], mostly_fixed, fixed, [1.0, 1.0], [1.0, 1.0]) == pytest.approx((1.2, 0.8))
+    nothing = {"forward": ([1.0, 1.0], [2.0, 0.0]), "backward": ([1.0, 1.0], [2.0, 0.0])}  # no spans measured
+    assert refit_positions([(0, 1), (1, 2)], nothing, fixed, [1.0, 1.0], [1.0, 1.0])[1] == 1.0
     assert RUNTIME.position_factors(8)[3] == pytest.approx(1.15) and RUNTIME.position_factors(5) == [1.0] * 5
     space = SplitSpace.from_chain(chain(RUNTIME))
     plain = SplitSpace.from_chain(chain(RUNTIME.without("positions")))
     assert np.diff(space.covered_fwd_ms, prepend=0.0) == pytest.approx(
         np.diff(plain.covered_fwd_ms, prepend=0.0) * np.asarray(RUNTIME.position_factors(8)))
+    assert plain.position_factor(0, 8) == 1.0 and space.position_factor(3, 4) == pytest.approx(1.15)
+
+
+def test_a_stages_fixed_costs_run_at_its_position_factor() -> None:
+    """A calibrated plan of the run's split prices each stage's forward and backward at the
+    stage's factor whole: the affine cost of its profiled times, fixed part included, times
+    the factor; the search's matrices carry each stage's factor alike."""
+    from pdcli.planner.evaluate import evaluate_plan
+
+    factors = (1.0,) * 4 + (1.6,) * 4
+    runtime = dataclasses.replace(RUNTIME.without("cores"), position_scale=factors)
+    options = PlanOptions(schedule="pipedream", num_microbatches=4, batch_size=64, num_stages=2, boundaries=(4,))
+    plans = {f: plan_chain(chain(dataclasses.replace(runtime, position_scale=f)), Topology.flat(2, 1e9), options)
+             for f in (None, factors)}
+    plain, scaled = (evaluate_plan(chain(dataclasses.replace(runtime, position_scale=f)), plans[f].to_json())
+                     for f in (None, factors))
+    for index, ratio in enumerate((1.0, 1.6)):
+        before, after = plain.stages[index].actions_ms, scaled.stages[index].actions_ms
+        assert before is not None and after is not None
+        loss = (RUNTIME.loss_fwd_ms + RUNTIME.loss_bwd_ms) if index == 1 else 0.0
+        assert after["fwd_ms"] + after["bwd_ms"] - loss == pytest.approx(
+            ratio * (before["fwd_ms"] + before["bwd_ms"] - loss))
+    assert plans[factors].time_per_minibatch_ms > plans[None].time_per_minibatch_ms
+    from pdcli.planner.search import StageMatrices
+
+    space = SplitSpace.from_chain(chain(runtime))
+    matrix = StageMatrices.of(space, 1.0, False).position_factor
+    for start, end in ((0, 4), (4, 8), (2, 6), (0, 8)):
+        assert matrix[start, end] == pytest.approx(space.position_factor(start, end))
+    assert space.position_factor(2, 6) == pytest.approx(1.0 + 0.6 * space.range_total(
+        space.covered_unfactored_ms, 4, 6) / space.range_total(space.covered_unfactored_ms, 2, 6))
 
 
 def test_without_rejects_an_unknown_term() -> None:

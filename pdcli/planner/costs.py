@@ -78,7 +78,7 @@ from typing import Any
 
 import numpy as np
 
-from pdcli.planner.runtime_costs import RuntimeCosts
+from pdcli.planner.runtime_costs import Affine, RuntimeCosts
 from pdcli.schedule import ScheduleSpec
 from pdcli.schedule.simulator import StageCost, simulate
 from pdcli.schedule.spec import FLUSH_SCHEDULES, rules, stand_in
@@ -267,12 +267,17 @@ def _per_message(affine: Any, message_bytes: Any) -> Any:
 
 def runtime_action_costs(runtime: RuntimeCosts, schedule: str, num_microbatches: int, fwd_ms: Any, bwd_ms: Any,
                          wgrad_ms: Any, optimizer_step_ms: Any, cut_in_bytes: Any, cut_out_bytes: Any,
-                         first: Any, last: Any, in_bw: Any, out_bw: Any) -> ActionCosts:
+                         first: Any, last: Any, in_bw: Any, out_bw: Any, position_factor: Any = 1.0) -> ActionCosts:
     """Per-action costs of a stage whose positions' profiled totals per minibatch are
     fwd_ms, bwd_ms, wgrad_ms (and one optimizer step optimizer_step_ms); cut bytes per
-    minibatch; `first`/`last`: the stage holds the model's inputs / the loss."""
+    minibatch; `first`/`last`: the stage holds the model's inputs / the loss;
+    `position_factor`: the stage's (`SplitSpace.position_factor`), on its compute actions'
+    fixed costs as the profiled times carry it already."""
     m = float(num_microbatches)
     mode = runtime.mode(schedule)
+
+    def compute(line: Affine, profiled_ms: Any) -> Any:
+        return line.scale * (np.asarray(profiled_ms) / m) + line.fixed_ms * np.asarray(position_factor, dtype=float)
     first_f, last_f = np.asarray(first, dtype=float), np.asarray(last, dtype=float)
     in_bytes, out_bytes = np.asarray(cut_in_bytes, dtype=float) / m, np.asarray(cut_out_bytes, dtype=float) / m
 
@@ -288,9 +293,9 @@ def runtime_action_costs(runtime: RuntimeCosts, schedule: str, num_microbatches:
         actions_per_microbatch=2.0 + np.maximum(first_f, last_f) + 2.0 * (has_in + has_out) + split,
         # OptimizerStep, and StashWeights + FreeWeights where forwards run on stashed versions
         actions_per_update=3.0 if schedule not in FLUSH_SCHEDULES else 1.0,
-        forward_ms=mode.forward(np.asarray(fwd_ms) / m) + last_f * runtime.loss_fwd_ms,
-        backward_ms=mode.backward(np.asarray(bwd_ms) / m) + last_f * runtime.loss_bwd_ms,
-        wgrad_ms=np.where(np.asarray(wgrad_ms) > 0, mode.wgrad(np.asarray(wgrad_ms) / m), 0.0),
+        forward_ms=compute(mode.forward, fwd_ms) + last_f * runtime.loss_fwd_ms,
+        backward_ms=compute(mode.backward, bwd_ms) + last_f * runtime.loss_bwd_ms,
+        wgrad_ms=np.where(np.asarray(wgrad_ms) > 0, compute(mode.wgrad, wgrad_ms), 0.0),
         update_ms=mode.update(np.asarray(optimizer_step_ms, dtype=float)),
         send_acts_ms=_per_message(runtime.send, out_bytes), recv_grads_ms=_per_message(runtime.recv, out_bytes),
         recv_acts_ms=_per_message(runtime.recv, in_bytes), send_grads_ms=_per_message(runtime.send, in_bytes),

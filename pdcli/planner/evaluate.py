@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -34,6 +34,36 @@ ACTIONS_KEY = "actions_ms"
 REFINE_SHIFTS = (-2, -1, 1, 2)
 """Positions a boundary (a stage's or a chunk's) of the search's plan is moved by when the replay
 refines it (`pdcli.planner.make.refine_by_replay`, `pdcli.planner.virtual.refine_by_replay`)."""
+REFINE_MIN_GAIN = 1e-6
+"""A moved boundary is taken when its replay is faster by more than this fraction (not by rounding)."""
+
+Priced = TypeVar("Priced")
+Partition = list[tuple[int, int, int]]
+
+
+def climb(space: SplitSpace, partition: Partition, price: Callable[[Partition], Priced | None],
+          time_ms: Callable[[Priced], float], best: Priced) -> Priced:
+    """From `partition` (priced `best`), moves one boundary by REFINE_SHIFTS (replicas kept) to
+    the fastest `price` (None: not a candidate, e.g. over memory), again from there while that is
+    faster: a partition no such move improves."""
+    valid = space.valid_stages()
+    for _ in range(space.num_positions):  # each pass moves to a faster partition, or ends
+        start, moved_to = best, partition
+        for k in range(1, len(partition)):
+            (a, cut, before), (_, b, after) = partition[k - 1], partition[k]
+            for shift in REFINE_SHIFTS:
+                moved_cut = cut + shift
+                if not a < moved_cut < b or not (valid[a, moved_cut] and valid[moved_cut, b]):
+                    continue
+                moved = [*partition[: k - 1], (a, moved_cut, before), (moved_cut, b, after), *partition[k + 1:]]
+                candidate = price(moved)
+                if candidate is not None and time_ms(candidate) < time_ms(best) * (1 - REFINE_MIN_GAIN):
+                    best, moved_to = candidate, moved
+        if best is start:
+            break
+        partition = moved_to
+    return best
+
 REPLAY_MIN_MINIBATCHES = 16
 """A plan's replay runs max(this, 2 x stages + 2) minibatches; its steady time is measured
 over the second half (`pdcli.schedule.simulator`)."""
@@ -193,7 +223,7 @@ def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, sca
         if runtime is not None:
             actions = runtime_action_costs(runtime, options.schedule, options.num_microbatches, fwd, bwd, wgrad,
                                            float(optimizer[start, end]), cut_in, cut_out, start == 0, end == n,
-                                           in_bw, out_bw)
+                                           in_bw, out_bw, space.position_factor(start, end))
             terms = runtime_stage_terms(actions, params, r, sync_bw, options.schedule, options.num_microbatches)
             actions_ms = _actions_ms(actions, split, float(replica_allreduce_ms(params, r, sync_bw, actions.allreduce)))
         else:

@@ -7,7 +7,7 @@ from typing import Any
 
 from pdcli.errors import UserError
 from pdcli.planner.evaluate import (
-    REFINE_SHIFTS, PlanEval, batch_scale, evaluate_pd, evaluate_pipedream, pipeline_summary, stage_predicted,
+    PlanEval, batch_scale, climb, evaluate_pd, evaluate_pipedream, pipeline_summary, stage_predicted,
 )
 from pdcli.planner.options import COST_PIPEDREAM, PlanOptions, search_memory_text
 from pdcli.planner.pipedream import pipedream_data_parallel_s, pipedream_search
@@ -71,25 +71,18 @@ def _infeasible(space: SplitSpace, topology: Topology, options: PlanOptions, sca
 def refine_by_replay(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
                      found: PlanEval) -> PlanEval:
     """The search ranks plans by their bottleneck stage; the replay of the action lists also
-    sees the waits that messages in flight cause. Among the search's plan and the plans with
-    one boundary moved by REFINE_SHIFTS (same replicas), the fastest replay that fits memory."""
-    partition = [(st.start, st.end, st.replicas) for st in found.stages]
-    valid = space.valid_stages()
+    sees the waits that messages in flight cause. The search's plan climbed (`climb`) to the
+    fastest replay that fits memory."""
     limit = options.memory_bytes_per_device
-    best = found
-    for k in range(1, len(partition)):
-        for shift in REFINE_SHIFTS:
-            cut = partition[k][0] + shift
-            before, after = partition[k - 1], partition[k]
-            if not before[0] < cut < after[1] or not (valid[before[0], cut] and valid[cut, after[1]]):
-                continue
-            moved = [*partition[: k - 1], (before[0], cut, before[2]), (cut, after[1], after[2]), *partition[k + 1:]]
-            candidate = evaluate_pd(space, topology, options, scale, moved)
-            if limit is not None and any(st.memory.total_bytes > limit for st in candidate.stages):
-                continue
-            if candidate.time_per_minibatch_ms < best.time_per_minibatch_ms:
-                best = candidate
-    return best
+
+    def price(moved: list[tuple[int, int, int]]) -> PlanEval | None:
+        candidate = evaluate_pd(space, topology, options, scale, moved)
+        if limit is not None and any(st.memory.total_bytes > limit for st in candidate.stages):
+            return None
+        return candidate
+
+    return climb(space, [(st.start, st.end, st.replicas) for st in found.stages], price,
+                 lambda e: e.time_per_minibatch_ms, found)
 
 
 REPLAY_SLACK = 1.25

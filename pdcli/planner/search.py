@@ -261,6 +261,8 @@ class StageMatrices:
     """(n, 1): into a stage starting at i."""
     cut_out: np.ndarray
     """(1, n + 1): out of a stage ending at e."""
+    position_factor: np.ndarray
+    """`SplitSpace.position_factor` of every stage (1 without factors)."""
 
     @classmethod
     def of(cls, space: SplitSpace, scale: float, recompute: bool) -> "StageMatrices":
@@ -278,6 +280,7 @@ class StageMatrices:
             valid=space.valid_stages() & ~np.isnan(fwd),
             cut_in=np.concatenate(([0.0], cut[: n - 1]))[:, None],
             cut_out=np.concatenate(([0.0], cut[: n - 1], [0.0]))[None, :],
+            position_factor=np.broadcast_to(space.position_factor_matrix(), fwd.shape).copy(),
         )
 
 
@@ -297,6 +300,7 @@ class PdCosts:
                     shared.flags.writeable = False
                 store["matrices"] = m
         self.fwd, self.bwd, self.wgrad, self.params = m.fwd, m.bwd, m.wgrad, m.params
+        self.position_factor = m.position_factor
         self.optimizer, self.optimizer_state, self.valid = m.optimizer, m.optimizer_state, m.valid
         self.cut_in, self.cut_out = m.cut_in, m.cut_out
         self.runtime = runtime_of(space, topology)
@@ -358,7 +362,7 @@ class PdCosts:
             if self.runtime is not None:
                 actions = runtime_action_costs(self.runtime, o.schedule, o.num_microbatches, self.fwd, self.bwd,
                                                self.wgrad, self.optimizer, self.cut_in, self.cut_out, self.first,
-                                               self.last, links[1], links[2])
+                                               self.last, links[1], links[2], self.position_factor)
                 terms = runtime_stage_terms(actions, self.params, r, links[0], o.schedule, o.num_microbatches)
             else:
                 terms = pd_stage_terms(self.fwd, self.bwd, self.params, self.cut_in, self.cut_out, r,

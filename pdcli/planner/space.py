@@ -106,6 +106,9 @@ class SplitSpace:
     sends first everywhere but over NCCL (CUDA); None = unknown (PipeDream graphs)."""
     fixed_cuts: tuple[int, ...] = ()
     """Positions every plan cuts at (the user's, `pdcli.planner.steer`): no stage spans one."""
+    covered_unfactored_ms: np.ndarray | None = None
+    """Forward + backward at or before j without the runtime's position factors
+    (`RuntimeCosts.position_scale`); None: there are none (all 1)."""
 
     def with_cuts(self, cuts: tuple[int, ...]) -> "SplitSpace":
         """This space with `cuts` fixed (itself when those are its cuts already)."""
@@ -172,6 +175,8 @@ class SplitSpace:
             calibration_ratio=float(ratio) if ratio is not None else None,
             covered_wgrad_ms=cum([min(max(x.wgrad_ms, 0.0), x.bwd_ms) * f for x, f in zip(nodes, factor)]),
             runtime=runtime,
+            covered_unfactored_ms=(cum([x.fwd_ms + x.bwd_ms for x in nodes]) if any(f != 1.0 for f in factor)
+                                   else None),
             held=meta.get(HELD_META) if isinstance(meta.get(HELD_META), dict) else None,
             input_bytes=float(chain.input_bytes),
             eager_sends={"cpu": True, "cuda": False}.get(str(meta.get("device_type"))),
@@ -226,6 +231,25 @@ class SplitSpace:
 
     def range_total(self, covered: np.ndarray, start: int, end: int) -> float:
         return float(covered[end - 1] - (covered[start - 1] if start > 0 else 0.0))
+
+    def position_factor(self, start: int, end: int) -> float:
+        """Stage [start, end)'s position factor: its positions' factors weighted by their
+        profiled forward + backward time (1 without factors). What the stage's forward and
+        backward cost beyond their layers (an action's fixed cost) runs at this factor too."""
+        if self.covered_unfactored_ms is None:
+            return 1.0
+        unfactored = self.range_total(self.covered_unfactored_ms, start, end)
+        factored = self.range_total(self.covered_fwd_ms, start, end) + self.range_total(self.covered_bwd_ms, start, end)
+        return factored / unfactored if unfactored > 0 else 1.0
+
+    def position_factor_matrix(self) -> np.ndarray | float:
+        """`position_factor` of every stage [i, e) (as `range_matrix`); 1.0 without factors."""
+        if self.covered_unfactored_ms is None:
+            return 1.0
+        unfactored = self.range_matrix(self.covered_unfactored_ms)
+        factored = self.range_matrix(self.covered_fwd_ms + self.covered_bwd_ms)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(unfactored > 0, factored / unfactored, 1.0)
 
     def stage_members(self, start: int, end: int) -> list[str]:
         """Graph nodes (or chain positions) that a stage [start, end) holds, in order."""

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 from pdcli.errors import UserError
 from pdcli.planner.evaluate import (
-    REFINE_SHIFTS, REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, batch_scale, evaluate_pd, pipeline_summary, plan_options_of,
+    REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, batch_scale, climb, evaluate_pd, pipeline_summary, plan_options_of,
     stage_predicted,
 )
 from pdcli.planner.options import PlanOptions
@@ -32,8 +32,6 @@ from pdcli.schedule.actions import Backward, Forward, WeightGrads
 from pdcli.schedule.simulator import Simulation, StageCost, simulate
 from pdcli.schedule.spec import GPIPE, INTERLEAVED, LOOPED_BFS, ONE_F_ONE_B, ZBV
 
-REFINE_MIN_GAIN = 1e-6
-"""A moved cut is taken when its replay is faster by more than this fraction (not by rounding)."""
 STAND_INS = {INTERLEAVED: ONE_F_ONE_B, ZBV: ONE_F_ONE_B, LOOPED_BFS: GPIPE}
 """The one-chunk schedule whose stage costs price a chunked schedule's chunks in the search."""
 
@@ -103,20 +101,9 @@ def replay_chunked_plan(chain: Chain, plan: dict[str, Any]) -> Simulation:
 def refine_by_replay(space: SplitSpace, partition: list[tuple[int, int, int]],
                      replayed: Callable[[Sequence[tuple[int, int, int]]], tuple[PlanEval, Simulation]],
                      best: tuple[PlanEval, Simulation]) -> tuple[PlanEval, Simulation]:
-    """Among the search's chunks and those with one cut moved by REFINE_SHIFTS, the fastest replay
-    (the search prices each chunk as a stage of its own; a device runs several in turn)."""
-    valid = space.valid_stages()
-    for k in range(1, len(partition)):
-        for shift in REFINE_SHIFTS:
-            (a, cut, _), (_, b, _) = partition[k - 1], partition[k]
-            moved_cut = cut + shift
-            if not a < moved_cut < b or not (valid[a, moved_cut] and valid[moved_cut, b]):
-                continue
-            moved = [*partition[: k - 1], (a, moved_cut, 1), (moved_cut, b, 1), *partition[k + 1:]]
-            candidate = replayed(moved)
-            if candidate[1].time_per_minibatch_ms < best[1].time_per_minibatch_ms * (1 - REFINE_MIN_GAIN):
-                best = candidate
-    return best
+    """The search's chunks climbed (`climb`) to the fastest replay (the search prices each
+    chunk as a stage of its own; a device runs several in turn)."""
+    return climb(space, partition, replayed, lambda found: found[1].time_per_minibatch_ms, best)
 
 
 def plan_virtual(chain: Chain, topology: Topology, options: PlanOptions, space: SplitSpace | None = None) -> Plan:

@@ -52,8 +52,6 @@ LATENCY_BISECTIONS = 16
 SHARED_FACTORS = (0.25, 4.0)
 """Shared cores: the range of the factor on the CPU costs fitted from the run's spans."""
 SHARED_BISECTIONS = 8
-POSITION_FACTORS = (0.5, 2.0)
-"""The range of a stage's own factor on its positions' times (`refit_positions`)."""
 UNPACK_QUANTILE = 0.1
 """A receive's unpacking cost: this quantile of its durations (most receives also wait)."""
 
@@ -94,24 +92,26 @@ def refit(xs: Sequence[float], ys: Sequence[float], base: Affine) -> Affine:
 
 
 def refit_positions(ranges: Sequence[tuple[int, int]], points: dict[str, tuple[list[float], list[float]]],
-                    mode: ModeCosts, factors: Sequence[float]) -> tuple[float, ...]:
+                    mode: ModeCosts, factors: Sequence[float], stage_factors: Sequence[float]) -> tuple[float, ...]:
     """`factors` (one per position) times, on each of the run's stages `ranges` (in the order
-    their forward and backward points were added), the factor that makes the refitted `mode`
-    price the stage's measured forward + backward: the stage's own deviation from the line
-    through all of them. Clipped to POSITION_FACTORS; as the refit matched the stages' total,
-    the factors average about 1 weighted by time."""
+    their forward and backward points were added; `stage_factors`: each one's
+    `SplitSpace.position_factor` under `factors`), the factor by which the stage's measured
+    forward + backward exceeds what the refitted `mode` prices: the stage's own deviation from
+    the line through all of them. The stage's actions run at its factor whole, fixed costs
+    too (`runtime_action_costs`), so a plan of the run's split prices each stage as measured
+    and a stage near the line gets a factor near 1 however much of its time is fixed. As the
+    refit matched the stages' total, the factors average about 1 weighted by time."""
     out = list(factors)
     (xf, yf), (xb, yb) = points["forward"], points["backward"]
-    if not (len(xf) == len(xb) == len(ranges)):
+    if not (len(xf) == len(xb) == len(ranges) == len(stage_factors)):
         return tuple(out)
-    low, high = POSITION_FACTORS
-    for (start, end), x_fwd, y_fwd, x_bwd, y_bwd in zip(ranges, xf, yf, xb, yb):
-        scaled = mode.forward.scale * x_fwd + mode.backward.scale * x_bwd
-        if not scaled > 0:
+    for (start, end), x_fwd, y_fwd, x_bwd, y_bwd, r in zip(ranges, xf, yf, xb, yb, stage_factors):
+        priced = (mode.forward.scale * x_fwd + mode.backward.scale * x_bwd
+                  + (mode.forward.fixed_ms + mode.backward.fixed_ms) * r)
+        if not (priced > 0 and y_fwd + y_bwd > 0):
             continue
-        factor = (y_fwd + y_bwd - mode.forward.fixed_ms - mode.backward.fixed_ms) / scaled
         for i in range(start, end):
-            out[i] *= min(max(factor, low), high)
+            out[i] *= (y_fwd + y_bwd) / priced
     return tuple(out)
 
 
@@ -195,7 +195,8 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     modes = dict(base.modes)
     modes[mode_name] = ModeCosts(*(refit(*fits.points[kind], getattr(mode, kind)) for kind in KINDS))
     ranges = [(int(stage["start"]), int(stage["end"])) for stage in plan["stages"]]
-    position_scale = refit_positions(ranges, fits.points, modes[mode_name], base.position_factors(n))
+    position_scale = refit_positions(ranges, fits.points, modes[mode_name], base.position_factors(n),
+                                     [space.position_factor(start, end) for start, end in ranges])
     gaps = _gaps(list(traces.values()))
     gaps_mean = float(sum(gaps)) / len(gaps) if gaps else base.gap_ms
     calibrated = replace(

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -241,14 +242,51 @@ def counterparts(names: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def paired(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    """pd / torch.pipelining per round and their median, for every pair `counterparts` finds."""
+    """pd / torch.pipelining per round and their median, for every pair `counterparts` finds,
+    beside the pair's `schedule_ceiling`."""
     by_name = {r.variant: r for r in rows}
     out = []
     for pd_name, torch_name in counterparts(list(by_name)):
         ratios = paired_ratios(by_name[pd_name].per_round_samples_per_s, by_name[torch_name].per_round_samples_per_s)
         out.append({"pd": pd_name, "torch": torch_name, "per_round": ratios,
-                    "median": statistics.median(ratios) if ratios else None})
+                    "median": statistics.median(ratios) if ratios else None, "ceiling": ceiling_of(pd_name)})
     return out
+
+
+CEILING_COSTS = {"fwd_ms": 1.0, "bwd_ms": 2.0, "wgrad_ms": 1.0, "comm_ms": 0.05}
+"""Each chunk's costs in `schedule_ceiling`: the MLP's backward is its input and its weight
+gradients, each a forward's work; a message a twentieth of it."""
+
+
+def schedule_ceiling(schedule: str, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """What pd's lists of `schedule` (split backward, as pd's rows run them) gain over
+    torch.pipelining's by their order alone: the replay of the same schedule's lists without a
+    split backward (torch's Schedule1F1B, GPipe, Interleaved1F1B and LoopedBFS run the backward
+    whole; its ZBVZeroBubble splits it too) over pd's, both on equal chunks (`CEILING_COSTS`)
+    and a pd runtime. A pd / torch ratio above it is the runtimes' difference."""
+    from pdcli.schedule import ScheduleSpec
+    from pdcli.schedule.simulator import StageCost, simulate
+
+    def replayed_ms(split: bool) -> float:
+        spec = ScheduleSpec.make(schedule, NUM_STAGES, num_microbatches, CEILING_STEPS, split_backward=split,
+                                 virtual_stages=virtual_stages)
+        costs = {**CEILING_COSTS, "wgrad_ms": CEILING_COSTS["wgrad_ms"] if split else 0.0}
+        return simulate(spec, [StageCost(**costs)] * spec.num_chunks).time_per_minibatch_ms
+
+    return replayed_ms(schedule == "zbv") / replayed_ms(True)
+
+
+CEILING_STEPS = 8
+
+
+def ceiling_of(pd_name: str) -> float | None:
+    """`schedule_ceiling` of a pd row's schedule, microbatches and chunks (None: a row name
+    that does not say them)."""
+    found = re.fullmatch(rf"{PD_PREFIX}(\w+), (?:V=(\d+), )?(\d+) microbatches", pd_name)
+    if found is None:
+        return None
+    schedule, virtual, microbatches = found.groups()
+    return schedule_ceiling(schedule, int(microbatches), int(virtual or 1))
 
 
 def flush_bound(shape: BenchShape) -> float:
@@ -298,8 +336,10 @@ def table(result: dict[str, Any]) -> str:
 def paired_table(result: dict[str, Any]) -> str:
     body = [[p["pd"].removeprefix(PD_PREFIX), p["torch"].removeprefix(TORCH_PREFIX),
              " ".join(f"{x:.2f}" for x in p["per_round"]) or "-",
-             "-" if p["median"] is None else f"{p['median']:.2f}x"] for p in result["paired"]]
-    return tabulate(body, headers=["pd", "torch.pipelining", "pd / torch per round", "median"], disable_numparse=True)
+             "-" if p["median"] is None else f"{p['median']:.2f}x",
+             "-" if p.get("ceiling") is None else f"{p['ceiling']:.2f}x"] for p in result["paired"]]
+    return tabulate(body, headers=["pd", "torch.pipelining", "pd / torch per round", "median",
+                                   "the order's ceiling"], disable_numparse=True)
 
 
 def spread(values: Sequence[float | None]) -> str:

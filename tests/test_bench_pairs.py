@@ -40,3 +40,21 @@ def test_the_paired_median_is_of_the_rounds_ratios_not_of_the_rows_medians() -> 
     (pair,) = paired(rows)
     assert pair["per_round"] == pytest.approx([1.2, 1.2, 1.1])
     assert pair["median"] == pytest.approx(1.2)
+
+
+def test_the_orders_ceiling_is_what_pds_lists_gain_by_their_order_alone() -> None:
+    """1F1B at 2 stages x 4 microbatches: torch's order idles (S - 1) x (forward + backward)
+    per minibatch, pd's split backward only the first forward and its message, the least any
+    flush order can (the second stage waits for the first forward), so the ceiling is their
+    ratio; zbv is the same order on both sides."""
+    from bench_runtime import CEILING_COSTS, ceiling_of, schedule_ceiling
+
+    f, b, c = CEILING_COSTS["fwd_ms"], CEILING_COSTS["bwd_ms"], CEILING_COSTS["comm_ms"]
+    m = 4
+    least = m * (f + b) + f + c  # the second stage's work after the first forward arrives
+    torch_order = m * (f + b) + (f + b) + 2 * c
+    assert schedule_ceiling("1f1b", m) == pytest.approx(torch_order / least, rel=0.01)
+    assert schedule_ceiling("1f1b", 8) < schedule_ceiling("1f1b", 4)  # the bubble's share shrinks
+    assert schedule_ceiling("zbv", 8, 2) == pytest.approx(1.0)
+    assert ceiling_of("pd train interleaved, V=2, 8 microbatches") == schedule_ceiling("interleaved", 8, 2)
+    assert ceiling_of("pd train 1f1b, 4 microbatches, schedule.split_backward=false") is None

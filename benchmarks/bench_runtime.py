@@ -256,6 +256,8 @@ def paired(rows: Sequence[Row]) -> list[dict[str, Any]]:
 CEILING_COSTS = {"fwd_ms": 1.0, "bwd_ms": 2.0, "wgrad_ms": 1.0, "comm_ms": 0.05}
 """Each chunk's costs in `schedule_ceiling`: the MLP's backward is its input and its weight
 gradients, each a forward's work; a message a twentieth of it."""
+CEILING_STEPS = 8
+"""Minibatches each `schedule_ceiling` replay runs (its steady time: the second half)."""
 
 
 def schedule_ceiling(schedule: str, num_microbatches: int, virtual_stages: int = 1) -> float:
@@ -274,9 +276,6 @@ def schedule_ceiling(schedule: str, num_microbatches: int, virtual_stages: int =
         return simulate(spec, [StageCost(**costs)] * spec.num_chunks).time_per_minibatch_ms
 
     return replayed_ms(schedule == "zbv") / replayed_ms(True)
-
-
-CEILING_STEPS = 8
 
 
 def ceiling_of(pd_name: str) -> float | None:

@@ -275,9 +275,10 @@ def runtime_action_costs(runtime: RuntimeCosts, schedule: str, num_microbatches:
     fixed costs as the profiled times carry it already."""
     m = float(num_microbatches)
     mode = runtime.mode(schedule)
+    factor = np.asarray(position_factor, dtype=float)
 
     def compute(line: Affine, profiled_ms: Any) -> Any:
-        return line.scale * (np.asarray(profiled_ms) / m) + line.fixed_ms * np.asarray(position_factor, dtype=float)
+        return line.scale * (np.asarray(profiled_ms) / m) + line.fixed_ms * factor
     first_f, last_f = np.asarray(first, dtype=float), np.asarray(last, dtype=float)
     in_bytes, out_bytes = np.asarray(cut_in_bytes, dtype=float) / m, np.asarray(cut_out_bytes, dtype=float) / m
 

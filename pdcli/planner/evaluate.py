@@ -36,6 +36,10 @@ REFINE_SHIFTS = (-2, -1, 1, 2)
 refines it (`pdcli.planner.make.refine_by_replay`, `pdcli.planner.virtual.refine_by_replay`)."""
 REFINE_MIN_GAIN = 1e-6
 """A moved boundary is taken when its replay is faster by more than this fraction (not by rounding)."""
+REPLAY_MIN_MINIBATCHES = 16
+"""A plan's replay runs max(this, 2 x stages + 2) minibatches; its steady time is measured
+over the second half (`pdcli.schedule.simulator`)."""
+
 
 Priced = TypeVar("Priced")
 Partition = list[tuple[int, int, int]]
@@ -45,8 +49,10 @@ def climb(space: SplitSpace, partition: Partition, price: Callable[[Partition], 
           time_ms: Callable[[Priced], float], best: Priced) -> Priced:
     """From `partition` (priced `best`), moves one boundary by REFINE_SHIFTS (replicas kept) to
     the fastest `price` (None: not a candidate, e.g. over memory), again from there while that is
-    faster: a partition no such move improves."""
+    faster: a partition no such move improves. Each partition is priced once (a later pass
+    revisits the moves of the one before)."""
     valid = space.valid_stages()
+    priced: dict[tuple[tuple[int, int, int], ...], Priced | None] = {tuple(partition): best}
     for _ in range(space.num_positions):  # each pass moves to a faster partition, or ends
         start, moved_to = best, partition
         for k in range(1, len(partition)):
@@ -56,17 +62,16 @@ def climb(space: SplitSpace, partition: Partition, price: Callable[[Partition], 
                 if not a < moved_cut < b or not (valid[a, moved_cut] and valid[moved_cut, b]):
                     continue
                 moved = [*partition[: k - 1], (a, moved_cut, before), (moved_cut, b, after), *partition[k + 1:]]
-                candidate = price(moved)
+                key = tuple(moved)
+                if key not in priced:
+                    priced[key] = price(moved)
+                candidate = priced[key]
                 if candidate is not None and time_ms(candidate) < time_ms(best) * (1 - REFINE_MIN_GAIN):
                     best, moved_to = candidate, moved
         if best is start:
             break
         partition = moved_to
     return best
-
-REPLAY_MIN_MINIBATCHES = 16
-"""A plan's replay runs max(this, 2 x stages + 2) minibatches; its steady time is measured
-over the second half (`pdcli.schedule.simulator`)."""
 
 
 @dataclass(frozen=True)

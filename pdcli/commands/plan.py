@@ -152,6 +152,11 @@ def write_calibration(run: RunDir, chain: Chain, trained: Path) -> None:
     atomic_write_json(run / CALIBRATION, {"profile_sha256": profile_sha256(run), "runtime": calibrated.to_json(),
                                           "measured": measured})
     echo_err(f"calibration: wrote {run / CALIBRATION} from {trained}")
+    shared = measured.get("shared_cores")
+    if shared and shared["capped"]:
+        echo_err(f"calibration: the run's compute spans took {shared['run_compute_ms']:.2f} ms per minibatch, the replay "
+                 f"at the run's time computes {shared['replayed_compute_ms']:.2f}: its workers outnumber the cores and "
+                 f"the kernel stretched their compute more than the replay's queue for the cores does")
 
 
 def diff(paths: list[str], fmt: str, fail_on_regression: Optional[float]) -> None:

@@ -18,7 +18,9 @@ bandwidth and the core count stay as probed. A run whose workers outnumber the h
 cores traced spans stretched by the workers it shared the cores with: every CPU cost is
 scaled so that the replay's compute (on the shared cores, `pdcli.schedule.simulator`) over
 the run's steady half equals the run's; as the stretch depends on how long the workers
-wait and the reverse, the latency is fitted for each scale tried (`fit_shared`). The result is written to the planned run's
+wait and the reverse, the latency is fitted for each scale tried (`fit_shared`); a run
+whose spans computed more than the replay can at the run's time gets the largest factor
+that does not make the replay slower than the run (`SharedFit.capped`). The result is written to the planned run's
 `calibration.json`; `pd plan` and `pd train` use it while the profile it was made for
 stays the run's profile.
 """
@@ -26,7 +28,7 @@ stays the run's profile.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -213,12 +215,14 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     num_ranks = len(set().union(*ranks_of))
     shared = base.cores is not None and num_ranks > base.cores
     compute_ms = steady_compute_ms(first, list(traces.values()), m * chunks_per_rank) if shared else None
+    shared_fit = None
     if compute_ms:
-        calibrated = fit_shared(calibrated, chain, plan, compute_ms, target_ms)
+        calibrated, shared_fit = fit_shared(calibrated, chain, plan, compute_ms, target_ms)
     if target_ms is not None:
         calibrated = fit_latency(calibrated, chain, plan, target_ms)
     return calibrated, {"run": str(run_dir), "schedule": schedule, "num_microbatches": m, "precision": precision,
-                        "steady_time_per_minibatch_ms": target_ms, "stages": measured}
+                        "steady_time_per_minibatch_ms": target_ms, "stages": measured,
+                        **({"shared_cores": shared_fit.to_json()} if shared_fit else {})}
 
 
 def steady_compute_ms(first_stage: Sequence[RankTrace], ranks: Sequence[RankTrace], num_microbatches: int) -> float | None:
@@ -253,12 +257,38 @@ def replayed_traces(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -
         for rank, timed in enumerate(sim.timeline)]
 
 
+@dataclass(frozen=True)
+class SharedFit:
+    """What `fit_shared` fitted: the factor on the CPU costs, the largest it could take (the
+    replay of the run's plan with no latency as slow as the run), the compute per minibatch
+    over the steady half, the run's and the replay's at the factor, and the bisection's last
+    bracket, (factor, replayed compute) at either end."""
+
+    factor: float
+    max_factor: float
+    run_compute_ms: float
+    replayed_compute_ms: float
+    bracket: tuple[tuple[float, float], tuple[float, float]]
+
+    @property
+    def capped(self) -> bool:
+        """The run's spans computed more than the replay can at the run's time: at the largest
+        factor allowed the replay still computes less than the run."""
+        (_, _), (high, computed) = self.bracket
+        return high >= self.max_factor and computed < self.run_compute_ms
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "capped": self.capped}
+
+
 def fit_shared(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any], compute_ms: float,
-               target_ms: float | None) -> RuntimeCosts:
+               target_ms: float | None) -> tuple[RuntimeCosts, SharedFit | None]:
     """Workers sharing cores: `runtime`'s CPU costs times the factor with which the replay of
     `plan` (its latency fitted to `target_ms` at each factor) computes `compute_ms` per minibatch
-    over its steady half; the replay's compute grows with the factor (bisection). Factors whose
-    replay is slower than `target_ms` with no latency at all are not taken."""
+    over its steady half; the replay's compute grows with the factor (bisection), though not
+    smoothly (where the cores' queue changes order it jumps), so of every factor tried the one
+    computing closest to the run is taken. Factors whose replay is slower than `target_ms` with
+    no latency at all are not taken. None: the replay has no action lists to compute."""
     def at(factor: float) -> RuntimeCosts:
         scaled = runtime.cpu_scaled(factor)
         return fit_latency(scaled, chain, plan, target_ms) if target_ms is not None else scaled
@@ -270,16 +300,28 @@ def fit_shared(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any], comput
             mid = (a * b) ** 0.5
             a, b = (mid, b) if replayed_ms(replace(runtime.cpu_scaled(mid), latency_ms=0.0), chain, plan) < target_ms else (a, mid)
         high = a
+    max_factor = high
+    tried: dict[float, tuple[RuntimeCosts, float]] = {}
+
+    def trial(factor: float) -> float | None:
+        if factor not in tried:
+            fitted = at(factor)
+            replayed = replayed_compute_ms(fitted, chain, plan)
+            if replayed is None:
+                return None
+            tried[factor] = (fitted, replayed)
+        return tried[factor][1]
+
     for _ in range(SHARED_BISECTIONS):
         mid = (low * high) ** 0.5
-        replayed = replayed_compute_ms(at(mid), chain, plan)
+        replayed = trial(mid)
         if replayed is None:
-            return runtime
+            return runtime, None
         low, high = (mid, high) if replayed < compute_ms else (low, mid)
-    # the replay's compute can jump inside the last bracket (the cores' queue changes order):
-    # take whichever end computes closest to the run
-    ends = [at(low), at(high)]
-    return min(ends, key=lambda r: abs((replayed_compute_ms(r, chain, plan) or 0.0) - compute_ms))
+    bracket = ((low, trial(low) or 0.0), (high, trial(high) or 0.0))
+    factor = min(tried, key=lambda f: abs(tried[f][1] - compute_ms))
+    fitted, replayed = tried[factor]
+    return fitted, SharedFit(factor, max_factor, compute_ms, replayed, bracket)
 
 
 def replayed_compute_ms(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> float | None:

@@ -11,7 +11,7 @@ optimizer's step (clipping by the global norm sums the squares of all the device
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from pdcli import schedule as S
 from pdcli.runtime.executor import ActionLoop, Executor, RecvPlan
@@ -21,15 +21,15 @@ SUMMED_MEMORY_KEYS = ("weights_bytes", "optimizer_state_bytes", "stashed_weights
 """Memory fields a device reports as the sum over its chunks (each chunk's own peak: an upper bound)."""
 
 
-def chunk_actions(actions: list[S.Action], chunk: int) -> list[S.Action]:
+def chunk_actions(actions: Sequence[S.Action], chunk: int) -> Sequence[S.Action]:
     """The part of a device's list one chunk's executor sees (its own actions and the device's)."""
-    return [a for a in actions if getattr(a, "chunk", None) in (None, chunk)]
+    return S.kept_actions(actions, lambda a: getattr(a, "chunk", None) in (None, chunk))
 
 
 class ChunkRunner(ActionLoop):
     """Runs a device's list over its chunks' executors (`executors`: chunk -> Executor)."""
 
-    def __init__(self, executors: dict[int, Executor], actions: list[S.Action]) -> None:
+    def __init__(self, executors: dict[int, Executor], actions: Sequence[S.Action]) -> None:
         self.executors = executors
         super().__init__(executors[min(executors)].ctx, actions)
 

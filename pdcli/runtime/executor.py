@@ -19,7 +19,7 @@ import contextlib
 import ctypes
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -114,6 +114,9 @@ class StageContext:
     num_chunks: int = 0
     """Virtual stages: the chunks of the model (`stage_id` is this chunk's id, the peers in `io`
     are chunks) whose messages `chunk_link` tells apart; 0 without virtual stages."""
+    eval_ids_from: int | None = None
+    """Message ids from this one on are held-out microbatches (`ScheduleSpec.eval_microbatch_id`:
+    past every training id); None: the run never evaluates."""
 
 
 RecvPlan = list[tuple[str, int, Any, int]]
@@ -125,18 +128,23 @@ class ActionLoop:
     a heartbeat per action, the trace (evaluation time kept apart), injected faults, `on_step`
     after each optimizer step. Subclasses say how an action runs and what a receive takes."""
 
-    def __init__(self, ctx: StageContext, actions: list[S.Action]) -> None:
+    def __init__(self, ctx: StageContext, actions: Sequence[S.Action]) -> None:
         self.ctx = ctx
         self.actions = actions
-        eval_ids = {a.microbatch_id for a in actions if isinstance(a, S.EvalForward)}
-        self._evaluating = [isinstance(a, (S.EvalForward, S.EndEval)) or (
-            isinstance(a, (S.RecvActivations, S.SendActivations)) and a.microbatch_id in eval_ids) for a in actions]
+        """A list, or a long run's `ActionList`: read in order, a few actions ahead, never scanned whole."""
         self.eval_s = 0.0
         """Seconds spent in evaluation blocks (their receives' waiting included)."""
-        self._recv_positions = [i for i, a in enumerate(actions) if isinstance(a, (S.RecvActivations, S.RecvGrads))]
-        self._next_recv = 0
+        self._looked_at = 0  # actions before this index had their receives posted
         self._fault = parse_fault(os.environ.get(FAULT_ENV), ctx.rank)
         self.steps_done = 0
+
+    def evaluating(self, action: S.Action) -> bool:
+        """Part of an evaluation block: its forwards, its end, and the held-out microbatches' messages."""
+        if isinstance(action, (S.EvalForward, S.EndEval)):
+            return True
+        first = self.ctx.eval_ids_from
+        return first is not None and isinstance(action, (S.RecvActivations, S.SendActivations)) and \
+            action.microbatch_id >= first
 
     def run_action(self, action: S.Action) -> None:
         raise NotImplementedError
@@ -158,7 +166,7 @@ class ActionLoop:
                 inject_fault(self._fault[1])  # in compute: a hang there is the cause, not a symptom
             start_s = tl.now()
             self.run_action(action)
-            if self._evaluating[index]:  # evaluation time stays out of the training timeline and its totals
+            if self.evaluating(action):  # evaluation time stays out of the training timeline and its totals
                 self.eval_s += tl.now() - start_s
             else:
                 tl.add(type(action).__name__, action_category(action), start_s, tl.now(), text)
@@ -169,26 +177,25 @@ class ActionLoop:
 
     def _post_ahead(self, index: int) -> None:
         """Post the receives of the next few receive actions (they complete in the background)."""
-        while (
-            self._next_recv < len(self._recv_positions)
-            and self._recv_positions[self._next_recv] < index + RECV_LOOKAHEAD_ACTIONS
-        ):
-            action = self.actions[self._recv_positions[self._next_recv]]
-            for kind, src, layout, link in self.recv_plan(action):
-                self.ctx.mailbox.post_recv(kind, action.microbatch_id, src, layout, link)
-            self._next_recv += 1
+        ahead = min(index + RECV_LOOKAHEAD_ACTIONS, len(self.actions))
+        while self._looked_at < ahead:
+            action = self.actions[self._looked_at]
+            self._looked_at += 1
+            if isinstance(action, (S.RecvActivations, S.RecvGrads)):
+                for kind, src, layout, link in self.recv_plan(action):
+                    self.ctx.mailbox.post_recv(kind, action.microbatch_id, src, layout, link)
 
 
 class Executor(ActionLoop):
     """The interpreter of one stage (one chunk, with virtual stages): a handler per action type."""
 
-    def __init__(self, ctx: StageContext, actions: list[S.Action]) -> None:
+    def __init__(self, ctx: StageContext, actions: Sequence[S.Action]) -> None:
         super().__init__(ctx, actions)
         if ctx.device.type == "cpu":
             tune_allocator()
         self.weights = WeightVersions(
             ctx.module,
-            stashed_mode=any(isinstance(a, S.StashWeights) for a in actions),
+            stashed_mode=S.StashWeights in S.action_kinds(actions),
             out_of_place_updates=supports_out_of_place(ctx.optimizer),
         )
         self.memory = MemoryTracker(self.weights.param_bytes)
@@ -215,7 +222,7 @@ class Executor(ActionLoop):
         self.in_grads: dict[int, dict[str, Tensor]] = {}
         # split backward (WeightGrads in the list): Linear layers leave their weight gradients to W
         self.deferred = (DeferredWeightGrads(ctx.module).install()
-                         if any(isinstance(a, S.WeightGrads) for a in actions) else None)
+                         if S.WeightGrads in S.action_kinds(actions) else None)
         self.last_lr: float | None = None
         """The learning rate of the last update."""
         self.last_grad_norm: float | None = None

@@ -156,8 +156,8 @@ def check_inputs(cfg: Config, plan_json: dict[str, Any], manifest: dict[str, Any
         )
     check_edges(manifest)
     check_schedule(manifest, cfg.schedule.name)
-    # Pure: a bad schedule fails here, not in 4 workers. The lists of a long run take seconds to
-    # build (~1 s per 100k actions); a few minibatches with the run's drain pattern show the same errors.
+    # Pure: a bad schedule fails here, not in 4 workers; a few minibatches with the run's drain
+    # pattern show the same errors as the whole run.
     evaluation = plan_evaluation(cfg)
     check_chunks(run_spec(cfg, placement, evaluation), placement, cfg.schedule.virtual_stages)
     steps = min(cfg.train.steps, 2 * max(cfg.train.checkpoint_every, cfg.train.eval_every, 1) + SCHEDULE_CHECK_MINIBATCHES)

@@ -263,6 +263,7 @@ def run_session(
             update_rule=UpdateRule.make(cfg.optim, spec, schedule_stage, cfg.data.batch_size, replica_id, clip_group),
             eval_data=evaluation.source, record_eval=tracker.record_eval if tracker and last else None,
             num_chunks=spec.num_chunks if spec.chunked else 0,
+            eval_ids_from=spec.total_microbatches if spec.eval_after else None,
         )
 
     executors = {k: Executor(context(k), chunk_actions(actions, k) if spec.chunked else actions) for k in chunks}

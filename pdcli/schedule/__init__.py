@@ -4,6 +4,7 @@
   version, stash depth, drain points, what is valid);
 - `actions`: the typed actions a process runs and their compact text form;
 - `lower`: a schedule's compute order lowered into every process's full action list;
+- `periodic`: a long run's list computed action by action from a few short runs' (`ActionList`);
 - `orders`, `handwritten`: a hand-written schedule (`file`): its lines read, and checked before it runs;
 - `virtual`: virtual stages: chunks placed on devices (loop, V) and the chunked schedules' orders
   (`interleaved`, `loopedbfs`, `zbv`);
@@ -19,6 +20,7 @@ from pdcli.schedule.actions import (
     OptimizerStep, RecvActivations, RecvGrads, SendActivations, SendGrads, StashWeights, UnknownActionError,
     WeightGrads, action_text, dispatch, parse_action,
 )
+from pdcli.schedule.periodic import ActionList, action_kinds, kept_actions
 from pdcli.schedule.lower import build_all, build_for, build_schedule, one_f_one_b, sends_first, stash_depth
 from pdcli.schedule.spec import (
     FILE, FLUSH_SCHEDULES, GPIPE, ONE_F_ONE_B, PIPEDREAM, SCHEDULES, TWO_BW, ScheduleSpec, StashDepth, drain_points,
@@ -26,7 +28,7 @@ from pdcli.schedule.spec import (
 )
 
 __all__ = [
-    "Action", "ACTION_TYPES", "AllReduceGrads", "Backward", "EndEval", "EvalForward", "FILE", "FLUSH_SCHEDULES", "Forward",
+    "Action", "ACTION_TYPES", "ActionList", "action_kinds", "kept_actions", "AllReduceGrads", "Backward", "EndEval", "EvalForward", "FILE", "FLUSH_SCHEDULES", "Forward",
     "FreeWeights", "GPIPE", "LoadMicrobatch", "ONE_F_ONE_B", "OptimizerStep", "PIPEDREAM", "RecvActivations",
     "RecvGrads", "SCHEDULES", "ScheduleSpec", "SendActivations", "SendGrads", "StashDepth", "StashWeights", "TWO_BW",
     "UnknownActionError", "WeightGrads", "action_text", "build_all", "build_for", "build_schedule", "dispatch", "drain_points",

@@ -22,6 +22,7 @@ from pdcli.schedule.actions import (
     Action, AllReduceGrads, Backward, EndEval, EvalForward, Forward, FreeWeights, LoadMicrobatch, OptimizerStep,
     RecvActivations, RecvGrads, SendActivations, SendGrads, StashWeights, WeightGrads,
 )
+from pdcli.schedule.periodic import periodic_list
 from pdcli.schedule.spec import (
     FLUSH_SCHEDULES, GPIPE, ONE_F_ONE_B, PIPEDREAM, TWO_BW, ScheduleSpec, StashDepth, chunk_order, replica_for,
 )
@@ -336,21 +337,28 @@ def sends_first(actions: Sequence[Action]) -> list[Action]:
 
 
 def build_for(spec: ScheduleSpec, stage_id: int, replica_id: int = 0, start_minibatch: int = 0,
-              eager_sends: bool = False) -> list[Action]:
+              eager_sends: bool = False) -> Sequence[Action]:
     """The ordered action list of one process (stage `stage_id`, replica `replica_id`);
     with `start_minibatch` = t > 0 (a drain point: a checkpoint to resume from), only the
     actions after the first t minibatches, whose weights and optimizer state it continues.
-    `eager_sends`: for a transport whose sends never wait for the peer (see `sends_first`)."""
+    `eager_sends`: for a transport whose sends never wait for the peer (see `sends_first`).
+    A long run's list is an `ActionList` (`pdcli.schedule.periodic`): the same actions,
+    computed one by one from the lists of a few short runs; a short run's, a list."""
     if not 0 <= stage_id < spec.num_stages:
         raise ValueError(f"stage_id {stage_id} out of range (num_stages={spec.num_stages})")
     if not 0 <= replica_id < spec.replicas[stage_id]:
         raise ValueError(
             f"replica_id {replica_id} out of range (stage {stage_id} has "
             f"{spec.replicas[stage_id]} replicas)")
-    if spec.chunked and not eager_sends:
-        actions = list(_sends_at_their_receives(spec)[stage_id])
-    else:
-        actions = _lowered(spec, stage_id, replica_id, eager_sends)
+
+    def whole(run: ScheduleSpec) -> list[Action]:
+        if run.chunked and not eager_sends:
+            return list(_sends_at_their_receives(run)[stage_id])
+        return _lowered(run, stage_id, replica_id, eager_sends)
+
+    actions: Sequence[Action] | None = periodic_list(spec, whole)
+    if actions is None:
+        actions = whole(spec)
     return actions if start_minibatch == 0 else _resume_suffix(spec, stage_id, actions, start_minibatch)
 
 
@@ -427,17 +435,24 @@ def _sends_at_their_receives(spec: ScheduleSpec) -> tuple[tuple[Action, ...], ..
             raise AssertionError(f"{spec.name}: no order for blocking sends (heads {heads}, held sends {len(posted)})")
 
 
-def _resume_suffix(spec: ScheduleSpec, stage_id: int, actions: list[Action], start_minibatch: int) -> list[Action]:
+def _resume_suffix(spec: ScheduleSpec, stage_id: int, actions: Sequence[Action],
+                   start_minibatch: int) -> Sequence[Action]:
     """The actions after the optimizer step that completes the first `start_minibatch` minibatches."""
     if not (spec.is_flush or start_minibatch in spec.drain_after) or not 0 < start_minibatch < spec.num_steps:
         raise ValueError(f"cannot resume {spec.name} at minibatch {start_minibatch}: not a drain point "
                          f"{list(spec.drain_after)} inside (0, {spec.num_steps})")
     last_step = spec.steps_through(stage_id, start_minibatch) - 1
-    cut = next(i for i, a in enumerate(actions) if isinstance(a, OptimizerStep) and a.step == last_step) + 1
     first_mb = start_minibatch * spec.num_microbatches
-    early = [a for a in actions[cut:] if isinstance(a, (Forward, Backward)) and a.microbatch_id < first_mb]
-    late = [a for a in actions[:cut] if isinstance(a, (Forward, Backward)) and a.microbatch_id >= first_mb]
-    stashed = sum(isinstance(a, StashWeights) for a in actions[:cut]) - sum(isinstance(a, FreeWeights) for a in actions[:cut])
+    cut, stashed, late = 0, 0, []
+    for index, a in enumerate(actions):  # one pass: a long run's list is computed as it is read
+        if isinstance(a, OptimizerStep) and a.step == last_step:
+            cut = index + 1
+            break
+        stashed += isinstance(a, StashWeights) - isinstance(a, FreeWeights)
+        if isinstance(a, (Forward, Backward)) and a.microbatch_id >= first_mb:
+            late.append(a)
+    early = [a for _, a in zip(range(4 * len(actions) // max(spec.num_steps, 1) + 64), actions[cut:])
+             if isinstance(a, (Forward, Backward)) and a.microbatch_id < first_mb]
     if early or late or stashed:
         raise AssertionError(f"stage {stage_id}: minibatch {start_minibatch} is not a clean cut ({early[:2]}, {late[:2]})")
     return actions[cut:]
@@ -445,7 +460,7 @@ def _resume_suffix(spec: ScheduleSpec, stage_id: int, actions: list[Action], sta
 
 def build_all(spec: ScheduleSpec, eager_sends: bool = False) -> list[list[Action]]:
     """The action lists of all processes, indexed by rank (`spec.rank_of`)."""
-    return [build_for(spec, *spec.stage_replica_of(rank), eager_sends=eager_sends) for rank in range(spec.num_ranks)]
+    return [list(build_for(spec, *spec.stage_replica_of(rank), eager_sends=eager_sends)) for rank in range(spec.num_ranks)]
 
 
 def build_schedule(
@@ -463,7 +478,7 @@ def build_schedule(
     eager_sends: bool = False,
     eval_after: Sequence[int] = (),
     num_eval_microbatches: int = 0,
-) -> list[Action]:
+) -> Sequence[Action]:
     """The action list of one process for a run of `num_steps` minibatches.
 
     `replicas[s]` is the replication factor of stage s (None: all 1); `drain_after` the

@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -134,7 +135,6 @@ class ActionLoop:
         """A list, or a long run's `ActionList`: read in order, a few actions ahead, never scanned whole."""
         self.eval_s = 0.0
         """Seconds spent in evaluation blocks (their receives' waiting included)."""
-        self._looked_at = 0  # actions before this index had their receives posted
         self._fault = parse_fault(os.environ.get(FAULT_ENV), ctx.rank)
         self.steps_done = 0
 
@@ -157,8 +157,13 @@ class ActionLoop:
 
     def run(self, on_step: Callable[[int], None] | None = None) -> None:
         tl = self.ctx.timeline
-        for index, action in enumerate(self.actions):
-            self._post_ahead(index)
+        source = iter(self.actions)
+        window: deque[S.Action] = deque()  # this action and the next ones, their receives posted
+        while True:
+            self._read_ahead(source, window)
+            if not window:
+                break
+            action = window.popleft()
             text = S.action_text(action)
             if self.ctx.heartbeat is not None:
                 self.ctx.heartbeat.beat(self.steps_done, text)
@@ -175,12 +180,14 @@ class ActionLoop:
         self.ctx.mailbox.drain()
         self.finish()
 
-    def _post_ahead(self, index: int) -> None:
-        """Post the receives of the next few receive actions (they complete in the background)."""
-        ahead = min(index + RECV_LOOKAHEAD_ACTIONS, len(self.actions))
-        while self._looked_at < ahead:
-            action = self.actions[self._looked_at]
-            self._looked_at += 1
+    def _read_ahead(self, source: Iterator[S.Action], window: deque[S.Action]) -> None:
+        """Read the list on to `RECV_LOOKAHEAD_ACTIONS` actions ahead, posting the receives read
+        (they complete in the background)."""
+        while len(window) < RECV_LOOKAHEAD_ACTIONS:
+            action = next(source, None)
+            if action is None:
+                return
+            window.append(action)
             if isinstance(action, (S.RecvActivations, S.RecvGrads)):
                 for kind, src, layout, link in self.recv_plan(action):
                     self.ctx.mailbox.post_recv(kind, action.microbatch_id, src, layout, link)

@@ -3,6 +3,7 @@ not grow with the run (it runs inside the last stage's forward, as each minibatc
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -62,3 +63,47 @@ def test_the_guard_and_the_metrics_lines_of_a_long_run_never_walk_its_records() 
         window = expected[line["step"] - every: line["step"]]
         assert line["loss"] == pytest.approx(sum(window) / every)
         assert line["accuracy"] == pytest.approx(1 / 16)
+
+
+def test_the_loss_journal_keeps_what_a_resumed_run_needs(tmp_path: Path) -> None:
+    """Records go to disk exactly; a resumed run keeps those before its checkpoint, a fresh run
+    none, and a line a crash cut short is left out."""
+    from pdcli.runtime.progress import LossJournal, read_journal
+
+    path = tmp_path / "losses_replica0.txt"
+    journal = LossJournal(path)
+    records = {mb: (1 / (mb + 3), mb % 2, 8) for mb in range(10)}
+    for mb, record in records.items():
+        journal.append(mb, record)
+    journal.flush()
+    assert read_journal(path) == records  # floats round-trip exactly
+    with path.open("a") as f:
+        f.write("10 0.12")  # a crash in the middle of a line
+    assert read_journal(path) == records
+    journal.close()
+    resumed = LossJournal(path, keep_below=6)
+    assert resumed.kept == {mb: r for mb, r in records.items() if mb < 6} and read_journal(path) == resumed.kept
+    resumed.append(6, (0.5, 1, 8))
+    resumed.flush()
+    assert read_journal(path)[6] == (0.5, 1, 8) and len(read_journal(path)) == 7
+    resumed.close()
+    assert LossJournal(path).kept == {} and read_journal(path) == {}
+
+
+def test_with_a_journal_only_the_open_lines_records_stay_in_memory(tmp_path: Path) -> None:
+    from pdcli.runtime.progress import LossJournal
+
+    m, steps, every = 4, 300, 25
+    lines = {}
+    held = 0
+    for journal in (None, LossJournal(tmp_path / "losses_replica0.txt")):
+        writer = Lines()
+        tracker = LossTracker(num_microbatches=m, num_minibatches=steps, log_every=every, batch_size=64,
+                              own_per_minibatch=lambda t: m, writer=writer, journal=journal)  # type: ignore[arg-type]
+        for mb in range(steps * m):
+            tracker.record(mb, float(mb % 7) / 3, mb % 2, 16)
+            held = max(held, len(tracker.records)) if journal else held
+        lines[journal is None] = [{k: v for k, v in line.items() if k != "samples_per_s"} for line in writer.lines]
+        assert tracker.all_records() == {mb: (float(mb % 7) / 3, mb % 2, 16) for mb in range(steps * m)}
+    assert lines[True] == lines[False]
+    assert held == every * m - 1  # records leave memory once their line is written

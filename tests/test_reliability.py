@@ -29,6 +29,7 @@ from pdcli.schedule.checker import ScheduleError, SendMode, check_schedules
 from pdcli.runtime.launcher import Hosts, check_devices, first_slurm_host, hosts_from_env
 from pdcli.schedule import Backward, Forward, ScheduleSpec, build_all, build_for, drain_points
 from pdcli.runtime.job import TrainingFailed, run_training
+from pdcli.runtime.progress import journal_path, read_journal
 from pdcli.testing.toy import write_toy_run
 from pdcli.runtime.watchdog import CHECKPOINT_FAULT_ENV, status_path
 
@@ -184,6 +185,12 @@ def test_interrupted_and_resumed_run_ends_like_the_uninterrupted_one(
     cfg, manifest, _ = _train(tmp_path / "whole", schedule, monkeypatch, checkpoint_every=every)
     whole_metrics, whole_weights = _outcome(tmp_path / "whole")
     assert [m["step"] for m in whole_metrics] == [1, 2, 3, 4, 4]
+    # every microbatch's loss is in the last stage's journal, exactly; no checkpoint holds them
+    losses = json.loads((tmp_path / "whole/train/summary.json").read_text())["microbatch_losses"]
+    journal = read_journal(journal_path(tmp_path / "whole/train", 0))
+    assert {str(mb): r[0] for mb, r in journal.items()} == losses and len(losses) == 4 * cfg.schedule.num_microbatches
+    for step in checkpoint.complete_steps(tmp_path / "whole/train"):
+        assert "loss_records" not in checkpoint.load_stage_file(tmp_path / "whole/train", step, 2)
 
     broken = tmp_path / "broken"
     with pytest.raises(TrainingFailed, match=f"rank {fault[0]} "):
@@ -194,6 +201,7 @@ def test_interrupted_and_resumed_run_ends_like_the_uninterrupted_one(
         assert not (checkpoint.checkpoint_dir(broken / "train", 2) / checkpoint.COMPLETE).exists()  # ... never used
     _train(broken, schedule, monkeypatch, resume=True, checkpoint_every=every)
     metrics, weights = _outcome(broken)
+    assert read_journal(journal_path(broken / "train", 0)) == journal  # the records past the cut done again
     # metrics.jsonl continues from the checkpoint: the same lines, the same losses
     assert [(m["step"], m.get("final")) for m in metrics] == [(m["step"], m.get("final")) for m in whole_metrics]
     assert [m["loss"] for m in metrics] == pytest.approx([m["loss"] for m in whole_metrics], abs=1e-6)

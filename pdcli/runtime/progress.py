@@ -8,18 +8,79 @@ writer rewrites the file at the end from every replica's records (exact).
 
 Evaluations (`record_eval`) during training get a line of their own, `{"step": t, "eval_loss":
 ...}` after the training line of step t; the evaluation at the end goes into the final line.
+
+Each replica of the last stage also appends every record to its journal
+(`train/losses_replica<i>.txt`, `LossJournal`), flushed at each checkpoint: a resumed run
+reads the records before its checkpoint from there, so a checkpoint's size does not grow with
+the run.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from pdcli.rundir import atomic_write_text
 from pdcli.runtime.metrics import MetricsLog
 
 LossRecord = tuple[float, int, int]
 """(loss, num_correct or -1, num_samples) of one microbatch."""
+
+
+def journal_path(train_dir: Path, replica_id: int) -> Path:
+    return train_dir / f"losses_replica{replica_id}.txt"
+
+
+def read_journal(path: Path) -> dict[int, LossRecord]:
+    """The records in a journal (a line cut short by a crash is left out)."""
+    out: dict[int, LossRecord] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        fields = line.split()
+        try:
+            out[int(fields[0])] = (float(fields[1]), int(fields[2]), int(fields[3]))
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+class LossJournal:
+    """One last-stage replica's loss records on disk, one line per microbatch (`loss` exact:
+    `repr` of the float). A fresh run starts it empty; a run resumed at a checkpoint keeps the
+    records of the microbatches before it (`kept`) and drops those the resumed run does again."""
+
+    def __init__(self, path: Path, keep_below: int | None = None) -> None:
+        self.path = path
+        kept = {mb: r for mb, r in read_journal(path).items() if mb < keep_below} if keep_below is not None else {}
+        self._file = path.open("a")
+        self.restart(kept)
+
+    def restart(self, records: dict[int, LossRecord]) -> None:
+        """The journal holds `records` and nothing else (e.g. those a checkpoint of an older pd held)."""
+        self._file.close()
+        self.kept = dict(records)
+        atomic_write_text(self.path, "".join(_line(mb, r) for mb, r in sorted(self.kept.items())))
+        self._file = self.path.open("a")
+
+    def append(self, microbatch_id: int, record: LossRecord) -> None:
+        self._file.write(_line(microbatch_id, record))
+
+    def flush(self) -> None:
+        """On disk (a checkpoint's records must survive the process)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _line(microbatch_id: int, record: LossRecord) -> str:
+    loss, correct, samples = record
+    return f"{microbatch_id} {loss!r} {correct} {samples}\n"
 
 
 @dataclass
@@ -37,6 +98,7 @@ class LossTracker:
     """Called with (t, this rank's mean loss of minibatch t) as each minibatch completes
     (the divergence guard); raises to stop the run."""
     records: dict[int, LossRecord] = field(default_factory=dict)
+    """The records of the minibatches since the last metrics line (with a journal; else all)."""
     evals: list[dict[str, Any]] = field(default_factory=list)
     """Every evaluation so far: {"step": minibatches trained before it, eval metrics}."""
     _seen: dict[int, int] = field(default_factory=dict)
@@ -45,6 +107,8 @@ class LossTracker:
     """Seconds so far that samples/s leaves out (evaluations)."""
     _last_log_s: float = field(default_factory=time.perf_counter)
     _excluded_at_last_s: float = 0.0
+    journal: LossJournal | None = None
+    """Every record also goes to disk (a resumed run reads the records before its checkpoint there)."""
 
     def restart_clock(self) -> None:
         """Start timing samples/s now (after setup, before the first action)."""
@@ -59,17 +123,39 @@ class LossTracker:
         if self.guard is not None:  # the guard sees the same losses as in the uninterrupted run
             for t, loss in enumerate(minibatch_losses(self.records, self.num_microbatches)[:next_minibatch]):
                 self.guard(t, loss)
+        self._forget(self._interval[0] if self._interval else next_minibatch)
 
     def record(self, microbatch_id: int, loss: float, correct: int, num_samples: int) -> None:
         self.records[microbatch_id] = (loss, correct, num_samples)
+        if self.journal is not None:
+            self.journal.append(microbatch_id, self.records[microbatch_id])
         t = microbatch_id // self.num_microbatches
         self._seen[t] = self._seen.get(t, 0) + 1
         if self._seen[t] == self.own_per_minibatch(t):
+            del self._seen[t]
             self._interval.append(t)
-            if (t + 1) % self.log_every == 0 or t + 1 == self.num_minibatches:
+            logged = (t + 1) % self.log_every == 0 or t + 1 == self.num_minibatches
+            if logged:
                 self._log(t)
             if self.guard is not None:
                 self.guard(t, summarize(self.records, self.num_microbatches, [t])["loss"])
+            if logged:
+                self._forget(t + 1)
+
+    def _forget(self, minibatches: int) -> None:
+        """With a journal, the records of the first `minibatches` leave memory (their line is written;
+        this rank's microbatches complete in order)."""
+        if self.journal is None:
+            return
+        for mb in [mb for mb in self.records if mb < minibatches * self.num_microbatches]:
+            del self.records[mb]
+
+    def all_records(self) -> dict[int, LossRecord]:
+        """Every record of the run (the journal's, read back, when records leave memory)."""
+        if self.journal is None:
+            return dict(self.records)
+        self.journal.flush()
+        return read_journal(self.journal.path)
 
     def record_eval(self, after_minibatches: int, metrics: dict[str, Any]) -> None:
         """An evaluation after `after_minibatches` minibatches; a metrics line unless it is the end's."""

@@ -5,8 +5,9 @@ stage starts again from one (`pd train --resume`) or from an exported state dict
 Checkpoints are taken at drain points only (`ScheduleSpec.drain_after`, every
 `train.checkpoint_every` minibatches, and at the end): after the optimizer step that
 completes minibatch t on every stage, nothing is in flight. Every rank contributes its
-RNG state (and the last stage its loss records, so metrics continue exactly); each
-stage's first replica writes the stage file; rank 0 marks the checkpoint complete.
+RNG state (the last stage flushes its loss journal, `progress.LossJournal`, so metrics
+continue exactly); each stage's first replica writes the stage file; rank 0 marks the
+checkpoint complete.
 """
 
 from __future__ import annotations
@@ -106,7 +107,17 @@ class Checkpointer:
         if rng is not None:
             set_rng_state(rng)
         if self.tracker is not None:
-            records = payload.get("loss_records", {}).get(self.replica_id, {})
+            # the journal's records before the checkpoint; a checkpoint of an older pd holds them itself
+            records = payload.get("loss_records", {}).get(self.replica_id)
+            journal = self.tracker.journal
+            if records is None:
+                records = journal.kept if journal is not None else {}
+            elif journal is not None:
+                journal.restart({int(k): tuple(v) for k, v in records.items()})  # type: ignore[misc]
+            expected = sum(self.tracker.own_per_minibatch(t) for t in range(resume_step))
+            if len(records) != expected:
+                self.logger.warning("resume: %d loss records before minibatch %d, expected %d: the metrics before "
+                                    "the checkpoint are incomplete (training is not)", len(records), resume_step, expected)
             self.tracker.resume(records, resume_step, payload.get("evals", []))
         self.logger.info("stage %d: resumed from %s at minibatch %d (%d optimizer steps)", self.stage_id, where, resume_step, steps)
 
@@ -119,9 +130,11 @@ class Checkpointer:
     def save(self, step: int, executor: "Executor") -> None:
         """Collective over all ranks: every stage file, then COMPLETE (rank 0)."""
         self.heartbeat.beat(executor.steps_done, f"checkpoint(step={step})")
-        mine = {"rank": self.rank, "rng": rng_state(), "records": dict(self.tracker.records) if self.tracker else None}
+        if self.tracker is not None and self.tracker.journal is not None:
+            self.tracker.journal.flush()  # the records before the checkpoint, for a resumed run
+        mine = {"rank": self.rank, "rng": rng_state()}
         everyone: list[Any] = [None] * self.placement.world_size
-        dist.all_gather_object(everyone, mine)  # small: RNG states and loss records
+        dist.all_gather_object(everyone, mine)  # small: RNG states
         if self.replica_id == 0:
             ranks = self.placement.stage_ranks[self.stage_id]
             by_replica = {i: everyone[r] for i, r in enumerate(ranks)}
@@ -133,7 +146,6 @@ class Checkpointer:
                 "rng_states": {i: o["rng"] for i, o in by_replica.items()},
             }
             if self.tracker is not None:
-                extra["loss_records"] = {i: o["records"] for i, o in by_replica.items()}
                 extra["evals"] = list(self.tracker.evals)
             for stage_id, entry, module, optimizer in self.parts:
                 checkpoint.save_stage(self.train_dir, step, stage_id, module, dict(entry["param_names"]),

@@ -30,7 +30,7 @@ from pdcli.runtime.metrics import (
     METRICS_FILE, S_TO_MS, SUMMARY_FILE, TRACE_FILE, MetricsLog, RankStats, Timeline, chrome_trace, open_tensorboard, per_stage,
 )
 from pdcli.runtime.placement import Placement
-from pdcli.runtime.progress import LossTracker, minibatch_losses, summarize
+from pdcli.runtime.progress import LossJournal, LossTracker, journal_path, minibatch_losses, summarize
 from pdcli.runtime.resume import Checkpointer
 from pdcli.schedule import ScheduleSpec, build_for, drain_points, replica_for
 from pdcli.runtime.sockets import Place, SocketTransport, socket_transport_possible, transport_from_env
@@ -238,6 +238,7 @@ def run_session(
             writer=MetricsLog(train_dir / METRICS_FILE, append=resume_step is not None,
                               tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard)) if env.rank == writer_rank else None,
             guard=loss_guard(cfg, num_stages - 1),
+            journal=LossJournal(journal_path(train_dir, replica_id), resume_step * m if resume_step else None),
         )
     heartbeat.beat(0, "connect")
     transport = make_transport(placement, list(ios.values()), env.rank, device, cfg.train.timeout_s, cfg.train.transport,
@@ -307,7 +308,9 @@ def run_session(
     stats = timeline.finish()
     stats.wall_ms -= executor.eval_s * S_TO_MS
     stats.num_weight_versions_max = executor.weights.max_versions_held
-    report = {"stats": stats, "losses": tracker.records if tracker else {}}
+    report = {"stats": stats, "losses": tracker.all_records() if tracker else {}}
+    if tracker is not None and tracker.journal is not None:
+        tracker.journal.close()
     gathered: list[Any] | None = [None] * placement.world_size if env.rank == writer_rank else None
     dist.gather_object(report, gathered, dst=writer_rank)
     if gathered is not None:

@@ -209,9 +209,9 @@ def test_calibration_on_shared_cores_matches_the_runs_time_and_compute(tmp_path:
     if fit["capped"]:
         # the kernel stretched the run's compute spans more than the replay's queue for the
         # cores can at the run's time: the fit took its largest factor, and a larger one
-        # replays slower than the run with no latency at all
+        # (a quarter larger) replays slower than the run with no latency at all
         assert f_high == pytest.approx(fit["max_factor"]) and c_high < compute_ms
-        assert replayed_ms(replace(calibrated.cpu_scaled(f_high * 1.05 / fit["factor"]), latency_ms=0.0),
+        assert replayed_ms(replace(calibrated.cpu_scaled(f_high * 1.25 / fit["factor"]), latency_ms=0.0),
                            chain, plan) > target_ms
     elif abs(fit["replayed_compute_ms"] / compute_ms - 1) > 0.1:
         # the replay's compute jumps over the run's between two factors 1% apart (where the

@@ -216,9 +216,9 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     shared = base.cores is not None and num_ranks > base.cores
     compute_ms = steady_compute_ms(first, list(traces.values()), m * chunks_per_rank) if shared else None
     shared_fit = None
-    if compute_ms:
+    if compute_ms:  # its latency fitted to the run's time at the factor it takes
         calibrated, shared_fit = fit_shared(calibrated, chain, plan, compute_ms, target_ms)
-    if target_ms is not None:
+    elif target_ms is not None:
         calibrated = fit_latency(calibrated, chain, plan, target_ms)
     return calibrated, {"run": str(run_dir), "schedule": schedule, "num_microbatches": m, "precision": precision,
                         "steady_time_per_minibatch_ms": target_ms, "stages": measured,

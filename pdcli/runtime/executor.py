@@ -200,9 +200,10 @@ class Executor(ActionLoop):
         super().__init__(ctx, actions)
         if ctx.device.type == "cpu":
             tune_allocator()
+        kinds = S.action_kinds(actions)
         self.weights = WeightVersions(
             ctx.module,
-            stashed_mode=S.StashWeights in S.action_kinds(actions),
+            stashed_mode=S.StashWeights in kinds,
             out_of_place_updates=supports_out_of_place(ctx.optimizer),
         )
         self.memory = MemoryTracker(self.weights.param_bytes)
@@ -229,7 +230,7 @@ class Executor(ActionLoop):
         self.in_grads: dict[int, dict[str, Tensor]] = {}
         # split backward (WeightGrads in the list): Linear layers leave their weight gradients to W
         self.deferred = (DeferredWeightGrads(ctx.module).install()
-                         if S.WeightGrads in S.action_kinds(actions) else None)
+                         if S.WeightGrads in kinds else None)
         self.last_lr: float | None = None
         """The learning rate of the last update."""
         self.last_grad_norm: float | None = None

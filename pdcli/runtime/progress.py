@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TextIO
 
 from pdcli.rundir import atomic_write_text
 from pdcli.runtime.metrics import MetricsLog
@@ -55,13 +55,13 @@ class LossJournal:
 
     def __init__(self, path: Path, keep_below: int | None = None) -> None:
         self.path = path
-        kept = {mb: r for mb, r in read_journal(path).items() if mb < keep_below} if keep_below is not None else {}
-        self._file = path.open("a")
-        self.restart(kept)
+        self._file: TextIO | None = None
+        self.restart({mb: r for mb, r in read_journal(path).items() if mb < keep_below} if keep_below is not None else {})
 
     def restart(self, records: dict[int, LossRecord]) -> None:
         """The journal holds `records` and nothing else (e.g. those a checkpoint of an older pd held)."""
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         self.kept = dict(records)
         atomic_write_text(self.path, "".join(_line(mb, r) for mb, r in sorted(self.kept.items())))
         self._file = self.path.open("a")
@@ -117,7 +117,7 @@ class LossTracker:
     def resume(self, records: dict[int, LossRecord], next_minibatch: int, evals: Sequence[dict[str, Any]] = ()) -> None:
         """Continue a run from a checkpoint: its loss records and evaluations, and the minibatches
         since the last metrics line (they belong to the next line, as in the uninterrupted run)."""
-        self.records.update({int(k): tuple(v) for k, v in records.items()})  # type: ignore[misc]
+        self.records.update(records)
         self.evals = [dict(e) for e in evals if int(e["step"]) < next_minibatch]  # the one at the cut runs again
         self._interval = list(range(next_minibatch - next_minibatch % self.log_every, next_minibatch))
         if self.guard is not None:  # the guard sees the same losses as in the uninterrupted run

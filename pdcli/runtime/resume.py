@@ -108,12 +108,14 @@ class Checkpointer:
             set_rng_state(rng)
         if self.tracker is not None:
             # the journal's records before the checkpoint; a checkpoint of an older pd holds them itself
-            records = payload.get("loss_records", {}).get(self.replica_id)
+            held = payload.get("loss_records", {}).get(self.replica_id)
             journal = self.tracker.journal
-            if records is None:
+            if held is None:
                 records = journal.kept if journal is not None else {}
-            elif journal is not None:
-                journal.restart({int(k): tuple(v) for k, v in records.items()})  # type: ignore[misc]
+            else:
+                records = {int(k): tuple(v) for k, v in held.items()}
+                if journal is not None:
+                    journal.restart(records)
             expected = sum(self.tracker.own_per_minibatch(t) for t in range(resume_step))
             if len(records) != expected:
                 self.logger.warning("resume: %d loss records before minibatch %d, expected %d: the metrics before "

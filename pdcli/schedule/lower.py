@@ -451,8 +451,7 @@ def _resume_suffix(spec: ScheduleSpec, stage_id: int, actions: Sequence[Action],
         stashed += isinstance(a, StashWeights) - isinstance(a, FreeWeights)
         if isinstance(a, (Forward, Backward)) and a.microbatch_id >= first_mb:
             late.append(a)
-    early = [a for _, a in zip(range(4 * len(actions) // max(spec.num_steps, 1) + 64), actions[cut:])
-             if isinstance(a, (Forward, Backward)) and a.microbatch_id < first_mb]
+    early = [a for a in actions[cut:] if isinstance(a, (Forward, Backward)) and a.microbatch_id < first_mb]
     if early or late or stashed:
         raise AssertionError(f"stage {stage_id}: minibatch {start_minibatch} is not a clean cut ({early[:2]}, {late[:2]})")
     return actions[cut:]

@@ -10,9 +10,11 @@ of Zero Bubble pipeline parallelism, Qi et al. 2023; `pdcli.schedule` places the
 Only `nn.Linear` layers defer (the matmul layers that dominate MLPs and transformers); every
 other parameter gets its gradient in B as usual. For a deferred layer B computes
 `grad_input = g @ W` and the bias gradient, and keeps `(x, g)`; W computes
-`weight.grad += g^T x`. The weight gradients are added in the order of the WeightGrads
-actions, which is microbatch order, as autograd would have added them: the numbers are
-those of an unsplit backward up to the order of float additions inside one matmul.
+`weight.grad += g^T x`, into the gradient already accumulated (`addmm_`: one pass over it, no
+weight-sized temporary, where autograd computes the product and then adds it). The weight
+gradients are added in the order of the WeightGrads actions, which is microbatch order, as
+autograd would have added them: the numbers are those of an unsplit backward up to the order
+of float additions inside one matmul and its accumulation.
 
 Cost: the inputs `x` of the deferred layers live until W instead of until B, plus one
 output-sized `g` per layer per microbatch waiting for its W.
@@ -123,13 +125,17 @@ class DeferredWeightGrads:
         """W of `microbatch_id`: add its deferred weight gradients to the weights' `.grad`."""
         for p in self.pending.pop(microbatch_id, []):
             g2, x2 = p.g.reshape(-1, p.g.shape[-1]), p.x.reshape(-1, p.x.shape[-1])
+            accumulated = p.weight.grad
+            if accumulated is not None and g2.dtype == accumulated.dtype:
+                accumulated.addmm_(g2.t(), x2)  # one pass over the gradient, no weight-sized temporary
+                continue
             grad = g2.t().mm(x2)
             if grad.dtype != p.weight.dtype:
                 grad = grad.to(p.weight.dtype)
-            if p.weight.grad is None:
+            if accumulated is None:
                 p.weight.grad = grad
             else:
-                p.weight.grad.add_(grad)
+                accumulated.add_(grad)
 
 
 class _Collecting:

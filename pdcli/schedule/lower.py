@@ -268,6 +268,40 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
     return out
 
 
+def _prefetch_loads(spec: ScheduleSpec, stage_id: int, actions: Sequence[Action]) -> list[Action]:
+    """Flush schedules, first stage: each minibatch's first LoadMicrobatch moves to the previous
+    minibatch's first RecvGrads, where the stage waits for the pipeline's round trip.
+
+    A load makes the whole minibatch (`Executor._microbatch`); left before the minibatch's first
+    Forward it sits between the previous optimizer step and that Forward, on the path every
+    later stage waits along at the flush. Not across a drain or evaluation point (a resumed run
+    starts there, an evaluation reads its own data there), and not for chunked schedules.
+    """
+    if not (spec.is_flush and stage_id == 0 and spec.num_stages > 1) or spec.chunked:
+        return list(actions)
+    m = spec.num_microbatches
+    kept = set(spec.drain_after) | set(spec.eval_after)
+    first_recv: dict[int, int] = {}  # minibatch -> index of its first RecvGrads
+    first_load: dict[int, int] = {}  # minibatch -> index of its first LoadMicrobatch
+    for index, action in enumerate(actions):
+        if isinstance(action, RecvGrads):
+            first_recv.setdefault(action.microbatch_id // m, index)
+        elif isinstance(action, LoadMicrobatch):
+            first_load.setdefault(action.microbatch_id // m, index)
+    moved = {first_load[t + 1]: first_recv[t] for t in first_recv
+             if t + 1 in first_load and t + 1 not in kept and first_recv[t] < first_load[t + 1]}
+    if not moved:
+        return list(actions)
+    before: dict[int, Action] = {at: actions[index] for index, at in moved.items()}
+    out: list[Action] = []
+    for index, action in enumerate(actions):
+        if index in before:
+            out.append(before[index])
+        if index not in moved:
+            out.append(action)
+    return out
+
+
 def _weight_grads(microbatch_id: int, chunk: int) -> WeightGrads:
     """WeightGrads of a queued (microbatch, chunk; -1: none named)."""
     return WeightGrads(microbatch_id, None if chunk < 0 else chunk)
@@ -370,6 +404,7 @@ def _lowered(spec: ScheduleSpec, stage_id: int, replica_id: int, eager_sends: bo
         actions = sends_first(actions)
     if spec.places_weight_grads(stage_id):
         actions = _add_weight_grads(spec, actions)
+    actions = _prefetch_loads(spec, stage_id, actions)
     actions = _add_weight_stashing(actions)
     if spec.eval_after:
         actions = _add_evaluations(spec, stage_id, replica_id, actions)

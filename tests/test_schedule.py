@@ -12,7 +12,7 @@ from pdcli.schedule.simulator import StageCost, simulate
 from pdcli.schedule.checker import ScheduleError, SendMode, check_schedules
 from pdcli.schedule.spec import rules
 from pdcli.schedule import (
-    ACTION_TYPES, SCHEDULES, AllReduceGrads, Backward, Forward, FreeWeights, OptimizerStep,
+    ACTION_TYPES, SCHEDULES, AllReduceGrads, Backward, Forward, FreeWeights, LoadMicrobatch, OptimizerStep,
     RecvActivations, RecvGrads, ScheduleSpec, SendActivations, SendGrads, StashDepth, StashWeights,
     UnknownActionError, WeightGrads, build_all, build_schedule, dispatch, replica_for, sends_first, stash_depth,
 )
@@ -172,6 +172,38 @@ def test_split_backward_fills_the_drain_with_weight_gradients():
     # the last stage receives nothing: its W's trail by num_stages and fill stage 0's drain
     last = build_schedule("1f1b", 2, 1, 4, 1, split_backward=True)
     assert compute(last) == ["F0", "B0", "F1", "B1", "F2", "B2", "W0", "F3", "B3", "W1", "W2", "W3", "step0"]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("eager", [True, False])
+def test_the_first_stage_loads_the_next_minibatch_while_it_waits_for_a_gradient(name, eager):
+    """Flush schedules: minibatch t + 1's data is made at minibatch t's first RecvGrads (the
+    wait for the pipeline's round trip), not between t's optimizer step and t + 1's first
+    Forward; never across a drain or evaluation point; other stages and schedules unchanged."""
+    m = 4
+    spec = ScheduleSpec.make(name, 2, m, 6, drain_after=[3], eval_after=[5], num_eval_microbatches=m)
+    lists = build_all(spec, eager_sends=eager)
+    first = lists[0]
+    loads = [i for i, a in enumerate(first) if isinstance(a, LoadMicrobatch)]
+    assert sorted(first[i].microbatch_id for i in loads) == list(range(6 * m))  # each once
+    for t in range(5):
+        load = first.index(LoadMicrobatch((t + 1) * m))
+        recv = first.index(RecvGrads(t * m, 0))
+        step = first.index(OptimizerStep(t, m))
+        if t + 1 in (3, 5):  # a drain point, an evaluation: the load stays with its Forward
+            assert first[load + 1] == Forward((t + 1) * m, t + 1) and load > step
+        else:
+            assert load + 1 == recv and load < step
+    for a, b in zip(first, first[1:]):  # every other load right before its Forward
+        if isinstance(a, LoadMicrobatch) and a.microbatch_id % m:
+            assert b == Forward(a.microbatch_id, a.microbatch_id // m)
+    check_schedules(lists, spec, SendMode.EAGER if eager else SendMode.RENDEZVOUS)
+    last = lists[1]
+    assert all(b == Forward(a.microbatch_id, a.microbatch_id // m)
+               for a, b in zip(last, last[1:]) if isinstance(a, LoadMicrobatch))
+    pipedream = build_all(ScheduleSpec.make("pipedream", 2, m, 3), eager_sends=True)[0]
+    assert all(isinstance(b, Forward) and b.microbatch_id == a.microbatch_id
+               for a, b in zip(pipedream, pipedream[1:]) if isinstance(a, LoadMicrobatch))
 
 
 @pytest.mark.parametrize("name", ["1f1b", "gpipe"])

@@ -269,24 +269,25 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
 
 
 def _prefetch_loads(spec: ScheduleSpec, stage_id: int, actions: Sequence[Action]) -> list[Action]:
-    """Flush schedules, first stage: each minibatch's first LoadMicrobatch moves to the previous
-    minibatch's first RecvGrads, where the stage waits for the pipeline's round trip.
+    """Flush schedules, the device of the first stage (chunk 0): each minibatch's first input
+    LoadMicrobatch moves to the previous minibatch's first RecvGrads, where the device waits
+    for the pipeline's round trip.
 
     A load makes the whole minibatch (`Executor._microbatch`); left before the minibatch's first
     Forward it sits between the previous optimizer step and that Forward, on the path every
     later stage waits along at the flush. Not across a drain or evaluation point (a resumed run
-    starts there, an evaluation reads its own data there), and not for chunked schedules.
+    starts there, an evaluation reads its own data there).
     """
-    if not (spec.is_flush and stage_id == 0 and spec.num_stages > 1) or spec.chunked:
+    if not (spec.is_flush and stage_id == spec.stage_of_chunk(0) and spec.num_stages > 1):
         return list(actions)
     m = spec.num_microbatches
     kept = set(spec.drain_after) | set(spec.eval_after)
     first_recv: dict[int, int] = {}  # minibatch -> index of its first RecvGrads
-    first_load: dict[int, int] = {}  # minibatch -> index of its first LoadMicrobatch
+    first_load: dict[int, int] = {}  # minibatch -> index of its first load of chunk 0's inputs
     for index, action in enumerate(actions):
         if isinstance(action, RecvGrads):
             first_recv.setdefault(action.microbatch_id // m, index)
-        elif isinstance(action, LoadMicrobatch):
+        elif isinstance(action, LoadMicrobatch) and not action.chunk:
             first_load.setdefault(action.microbatch_id // m, index)
     moved = {first_load[t + 1]: first_recv[t] for t in first_recv
              if t + 1 in first_load and t + 1 not in kept and first_recv[t] < first_load[t + 1]}

@@ -206,6 +206,38 @@ def test_the_first_stage_loads_the_next_minibatch_while_it_waits_for_a_gradient(
                for a, b in zip(pipedream, pipedream[1:]) if isinstance(a, LoadMicrobatch))
 
 
+def loads_with_their_forwards(actions):
+    """The list with every LoadMicrobatch back right before its Forward (no prefetch)."""
+    loads = [a for a in actions if isinstance(a, LoadMicrobatch)]
+    out = []
+    for a in actions:
+        if isinstance(a, Forward):
+            out += [x for x in loads if x.microbatch_id == a.microbatch_id and x.chunk == a.chunk]
+        if not isinstance(a, LoadMicrobatch):
+            out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("name, virtual", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_a_load_made_while_waiting_for_a_gradient_leaves_the_flush_path(name, virtual):
+    """The replay charges a process's first load of a minibatch the whole minibatch's data
+    (M x load_ms, as the runtime makes it), the other loads nothing; the first stage's, made at
+    the previous minibatch's first RecvGrads, costs the pipeline nothing, put back before its
+    Forward it lengthens each minibatch by the load."""
+    m, load = 4, 0.8
+    spec = ScheduleSpec.make(name, 2, m, 8, split_backward=True, virtual_stages=virtual)
+    free = [StageCost(1.0, 2.0, comm_ms=0.05, wgrad_ms=1.0)] * spec.num_chunks
+    costs = [dataclasses.replace(free[0], load_ms=load / m), *free[1:]]  # the inputs' data; targets free
+    lists = build_all(spec, eager_sends=True)
+    prefetched = simulate(spec, costs, lists_by_rank=lists)
+    in_place = simulate(spec, costs, lists_by_rank=[loads_with_their_forwards(x) for x in lists])
+    nothing = simulate(spec, free, lists_by_rank=lists).time_per_minibatch_ms
+    assert in_place.time_per_minibatch_ms == pytest.approx(nothing + load, abs=1e-9)
+    assert prefetched.time_per_minibatch_ms == pytest.approx(nothing, abs=1e-9)
+    timed = [t for t in prefetched.timeline[0] if isinstance(t.action, LoadMicrobatch) and not t.action.chunk]
+    assert sorted(round(t.end_ms - t.start_ms, 9) for t in timed) == [0.0] * (8 * (m - 1)) + [load] * 8
+
+
 @pytest.mark.parametrize("name", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("eager", [True, False])
 def test_weight_gradients_never_hold_back_a_send(name, eager):

@@ -11,8 +11,9 @@ Backward costs `bwd_ms - wgrad_ms` and its WeightGrads `wgrad_ms`.
 
 Beside the time in flight (`comm_ms`), a message costs its two processes CPU time: the
 sender packs it (`send_*_ms`, the Send action) and the receiver unpacks it once it has
-arrived (`recv_*_ms`, the end of the Recv action). LoadMicrobatch costs `load_ms`; weight
-stashing is part of `optimizer_ms`. 
+arrived (`recv_*_ms`, the end of the Recv action). A process's first LoadMicrobatch of a
+minibatch costs `load_ms` x M (it makes the whole minibatch, as the runtime does), the others
+nothing; weight stashing is part of `optimizer_ms`.
 With `cores` fewer than the ranks (workers sharing a CPU host), the costs are CPU time and
 the replay schedules the ranks on the cores as the kernel does (`_shared`): a rank with CPU
 work to do (an action, packing or unpacking a message, the interpreter's gap) runs on a free
@@ -67,7 +68,8 @@ class StageCost:
     send_grads_ms: float = 0.0
     """CPU time of SendGrads."""
     load_ms: float = 0.0
-    """One LoadMicrobatch."""
+    """A minibatch's data over its M microbatches: the first LoadMicrobatch of a minibatch on a
+    process costs M x this, the others nothing."""
     gap_ms: float = 0.0
     """The interpreter's time before each action (outside every action)."""
 
@@ -132,8 +134,10 @@ def _duration_ms(spec: ScheduleSpec, stage_id: int, action: Action,
                  costs: Sequence[StageCost]) -> float:
     chunk = _chunk(stage_id, action)
     cost = costs[chunk]
-    if isinstance(action, LoadMicrobatch):
-        return cost.load_ms
+    if isinstance(action, LoadMicrobatch):  # a process makes a whole minibatch at its first load of it
+        replicas = 1 if spec.chunked else spec.replicas[stage_id]
+        m = spec.num_microbatches
+        return cost.load_ms * m if action.microbatch_id % m < replicas else 0.0
     if isinstance(action, Forward):
         return cost.fwd_ms
     if isinstance(action, Backward):

@@ -254,7 +254,8 @@ def time_weight_grads(
     `nn.Linear` layers its forward runs, which a split backward leaves to a later action.
 
     As the runtime does it (`pdcli.torchutil.wgrad`): the layers are patched, each run's
-    forward and backward (untimed) file their (x, g) pairs, and `apply` is timed. 0 when
+    forward and backward (untimed) file their (x, g) pairs, and `apply` is timed adding into
+    the gradient the runs before left (as every microbatch of a minibatch but the first). 0 when
     nothing was deferred: no Linear layer, or none reached through its forward (e.g.
     `nn.MultiheadAttention` reads its `out_proj` weight directly). Costs `warmup + repeats`
     more forward/backward runs of each such position.
@@ -277,10 +278,8 @@ def time_weight_grads(
                 return 0.0
             clock.sync()
             clock.start()
-            deferred.apply(0)
+            deferred.apply(0)  # from the second run on into the gradient the runs before left
             wgrad_ms = clock.stop()
-            for p in params:
-                p.grad = None
             if iteration >= warmup:
                 samples.append(wgrad_ms)
     finally:

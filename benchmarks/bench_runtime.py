@@ -149,10 +149,9 @@ def variants(shape: BenchShape, timeout_s: float, section: str) -> list[tuple[st
         (f"{PD_PREFIX}pipedream, {m} microbatches", lambda work_dir: pd_row("pipedream", work_dir)),
         (f"{PD_PREFIX}1f1b, {m} microbatches", lambda work_dir: pd_row("1f1b", work_dir)),
         (f"{PD_PREFIX}1f1b, {m} microbatches, {UNSPLIT}", lambda work_dir: pd_row("1f1b", work_dir, extra=[UNSPLIT])),
+        (f"{PD_PREFIX}gpipe, {m} microbatches", lambda work_dir: pd_row("gpipe", work_dir)),
     ]
-    if section == "large":
-        rows.append((f"{PD_PREFIX}gpipe, {m} microbatches", lambda work_dir: pd_row("gpipe", work_dir)))
-    else:
+    if section == "small":
         rows.append((f"{PD_PREFIX}pipedream, {ONE_MICROBATCH} microbatch",
                      lambda work_dir: pd_row("pipedream", work_dir, replace(shape, num_microbatches=ONE_MICROBATCH))))
         rows += virtual_rows(shape, timeout_s)

@@ -169,12 +169,12 @@ class ActionLoop:
                 self.ctx.heartbeat.beat(self.steps_done, text)
             if self._fault is not None and self.steps_done >= self._fault[0] and isinstance(action, (S.Forward, S.Backward)):
                 inject_fault(self._fault[1])  # in compute: a hang there is the cause, not a symptom
-            start_s = tl.now()
+            start_s, cpu_s = tl.now(), tl.cpu_now()
             self.run_action(action)
             if self.evaluating(action):  # evaluation time stays out of the training timeline and its totals
                 self.eval_s += tl.now() - start_s
             else:
-                tl.add(type(action).__name__, action_category(action), start_s, tl.now(), text)
+                tl.add(type(action).__name__, action_category(action), start_s, tl.now(), text, tl.cpu_now() - cpu_s)
             if on_step is not None and isinstance(action, S.OptimizerStep):
                 on_step(self.steps_done)
         self.ctx.mailbox.drain()

@@ -380,6 +380,7 @@ def test_report_of_a_real_quickstart_run(real_run: Path) -> None:
     for stage, totals in zip(out["stages"], summary["stages"]):
         m = stage["measured"]
         assert m["compute_ms"] * REAL_STEPS == pytest.approx(totals["compute_ms"])
+        assert 0 < m["compute_cpu_ms"] and m["compute_cpu_ms"] * REAL_STEPS == pytest.approx(totals["compute_cpu_ms"])
         assert m["idle_ms"] * REAL_STEPS == pytest.approx(totals["idle_ms"])
         assert m["actions_ms"]["Forward"] > 0 and m["actions_ms"]["Backward"] > 0
         assert m["compute_ms"] + m["comm_ms"] + m["idle_ms"] <= m["wall_ms"] * 1.001  # the trace span holds them all
@@ -406,3 +407,58 @@ def test_a_trace_of_virtual_stages_names_each_actions_chunk(tmp_path: Path) -> N
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(chrome_trace([timeline.stats])))
     assert [s.chunk for s in read_trace(path)[0].spans] == [0, 0, 2, 2, 2, None]
+
+
+def shared_core_prediction() -> tuple[Any, Any]:
+    """A runtime-costed plan whose replay runs its 2 ranks on 1 core, and its prediction (layers
+    of a few ms: an action outlasts the kernel's time slice)."""
+    import dataclasses
+
+    from pdcli.planner import PlanOptions, Topology, plan_chain
+    from pdcli.report.predicted import predict
+    from test_runtime_costs import chain
+
+    small = chain()
+    slow = dataclasses.replace(small, nodes=tuple(dataclasses.replace(n, fwd_ms=n.fwd_ms * 30, bwd_ms=n.bwd_ms * 30)
+                                                   for n in small.nodes))
+    options = PlanOptions(schedule="pipedream", num_microbatches=4, batch_size=64, num_stages=2, boundaries=(4,))
+    plan = plan_chain(slow, Topology.flat(2, 1e9), options).to_json()
+    assert plan["pipeline"]["replay"]["cores"] == 1
+    return plan, predict(plan, "pipedream", 4, 20)
+
+
+def test_a_replay_on_shared_cores_predicts_each_stages_own_compute_beside_its_queued_time() -> None:
+    from pdcli.report.predicted import predict
+
+    plan, shared = shared_core_prediction()
+    assert shared.shared_cores
+    alone = predict({**plan, "pipeline": {**plan["pipeline"], "replay": {"cores": 2}}}, "pipedream", 4, 20)
+    assert not alone.shared_cores
+    for s, a in zip(shared.stages, alone.stages):
+        assert s.compute_cpu_ms == pytest.approx(a.compute_ms)  # the actions' own cost: nobody queued
+        assert s.compute_ms > s.compute_cpu_ms * 1.05  # on one core a rank's actions also hold the other's turns
+        assert a.compute_cpu_ms == a.compute_ms
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_on_shared_cores_a_stage_is_held_to_its_cpu_time(shared: bool) -> None:
+    """A stage whose actions took 1.6x their wall time (the kernel ran the other worker during
+    them) but used the CPU time the plan prices has not drifted where the replay shared cores;
+    held to wall time, it has."""
+    import dataclasses
+
+    from pdcli.report.compare import compare
+    from pdcli.report.measured import Measured, MeasuredStage
+
+    _, predicted = shared_core_prediction()
+    predicted = dataclasses.replace(predicted, shared_cores=shared)
+    stages = tuple(MeasuredStage(stage_id=p.stage_id, replicas=1, compute_ms=p.compute_ms * 1.6, comm_ms=p.comm_ms,
+                                 idle_ms=p.idle_ms, wall_ms=p.wall_ms, actions_ms={},
+                                 compute_cpu_ms=p.compute_cpu_ms) for p in predicted.stages)
+    measured = Measured(schedule="pipedream", num_steps=20, batch_size=64, num_microbatches=4, stages=stages,
+                        time_per_minibatch_ms=predicted.time_per_minibatch_ms, steady_time_per_minibatch_ms=None,
+                        samples_per_s=1.0, final_loss=1.0, final_accuracy=None, minibatch_losses=(), metrics=(), ranks={})
+    c = compare(predicted, measured, 25.0, ReplanCommands("recipe.yaml"))
+    for s in c.stages:
+        assert s.compute_drift_pct == (pytest.approx(0.0, abs=1e-9) if shared else pytest.approx(60.0))
+    assert (c.drift is None) is shared

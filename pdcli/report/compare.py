@@ -4,7 +4,8 @@ A stage *drifts* when its measured stage time (compute + comm per minibatch) dif
 from the plan's `stage_time_ms` by more than the threshold. When its compute alone is
 off by more than the threshold the profile no longer describes the machine (re-profile,
 then re-plan); otherwise the communication terms are off (the cluster's bandwidth in the
-config), and a re-plan after fixing it is what helps.
+config), and a re-plan after fixing it is what helps. Where the plan's replay ran workers on
+shared cores, compute is counted in CPU time on both sides (`compute_pair`).
 """
 
 from __future__ import annotations
@@ -96,6 +97,16 @@ class Comparison:
         return measured / p if p > 0 else None
 
 
+def compute_pair(p: PredictedStage, m: MeasuredStage, shared_cores: bool) -> tuple[float, float]:
+    """(measured, predicted) compute of a stage, ms per minibatch: wall time, or, where the
+    replay shared cores among the ranks, the CPU time of the compute actions on both sides (an
+    action's wall time then depends on which worker the kernel runs, which the replay's queue
+    only approximates; its CPU time is the stage's own work)."""
+    if shared_cores and m.compute_cpu_ms is not None and p.compute_cpu_ms is not None:
+        return m.compute_cpu_ms, p.compute_cpu_ms
+    return m.compute_ms, p.compute_ms
+
+
 def compare(predicted: Predicted, measured: Measured, threshold_pct: float, commands: ReplanCommands,
             calibrate_from: str | None = None) -> Comparison:
     """Pair the stages of the plan with the measured ones and decide whether the plan drifted;
@@ -104,8 +115,9 @@ def compare(predicted: Predicted, measured: Measured, threshold_pct: float, comm
         raise ValueError(f"the plan has {len(predicted.stages)} stages, the run measured {len(measured.stages)}")
     rows = []
     for p, m in zip(predicted.stages, measured.stages):
-        stage_pct = relative_pct(m.stage_time_ms, p.stage_time_ms)
-        compute_pct = relative_pct(m.compute_ms, p.compute_ms)
+        measured_compute, predicted_compute = compute_pair(p, m, predicted.shared_cores)
+        stage_pct = relative_pct(measured_compute + m.comm_ms, predicted_compute + p.comm_ms)
+        compute_pct = relative_pct(measured_compute, predicted_compute)
         rows.append(StageComparison(p.stage_id, p, m, stage_pct, compute_pct, _beyond(stage_pct, threshold_pct)))
     return Comparison(tuple(rows), predicted, measured, threshold_pct, _drift(rows, threshold_pct, commands, calibrate_from))
 

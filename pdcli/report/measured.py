@@ -120,6 +120,9 @@ class MeasuredStage:
     actions_ms: dict[str, float]
     """Traced time per action name (Forward, Backward, OptimizerStep, ...), ms per minibatch
     (over the traced minibatches, when the runtime stopped tracing a long run)."""
+    compute_cpu_ms: float | None = None
+    """The CPU time of its processes inside compute actions (None: a run from before it was
+    counted). Where workers share cores, compute_ms also holds the time other workers ran."""
 
     @property
     def stage_time_ms(self) -> float:
@@ -234,6 +237,7 @@ def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage
             stage_id=stage_id, replicas=int(row["replicas"]), compute_ms=float(row["compute_ms"]) / steps,
             comm_ms=float(row["comm_ms"]) / steps, idle_ms=float(row["idle_ms"]) / steps, wall_ms=wall_ms / steps,
             actions_ms=dict(sorted(actions.items())),
+            compute_cpu_ms=float(row["compute_cpu_ms"]) / steps if "compute_cpu_ms" in row else None,
         ))
     first = [r for rank, r in ranks.items() if stage_of_rank.get(rank) == 0]
     lines = read_metrics(train_dir / METRICS_FILE)

@@ -55,6 +55,9 @@ class PredictedStage:
     wgrad_ms: float = 0.0
     """Of bwd_ms, the weight gradients a split backward defers to WeightGrads (0: none, or an
     older plan)."""
+    compute_cpu_ms: float | None = None
+    """The compute actions' own cost (CPU time), per minibatch: compute_ms without the time a
+    replay on shared cores queued the rank for a core (None: not a runtime-costed plan)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -76,6 +79,8 @@ class Predicted:
     whole_loop_per_minibatch_ms: float = 0.0
     """The run's whole loop (fill and drain included) per minibatch: the replay's makespan, its
     steps beyond MAX_SIMULATED_STEPS at the steady time."""
+    shared_cores: bool = False
+    """The replay ran the ranks on fewer cores than ranks (a CPU host's workers sharing cores)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -147,11 +152,14 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
                              virtual_stages=int(plan.get("inputs", {}).get("virtual_stages", 1)))
     runtime = runtime_costed(plan)
     cores = (plan["pipeline"].get("replay") or {}).get("cores") if runtime else None
-    sim = simulate(spec, stage_costs(plan, schedule, num_microbatches), cores=cores)
+    costs = stage_costs(plan, schedule, num_microbatches)
+    sim = simulate(spec, costs, cores=cores)
+    shared = cores is not None and spec.num_ranks > int(cores)
+    own = simulate(spec, costs) if shared else sim  # the same lists, nobody queued for a core
     stages = []
     for stage_id, stage in enumerate(plan_stages):
         if runtime:
-            stages.append(_replayed_stage(stage, stage_id, spec, sim, replicas[stage_id], steps))
+            stages.append(_replayed_stage(stage, stage_id, spec, sim, own, replicas[stage_id], steps))
             continue
         p = stage["predicted"]
         optimizer_ms = float(p.get("optimizer_ms", 0.0))
@@ -174,23 +182,31 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
         throughput_samples_per_s=float(pipeline["throughput_samples_per_s"]),
         simulated_time_per_minibatch_ms=sim.time_per_minibatch_ms,
         whole_loop_per_minibatch_ms=(sim.makespan_ms + (run_steps - steps) * sim.time_per_minibatch_ms) / run_steps,
-        num_simulated_steps=steps, split_backward=split,
+        num_simulated_steps=steps, split_backward=split, shared_cores=shared,
     )
 
 
-def _replayed_stage(stage: dict[str, Any], stage_id: int, spec: ScheduleSpec, sim: Simulation, replicas: int,
-                    steps: int) -> PredictedStage:
-    """A stage of a runtime-costed plan, per minibatch, in the runtime's own categories:
-    compute (every action but messages), comm (sends, all-reduce), idle (receives: waiting and
-    unpacking), from the replay of its action lists."""
-    p = stage["predicted"]
+def _category_ms(sim: Simulation, spec: ScheduleSpec, stage_id: int, replicas: int, steps: int) -> dict[str, float]:
+    """Replayed ms per minibatch of each category on one replica of the stage (replicas averaged)."""
     totals = dict.fromkeys(CATEGORIES, 0.0)
     for replica in range(replicas):
         for t in sim.timeline[spec.rank_of(stage_id, replica)]:
             totals[action_category(t.action)] += (t.end_ms - t.start_ms) / (replicas * steps)
+    return totals
+
+
+def _replayed_stage(stage: dict[str, Any], stage_id: int, spec: ScheduleSpec, sim: Simulation, own: Simulation,
+                    replicas: int, steps: int) -> PredictedStage:
+    """A stage of a runtime-costed plan, per minibatch, in the runtime's own categories:
+    compute (every action but messages), comm (sends, all-reduce), idle (receives: waiting and
+    unpacking), from the replay `sim` of its action lists; its compute's own cost from `own`,
+    the replay with no rank queued for a core."""
+    p = stage["predicted"]
+    totals = _category_ms(sim, spec, stage_id, replicas, steps)
     return PredictedStage(
         stage_id=stage_id, replicas=replicas, fwd_ms=float(p["fwd_ms"]), bwd_ms=float(p["bwd_ms"]),
         compute_ms=totals[COMPUTE], optimizer_ms=float(p.get("optimizer_ms", 0.0)),
         wgrad_ms=float(p.get("wgrad_ms", 0.0)), comm_ms=totals[COMM], idle_ms=totals[IDLE],
         stage_time_ms=totals[COMPUTE] + totals[COMM], wall_ms=sim.makespan_ms / steps,
+        compute_cpu_ms=_category_ms(own, spec, stage_id, replicas, steps)[COMPUTE] if own is not sim else totals[COMPUTE],
     )

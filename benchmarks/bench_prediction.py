@@ -12,7 +12,8 @@ plan, compile, train), then the run is read with `pd report`'s library. For the 
 - `calibrated`: the probe's costs refitted from the PREVIOUS round's run of the same case
   (`pd plan --calibrate`), so each is predicted from a run it has not seen (rounds >= 2).
 
-and per stage the compute measured against the `probe` plan's. Measured / predicted is the
+and per stage the compute measured against the `probe` plan's (in CPU time where the workers
+share cores, as `pd report` compares it). Measured / predicted is the
 ratio shown; mean |error| closes each column. Writes `runs/benchmarks/prediction.json`;
 nothing is asserted.
 
@@ -44,6 +45,7 @@ from pdcli.planner.evaluate import evaluate_plan  # noqa: E402
 from pdcli.planner.runtime_costs import RUNTIME_META, RuntimeCosts  # noqa: E402
 from pdcli.profiler.chain import Chain  # noqa: E402
 from pdcli.report import ReplanCommands, make_report  # noqa: E402
+from pdcli.report.compare import StageComparison, compute_pair  # noqa: E402
 from pdcli.report.calibrate import calibrate_from_run, replayed_ms  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
 
@@ -107,8 +109,12 @@ def run_case(name: str, root: Path, previous: Path | None) -> dict[str, Any]:
         "case": name, "schedule": c.measured.schedule, "num_stages": len(c.stages), "steps": steps, "wall_s": wall_s,
         "measured_ms": measured_ms, "profile_ms": profile_model_ms(chain, plan), "probe_ms": probe_ms,
         "calibrated_ms": None, "drift_warning": c.drift is not None,
+        "shared_cores": c.predicted.shared_cores,
         "stages": [{"stage_id": s.stage_id, "predicted_compute_ms": s.predicted.compute_ms,
-                    "measured_compute_ms": s.measured.compute_ms, "measured_actions_ms": s.measured.actions_ms}
+                    "measured_compute_ms": s.measured.compute_ms, "measured_actions_ms": s.measured.actions_ms,
+                    "predicted_compute_cpu_ms": s.predicted.compute_cpu_ms,
+                    "measured_compute_cpu_ms": s.measured.compute_cpu_ms,
+                    "compute_ratio": _compute_ratio(s, c.predicted.shared_cores)}
                    for s in c.stages],
     }
     base = RuntimeCosts.from_meta(chain.meta)
@@ -116,6 +122,13 @@ def run_case(name: str, root: Path, previous: Path | None) -> dict[str, Any]:
         calibrated, _ = calibrate_from_run(previous, chain, base)
         row["calibrated_ms"] = replayed_ms(calibrated, chain, plan)
     return row
+
+
+def _compute_ratio(s: StageComparison, shared_cores: bool) -> float:
+    """A stage's compute, measured / predicted, as `pd report` compares it (CPU time where the
+    workers shared cores)."""
+    measured, predicted = compute_pair(s.predicted, s.measured, shared_cores)
+    return measured / predicted
 
 
 def _ratio(row: dict[str, Any], key: str) -> float | None:
@@ -162,7 +175,7 @@ def main() -> None:
                     continue
                 rows.append({**row, "round": round_index})
                 print(f"  measured {row['measured_ms']:.2f} ms, probe {row['probe_ms']:.2f} ms, stage compute "
-                      + " | ".join(f"{s['measured_compute_ms'] / s['predicted_compute_ms']:.2f}" for s in row["stages"]),
+                      + " | ".join(f"{s['compute_ratio']:.2f}" for s in row["stages"]),
                       file=sys.stderr, flush=True)
                 if (kept / name).exists():
                     shutil.rmtree(kept / name)
@@ -181,7 +194,7 @@ def main() -> None:
             f"{r['profile_ms']:.2f} ({ratios['profile_ms']:.2f}x)" if r["profile_ms"] else "-",
             f"{r['probe_ms']:.2f} ({ratios['probe_ms']:.2f}x)",
             f"{r['calibrated_ms']:.2f} ({ratios['calibrated_ms']:.2f}x)" if r["calibrated_ms"] else "-",
-            " | ".join(f"{s['measured_compute_ms'] / s['predicted_compute_ms']:.2f}" for s in r["stages"]),
+            " | ".join(f"{s['compute_ratio']:.2f}" for s in r["stages"]) + (" (CPU)" if r.get("shared_cores") else ""),
             "yes" if r["drift_warning"] else "no",
         ])
     print(tabulate(table, headers=["case", "round", "schedule", "stages", "measured ms/mb", "profile model",

@@ -45,7 +45,6 @@ from pdcli.planner.evaluate import evaluate_plan  # noqa: E402
 from pdcli.planner.runtime_costs import RUNTIME_META, RuntimeCosts  # noqa: E402
 from pdcli.profiler.chain import Chain  # noqa: E402
 from pdcli.report import ReplanCommands, make_report  # noqa: E402
-from pdcli.report.compare import StageComparison, compute_pair  # noqa: E402
 from pdcli.report.calibrate import calibrate_from_run, replayed_ms  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
 
@@ -114,7 +113,7 @@ def run_case(name: str, root: Path, previous: Path | None) -> dict[str, Any]:
                     "measured_compute_ms": s.measured.compute_ms, "measured_actions_ms": s.measured.actions_ms,
                     "predicted_compute_cpu_ms": s.predicted.compute_cpu_ms,
                     "measured_compute_cpu_ms": s.measured.compute_cpu_ms,
-                    "compute_ratio": _compute_ratio(s, c.predicted.shared_cores)}
+                    "compute_ratio": 1.0 + s.compute_drift_pct / 100.0 if s.compute_drift_pct is not None else None}
                    for s in c.stages],
     }
     base = RuntimeCosts.from_meta(chain.meta)
@@ -122,13 +121,6 @@ def run_case(name: str, root: Path, previous: Path | None) -> dict[str, Any]:
         calibrated, _ = calibrate_from_run(previous, chain, base)
         row["calibrated_ms"] = replayed_ms(calibrated, chain, plan)
     return row
-
-
-def _compute_ratio(s: StageComparison, shared_cores: bool) -> float:
-    """A stage's compute, measured / predicted, as `pd report` compares it (CPU time where the
-    workers shared cores)."""
-    measured, predicted = compute_pair(s.predicted, s.measured, shared_cores)
-    return measured / predicted
 
 
 def _ratio(row: dict[str, Any], key: str) -> float | None:

@@ -208,5 +208,5 @@ def _replayed_stage(stage: dict[str, Any], stage_id: int, spec: ScheduleSpec, si
         compute_ms=totals[COMPUTE], optimizer_ms=float(p.get("optimizer_ms", 0.0)),
         wgrad_ms=float(p.get("wgrad_ms", 0.0)), comm_ms=totals[COMM], idle_ms=totals[IDLE],
         stage_time_ms=totals[COMPUTE] + totals[COMM], wall_ms=sim.makespan_ms / steps,
-        compute_cpu_ms=_category_ms(own, spec, stage_id, replicas, steps)[COMPUTE] if own is not sim else totals[COMPUTE],
+        compute_cpu_ms=_category_ms(own, spec, stage_id, replicas, steps)[COMPUTE],
     )

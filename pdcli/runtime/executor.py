@@ -33,7 +33,7 @@ from pdcli.runtime.comm import Mailbox, chunk_link
 from pdcli.runtime.evaluation import EvalSums
 from pdcli.runtime.divergence import Diverged, check_gradients, check_loss
 from pdcli.runtime.memory import MemoryTracker, tensor_bytes
-from pdcli.runtime.metrics import Timeline, action_category
+from pdcli.runtime.metrics import COMPUTE, Timeline, action_category
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import TiedCopy, sum_tied_grads
@@ -169,12 +169,14 @@ class ActionLoop:
                 self.ctx.heartbeat.beat(self.steps_done, text)
             if self._fault is not None and self.steps_done >= self._fault[0] and isinstance(action, (S.Forward, S.Backward)):
                 inject_fault(self._fault[1])  # in compute: a hang there is the cause, not a symptom
-            start_s, cpu_s = tl.now(), tl.cpu_now()
+            category = action_category(action)
+            counted = category == COMPUTE  # only compute actions' CPU time is counted
+            start_s, cpu_s = tl.now(), tl.cpu_now() if counted else 0.0
             self.run_action(action)
             if self.evaluating(action):  # evaluation time stays out of the training timeline and its totals
                 self.eval_s += tl.now() - start_s
             else:
-                tl.add(type(action).__name__, action_category(action), start_s, tl.now(), text, tl.cpu_now() - cpu_s)
+                tl.add(type(action).__name__, category, start_s, tl.now(), text, tl.cpu_now() - cpu_s if counted else 0.0)
             if on_step is not None and isinstance(action, S.OptimizerStep):
                 on_step(self.steps_done)
         self.ctx.mailbox.drain()

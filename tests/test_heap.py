@@ -58,6 +58,17 @@ def test_the_steady_time_leaves_out_the_intervals_that_evaluated() -> None:
     assert steady_time_per_minibatch_ms(_first_stage([5.0]), 1) is None
 
 
+def test_the_steady_time_of_a_run_stops_where_its_pipeline_drains() -> None:
+    # 10 ms per minibatch; the first stage's last forward starts at 91 ms, after which the
+    # last three minibatches complete 3 ms apart
+    done_ms = [10.0 * (i + 1) for i in range(9)] + [93.0, 96.0, 99.0]
+    first = _first_stage(done_ms)
+    assert steady_time_per_minibatch_ms(first, 1) < 10.0  # no forward traced: the whole second half
+    forwards = tuple(Span("Forward", "compute", 10.0 * k + 1.0, 1.0) for k in range(10))
+    drained = [RankTrace(0, "rank 0", first[0].spans + forwards)]
+    assert steady_time_per_minibatch_ms(drained, 1) == 10.0
+
+
 def test_evaluations_count_from_where_the_trace_starts() -> None:
     summary = {"first_step": 100, "evals": [{"step": 0}, {"step": 150}, {"step": 200}]}
     assert evaluated_after(summary) == {-100, 50, 100}

@@ -13,7 +13,7 @@ from pdcli.planner.evaluate import batch_scale, evaluate_pd
 from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, TERMS, Affine, ModeCosts, RuntimeCosts
 from pdcli.planner.search import pd_search
 from pdcli.planner.space import SplitSpace
-from pdcli.schedule.simulator import StageCost, simulate
+from pdcli.schedule.simulator import StageCost, simulate, steady_window
 from pdcli.profiler.chain import Chain, ChainNode
 from pdcli.probe.runtime import fit_affine, probe_boundaries
 from pdcli.schedule import ScheduleSpec
@@ -180,11 +180,30 @@ def test_replay_interpreter_gap_and_core_bound() -> None:
     assert alone == pytest.approx(12.0)
     gapped = simulate(spec, [dataclasses.replace(c, gap_ms=0.1) for c in costs]).time_per_minibatch_ms
     assert gapped > alone
-    # two busy ranks on one core: their CPU time per minibatch (the last minibatches drain
-    # with one rank busy, so the second half of a short run is a little faster)
+    # two busy ranks on one core: their CPU time per minibatch, in a short run as in a long one
     long = ScheduleSpec.make("pipedream", 2, 4, 32)
     assert simulate(long, costs, cores=1).time_per_minibatch_ms == pytest.approx(24.0, rel=0.01)
+    assert simulate(spec, costs, cores=1).time_per_minibatch_ms == pytest.approx(24.0, rel=0.01)
     assert simulate(spec, costs, cores=2).time_per_minibatch_ms == pytest.approx(alone)
+
+
+def test_the_steady_time_stops_where_the_pipeline_drains() -> None:
+    """After the first stage's last forward the stages run out of work one by one, and on
+    shared cores the first stage gets the cores the others give up: the minibatches still in
+    flight complete faster than the pipeline sustains. The steady time stops there, so a
+    replay of 16 minibatches prices what one of 256 does; the whole second half would not."""
+    costs = [StageCost(2.0, 3.0, 0.1, 0.3)] * 4  # 4 ranks on 2 cores: CPU-bound at 4 x 5.3 / 2 ms
+    short, long = (simulate(ScheduleSpec.make("pipedream", 4, 1, n), costs, cores=2) for n in (16, 256))
+    assert long.time_per_minibatch_ms == pytest.approx(4 * 5.3 / 2, rel=0.01)
+    assert short.time_per_minibatch_ms == pytest.approx(long.time_per_minibatch_ms, rel=0.01)
+    done = short.done_ms
+    assert (done[-1] - done[-4]) / 3 < 0.75 * long.time_per_minibatch_ms  # the drain
+    half = (len(done) - 1) // 2
+    assert (done[-1] - done[half]) / (len(done) - 1 - half) < 0.95 * long.time_per_minibatch_ms
+    # the window: the second half of the completions no later than the drain's start
+    assert steady_window([10.0 * k for k in range(1, 13)], 95.0) == (4, 8)
+    assert steady_window([10.0 * k for k in range(1, 13)]) == (5, 11)
+    assert steady_window([10.0, 20.0, 30.0], 15.0) == (1, 2)  # too few before it: all of them
 
 
 def test_shared_cores_queue_ranks_for_a_core_and_stretch_what_waits() -> None:
@@ -270,12 +289,19 @@ def test_replay_ranks_the_stage_counts(schedule: str) -> None:
 def test_the_unconstrained_best_is_never_slower_than_the_users_split() -> None:
     """The user's split is a plan without constraints too: when the free search's plan replays
     slower, the user's is the unconstrained best (0% faster, not a negative gain)."""
-    c = chain(n=12)
-    for boundary in (10, 11):
-        options = PlanOptions(schedule="pipedream", num_microbatches=4, batch_size=64, boundaries=(boundary,))
-        plan = plan_chain(c, Topology.flat(2, 1e9), options)
+    c, n = chain(n=13), 13
+    options = PlanOptions(schedule="pipedream", num_microbatches=4, batch_size=64, num_stages=2)
+    search_ms = plan_chain(c, Topology.flat(2, 1e9), options).time_per_minibatch_ms
+    beaten = 0
+    for boundary in range(1, n):
+        plan = plan_chain(c, Topology.flat(2, 1e9), dataclasses.replace(options, num_stages=None,
+                                                                        boundaries=(boundary,)))
         free = plan.pipeline["unconstrained"]
-        assert free["boundaries"] == [boundary] and free["faster_pct"] == 0.0
+        assert free["time_per_minibatch_ms"] <= plan.time_per_minibatch_ms * (1 + 1e-9) and free["faster_pct"] >= 0.0
+        if plan.time_per_minibatch_ms < search_ms * (1 - 1e-9):  # the user's split replays faster
+            beaten += 1
+            assert free["boundaries"] == [boundary] and free["faster_pct"] == 0.0
+    assert beaten  # the case this test is about: some split replays faster than the search's pick
 
 
 def test_probes_run_long_enough_to_measure_by_time() -> None:

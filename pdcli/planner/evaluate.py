@@ -38,7 +38,7 @@ REFINE_MIN_GAIN = 1e-6
 """A moved boundary is taken when its replay is faster by more than this fraction (not by rounding)."""
 REPLAY_MIN_MINIBATCHES = 16
 """A plan's replay runs max(this, 2 x stages + 2) minibatches; its steady time is measured
-over the second half (`pdcli.schedule.simulator`)."""
+over the second half of the completions before the drain (`pdcli.schedule.simulator.steady_window`)."""
 
 
 Priced = TypeVar("Priced")

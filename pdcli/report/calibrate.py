@@ -44,7 +44,7 @@ from pdcli.profiler.chain import Chain
 from pdcli.report.build import read_trained_plan
 from pdcli.report.compare import ReplanCommands
 from pdcli.report.measured import (
-    COMPUTE, SUMMARY_FILE, TRACE_FILE, TRAIN_DIR, RankTrace, Span, completion_times_ms, evaluated_after, read_trace,
+    COMPUTE, SUMMARY_FILE, TRACE_FILE, TRAIN_DIR, RankTrace, Span, evaluated_after, read_trace, steady_completions,
     steady_time_per_minibatch_ms,
 )
 from pdcli.runtime.metrics import action_category
@@ -226,16 +226,15 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
 
 
 def steady_compute_ms(first_stage: Sequence[RankTrace], ranks: Sequence[RankTrace], num_microbatches: int) -> float | None:
-    """The compute spans of all `ranks` over the steady half of the run (between the
+    """The compute spans of all `ranks` over the steady state of the run (between the
     completions `steady_time_per_minibatch_ms` spans), per minibatch; None: too short."""
-    done_ms = completion_times_ms(first_stage, num_microbatches)
-    if len(done_ms) < 2:
+    done_ms, first, last = steady_completions(first_stage, num_microbatches)
+    if last <= first:
         return None
-    first = (len(done_ms) - 1) // 2
-    low, high = done_ms[first], done_ms[-1]
+    low, high = done_ms[first], done_ms[last]
     inside = sum(max(0.0, min(s.end_ms, high) - max(s.start_ms, low))
                  for r in ranks for s in r.spans if s.category == COMPUTE)
-    return inside / (len(done_ms) - 1 - first)
+    return inside / (last - first)
 
 
 def replayed_traces(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> list[RankTrace] | None:

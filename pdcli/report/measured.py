@@ -22,9 +22,11 @@ from pdcli.runtime.evaluation import EVAL_KEYS, is_eval_line
 from pdcli.runtime.events import read_events
 from pdcli.runtime.metrics import COMM, COMPUTE, IDLE, METRICS_FILE, SUMMARY_FILE, TRACE_FILE, read_metrics
 from pdcli.schedule.actions import parse_action
+from pdcli.schedule.simulator import steady_window
 
 TRAIN_DIR = "train"
 BACKWARD = "Backward"  # the action whose end completes a microbatch on the first stage
+FORWARD = "Forward"  # the first stage's last one starts the pipeline's drain
 WEIGHT_GRADS = "WeightGrads"  # with a split backward, the microbatch's weight gradients come after
 US_PER_MS = 1e3
 
@@ -191,14 +193,31 @@ def completion_times_ms(first_stage: Sequence[RankTrace], num_microbatches: int)
     return [max(ends[(t + 1) * num_microbatches - 1] for ends in ends_ms) for t in range(count)]
 
 
+def drain_start_ms(first_stage: Sequence[RankTrace]) -> float | None:
+    """When the first stage starts its last traced forward (the earliest of its replicas'),
+    from which the pipeline drains; None: no forward traced."""
+    starts = [max(s.start_ms for s in r.spans if s.name == FORWARD) for r in first_stage
+              if any(s.name == FORWARD for s in r.spans)]
+    return min(starts) if starts else None
+
+
+def steady_completions(first_stage: Sequence[RankTrace], num_microbatches: int) -> tuple[list[float], int, int]:
+    """The traced run's completion times and the (first, last) of them whose intervals are
+    its steady state, as a replay counts it (`pdcli.schedule.simulator.steady_window`: the
+    second half before the drain)."""
+    done_ms = completion_times_ms(first_stage, num_microbatches)
+    first, last = steady_window(done_ms, drain_start_ms(first_stage))
+    return done_ms, first, last
+
+
 def steady_time_per_minibatch_ms(first_stage: Sequence[RankTrace], num_microbatches: int,
                                  evaluated_after: Collection[int] = ()) -> float | None:
-    """Mean time between minibatch completions over the second half of the traced run. The
-    run evaluated after each minibatch index (from the trace's first) in `evaluated_after`:
-    the interval that holds an evaluation is left out (the plan prices training)."""
-    done_ms = completion_times_ms(first_stage, num_microbatches)
-    first = (len(done_ms) - 1) // 2
-    gaps = [done_ms[i] - done_ms[i - 1] for i in range(first + 1, len(done_ms)) if i not in evaluated_after]
+    """Mean time between minibatch completions over the steady completions of the traced
+    run (`steady_completions`). The run evaluated after each minibatch index (from the
+    trace's first) in `evaluated_after`: the interval that holds an evaluation is left out
+    (the plan prices training)."""
+    done_ms, first, last = steady_completions(first_stage, num_microbatches)
+    gaps = [done_ms[i] - done_ms[i - 1] for i in range(first + 1, last + 1) if i not in evaluated_after]
     return sum(gaps) / len(gaps) if gaps else None
 
 

@@ -26,6 +26,7 @@ a core after its message arrived.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -94,7 +95,7 @@ class Simulation:
     time_per_minibatch_ms: float
     """Steady state: time between the completions of consecutive minibatches (of
     num_microbatches microbatches each, whatever the schedule), measured over the
-    second half of the run; the makespan when the run has one minibatch."""
+    completions of `steady_window`; the makespan when the run has one minibatch."""
     bubble_fraction: float
     """Share of the ranks' time not spent in forward or backward (or WeightGrads)."""
     done_ms: tuple[float, ...] = ()
@@ -211,13 +212,36 @@ def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]]) -> Simulation
     if spec.num_steps == 1:
         per_minibatch_ms = makespan_ms
     else:
-        first = (spec.num_steps - 1) // 2
-        per_minibatch_ms = (done_ms[-1] - done_ms[first]) / (spec.num_steps - 1 - first)
+        first_stage = range(spec.replicas[0])  # ranks are stage-major; chunk 0 is on stage 0
+        drain_ms = min((max((t.start_ms for t in timed[r] if isinstance(t.action, Forward)), default=makespan_ms)
+                        for r in first_stage), default=None)
+        first, last = steady_window(done_ms, drain_ms)
+        per_minibatch_ms = (done_ms[last] - done_ms[first]) / (last - first)
     bubble = 1.0 - busy_ms / (spec.num_ranks * makespan_ms) if makespan_ms > 0 else 0.0
     return Simulation(tuple(tuple(rank) for rank in timed), makespan_ms, per_minibatch_ms, bubble, tuple(done_ms))
 
 
 _EPS_MS = 1e-9
+MIN_STEADY_COMPLETIONS = 3
+"""`steady_window` cuts the drain off only where this many completions come before it."""
+
+
+def steady_window(done_ms: Sequence[float], drain_ms: float | None = None) -> tuple[int, int]:
+    """(first, last): the completions (indices into the increasing `done_ms`) between which a
+    run's time per minibatch is its steady state, the second half of those completed by
+    `drain_ms`, when the first stage starts its last forward. From then on the pipeline
+    drains: the stages run out of work one by one, and the first stage completes the
+    minibatches still in flight faster than the pipeline sustains (it no longer interleaves
+    forwards, and on shared cores it gets the cores the finished stages give up), so a run
+    of few minibatches would look faster than a long one. All completions count where
+    fewer than MIN_STEADY_COMPLETIONS come before `drain_ms`, or it is None. One rule for
+    the replay (`simulate`) and the traced run (`pdcli.report.measured`)."""
+    last = len(done_ms) - 1
+    if drain_ms is not None:
+        before = bisect_right(done_ms, drain_ms + _EPS_MS)
+        if before >= MIN_STEADY_COMPLETIONS:
+            last = before - 1
+    return last // 2, last
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Prediction accuracy: what `pd plan` predicts against what `pd train` measures, three cost models side by side.
 
 For every case (each recipe with its own schedule, the quickstart with every schedule, the
-runtime benchmark's shape): `pd train` in a subprocess (profile with the runtime probe,
+runtime benchmark's shape; with `--every-schedule` each recipe under each of pipedream, 2bw,
+1f1b and gpipe too): `pd train` in a subprocess (profile with the runtime probe,
 plan, compile, train), then the run is read with `pd report`'s library. For the same run
 (the same stages) three predictions of the steady time per minibatch:
 
@@ -17,7 +18,7 @@ share cores, as `pd report` compares it). Measured / predicted is the
 ratio shown; mean |error| closes each column. Writes `runs/benchmarks/prediction.json`;
 nothing is asserted.
 
-    .venv/bin/python benchmarks/bench_prediction.py [--cases quickstart gpt ...] [--rounds R]
+    .venv/bin/python benchmarks/bench_prediction.py [--cases quickstart gpt ...] [--every-schedule] [--rounds R]
 """
 
 from __future__ import annotations
@@ -73,6 +74,24 @@ CASES: dict[str, tuple[str, tuple[str, ...], int]] = {
 }
 """Case -> (recipe, overrides, minibatches): the timed second half lasts about 3 s on this host
 (a half-second window moved the same plan's time by 5-12% from run to run)."""
+OTHER_SCHEDULES = ("pipedream", "2bw", "1f1b", "gpipe")
+"""`--every-schedule`: each recipe (the quickstart has its cases) also under each of these
+it does not name itself, as `<recipe>-<schedule>`."""
+
+
+def every_schedule_cases() -> dict[str, tuple[str, tuple[str, ...], int]]:
+    """Each recipe of CASES under each of OTHER_SCHEDULES but its own (`--every-schedule`)."""
+    import yaml
+
+    out: dict[str, tuple[str, tuple[str, ...], int]] = {}
+    for name, (recipe_name, extra, steps) in CASES.items():
+        if name != recipe_name or recipe_name == "quickstart":
+            continue
+        own = yaml.safe_load((REPO / "recipes" / f"{recipe_name}.yaml").read_text())["schedule"]["name"]
+        for schedule in OTHER_SCHEDULES:
+            if schedule != own:
+                out[f"{recipe_name}-{schedule}"] = (recipe_name, (*extra, f"schedule.name={schedule}"), steps)
+    return out
 TRAIN_TIMEOUT_S = 300.0
 DEFAULT_ROUNDS = 2
 DRIFT_THRESHOLD_PCT = 25.0
@@ -89,7 +108,7 @@ def profile_model_ms(chain: Chain, plan: dict[str, Any]) -> float | None:
 
 def run_case(name: str, root: Path, previous: Path | None) -> dict[str, Any]:
     """Train case `name` under `root`; its row (`previous`: a copy of the last round's run)."""
-    recipe_name, extra, steps = CASES[name]
+    recipe_name, extra, steps = {**CASES, **every_schedule_cases()}[name]
     recipe = REPO / "recipes" / f"{recipe_name}.yaml"
     overrides = [*extra, f"run.name={name}", f"train.steps={steps}", f"train.log_every={max(1, steps // 4)}",
                  f"run.root={root}"]
@@ -150,9 +169,14 @@ def run_to_run(rows: list[dict[str, Any]]) -> dict[str, float] | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    every = every_schedule_cases()
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=[*CASES, *every])
+    parser.add_argument("--every-schedule", action="store_true",
+                        help=f"also each recipe under each of {', '.join(OTHER_SCHEDULES)} it does not name itself")
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="trainings per case (>= 2 for `calibrated`)")
     args = parser.parse_args()
+    if args.every_schedule:
+        args.cases = [*args.cases, *(c for c in every if c not in args.cases)]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pd-bench-prediction-") as tmp:
         root, kept = Path(tmp) / "runs", Path(tmp) / "previous"

@@ -106,9 +106,10 @@ def profile_model_ms(chain: Chain, plan: dict[str, Any]) -> float | None:
     return evaluate_plan(dataclasses.replace(chain, meta=meta), plan).time_per_minibatch_ms
 
 
-def run_case(name: str, root: Path, previous: Path | None) -> dict[str, Any]:
-    """Train case `name` under `root`; its row (`previous`: a copy of the last round's run)."""
-    recipe_name, extra, steps = {**CASES, **every_schedule_cases()}[name]
+def run_case(name: str, case: tuple[str, tuple[str, ...], int], root: Path, previous: Path | None) -> dict[str, Any]:
+    """Train case `name` ((recipe, overrides, minibatches)) under `root`; its row (`previous`: a
+    copy of the last round's run)."""
+    recipe_name, extra, steps = case
     recipe = REPO / "recipes" / f"{recipe_name}.yaml"
     overrides = [*extra, f"run.name={name}", f"train.steps={steps}", f"train.log_every={max(1, steps // 4)}",
                  f"run.root={root}"]
@@ -170,6 +171,7 @@ def run_to_run(rows: list[dict[str, Any]]) -> dict[str, float] | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     every = every_schedule_cases()
+    cases = {**CASES, **every}
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=[*CASES, *every])
     parser.add_argument("--every-schedule", action="store_true",
                         help=f"also each recipe under each of {', '.join(OTHER_SCHEDULES)} it does not name itself")
@@ -185,7 +187,7 @@ def main() -> None:
                 print(f"{name}: round {round_index + 1} ...", file=sys.stderr, flush=True)
                 previous = kept / name if (kept / name).exists() else None
                 try:
-                    row = run_case(name, root, previous)
+                    row = run_case(name, cases[name], root, previous)
                 except BenchFailed as e:
                     rows.append({"case": name, "round": round_index, "error": str(e)})
                     continue

@@ -289,7 +289,8 @@ def test_replay_ranks_the_stage_counts(schedule: str) -> None:
 def test_the_unconstrained_best_is_never_slower_than_the_users_split() -> None:
     """The user's split is a plan without constraints too: when the free search's plan replays
     slower, the user's is the unconstrained best (0% faster, not a negative gain)."""
-    c, n = chain(n=13), 13
+    n = 13
+    c = chain(n=n)
     options = PlanOptions(schedule="pipedream", num_microbatches=4, batch_size=64, num_stages=2)
     search_ms = plan_chain(c, Topology.flat(2, 1e9), options).time_per_minibatch_ms
     beaten = 0

@@ -22,7 +22,7 @@ from pdcli.runtime.evaluation import EVAL_KEYS, is_eval_line
 from pdcli.runtime.events import read_events
 from pdcli.runtime.metrics import COMM, COMPUTE, IDLE, METRICS_FILE, SUMMARY_FILE, TRACE_FILE, read_metrics
 from pdcli.schedule.actions import parse_action
-from pdcli.schedule.simulator import steady_window
+from pdcli.schedule.simulator import drain_start_ms, steady_window
 
 TRAIN_DIR = "train"
 BACKWARD = "Backward"  # the action whose end completes a microbatch on the first stage
@@ -193,20 +193,13 @@ def completion_times_ms(first_stage: Sequence[RankTrace], num_microbatches: int)
     return [max(ends[(t + 1) * num_microbatches - 1] for ends in ends_ms) for t in range(count)]
 
 
-def drain_start_ms(first_stage: Sequence[RankTrace]) -> float | None:
-    """When the first stage starts its last traced forward (the earliest of its replicas'),
-    from which the pipeline drains; None: no forward traced."""
-    starts = [max(s.start_ms for s in r.spans if s.name == FORWARD) for r in first_stage
-              if any(s.name == FORWARD for s in r.spans)]
-    return min(starts) if starts else None
-
-
 def steady_completions(first_stage: Sequence[RankTrace], num_microbatches: int) -> tuple[list[float], int, int]:
     """The traced run's completion times and the (first, last) of them whose intervals are
     its steady state, as a replay counts it (`pdcli.schedule.simulator.steady_window`: the
     second half before the drain)."""
     done_ms = completion_times_ms(first_stage, num_microbatches)
-    first, last = steady_window(done_ms, drain_start_ms(first_stage))
+    drain_ms = drain_start_ms([s.start_ms for s in r.spans if s.name == FORWARD] for r in first_stage)
+    first, last = steady_window(done_ms, drain_ms)
     return done_ms, first, last
 
 

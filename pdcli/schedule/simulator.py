@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from pdcli.schedule.actions import (
     Action, AllReduceGrads, Backward, Forward, LoadMicrobatch, OptimizerStep, RecvActivations, RecvGrads,
@@ -213,8 +213,7 @@ def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]]) -> Simulation
         per_minibatch_ms = makespan_ms
     else:
         first_stage = range(spec.replicas[0])  # ranks are stage-major; chunk 0 is on stage 0
-        drain_ms = min((max((t.start_ms for t in timed[r] if isinstance(t.action, Forward)), default=makespan_ms)
-                        for r in first_stage), default=None)
+        drain_ms = drain_start_ms([t.start_ms for t in timed[r] if isinstance(t.action, Forward)] for r in first_stage)
         first, last = steady_window(done_ms, drain_ms)
         per_minibatch_ms = (done_ms[last] - done_ms[first]) / (last - first)
     bubble = 1.0 - busy_ms / (spec.num_ranks * makespan_ms) if makespan_ms > 0 else 0.0
@@ -224,6 +223,12 @@ def _summarize(spec: ScheduleSpec, timed: list[list[TimedAction]]) -> Simulation
 _EPS_MS = 1e-9
 MIN_STEADY_COMPLETIONS = 3
 """`steady_window` cuts the drain off only where this many completions come before it."""
+
+
+def drain_start_ms(forward_starts: Iterable[Sequence[float]]) -> float | None:
+    """When the pipeline starts to drain: the earliest, over the first stage's replicas (each
+    one's forwards' start times), of a replica's last forward; None: no forward."""
+    return min((max(starts) for starts in forward_starts if starts), default=None)
 
 
 def steady_window(done_ms: Sequence[float], drain_ms: float | None = None) -> tuple[int, int]:

@@ -133,6 +133,49 @@ def test_pipeline_probe_of_a_searched_recipe_runs_its_stand_ins(tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_probe_measures_what_sharing_the_cores_costs(tmp_path: Path) -> None:
+    """Planned on two workers of a cluster with more devices than the host has cores, `pd
+    profile` also trains a pipeline over every device (sharing the cores) and keeps how much
+    slower it ran than its replay: a plan of that layout then predicts that run's steady time,
+    and a plan on two workers is priced as before."""
+    from pdcli.host import host_cores
+    from pdcli.probe.runtime import PIPELINE_MAX_WORKERS, balanced_cuts
+    from pdcli.profiler.chain import Chain
+
+    cores = host_cores()
+    if not 2 <= cores < PIPELINE_MAX_WORKERS:
+        pytest.skip(f"needs 2-{PIPELINE_MAX_WORKERS - 1} cores to share (this host has {cores})")
+    devices = cores + 1
+    env = {**__import__("os").environ, "PD_PIPELINE_PROBE": "1"}
+    args = [f"run.root={tmp_path}", "profile.repeats=3", "profile.pipeline_probe_minibatches=30",
+            "profile.pipeline_probe_runs=1", f"cluster.levels.0.devices={devices}", "plan.num_stages=2"]
+    proc = subprocess.run([str(PD), "profile", RECIPE, *args], capture_output=True, text=True, timeout=250,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "workers sharing cores:" in proc.stdout
+    chain = Chain.from_json(json.loads((tmp_path / "quickstart" / "profile.json").read_text()))
+    runtime = chain.meta["runtime"]
+    sources = runtime["sources"]
+    assert sources["pipeline_probe"].startswith("30 minibatches of pipedream on 2 workers"), sources["pipeline_probe"]
+    assert f"on {devices} workers sharing {cores} cores" in sources["shared_probe"], sources["shared_probe"]
+    [(run_ms, replay_ms)] = sources["shared_runs_ms"]
+    assert runtime["shared_slowdown"] == pytest.approx(run_ms / replay_ms, rel=1e-4)  # the stored times are rounded
+
+    def predicted(cuts: list[int]) -> dict[str, Any]:
+        out = tmp_path / f"plan-{len(cuts)}.json"
+        result = runner.invoke(app, ["plan", RECIPE, *args, f"plan.num_stages={len(cuts) + 1}",
+                                     f"plan.boundaries={cuts}", "-o", str(out)], env={"PD_PIPELINE_PROBE": "1"})
+        assert result.exit_code == 0, result.output
+        return json.loads(out.read_text())["pipeline"]
+
+    shared = predicted(balanced_cuts(chain, devices))
+    assert shared["time_per_minibatch_ms"] == pytest.approx(run_ms, rel=0.02)
+    assert shared["replay"]["shared_slowdown"] == pytest.approx(runtime["shared_slowdown"], rel=1e-6)
+    assert "shared_slowdown" not in predicted(balanced_cuts(chain, 2))["replay"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_pipeline_probe_of_virtual_stages_runs_their_chunks(tmp_path: Path) -> None:
     """The probe trains the chunked schedule itself (each worker several chunks) and refits

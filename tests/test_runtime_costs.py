@@ -25,6 +25,7 @@ RUNTIME = RuntimeCosts(
     load_target_ms=0.1, send=Affine(1e-6, 0.02), recv=Affine(1e-6, 0.01), latency_ms=1.0,
     bandwidth_bytes_per_s=5e7, transport="socket", cores=1, gap_ms=0.01,
     position_scale=tuple(1.0 + 0.05 * i for i in range(8)),  # the default chain's 8 positions
+    shared_slowdown=1.2,
 )
 
 
@@ -54,7 +55,7 @@ def test_runtime_costs_round_trip_through_json() -> None:
 def test_each_runtime_term_moves_the_prediction(schedule: str, term: str) -> None:
     """Every term the probe measures counts: switched off, the plan predicts less time (the
     others with a core per worker: one core for two would hide the waits behind its bound)."""
-    base = RUNTIME if term == "cores" else RUNTIME.without("cores")
+    base = RUNTIME if term in ("cores", "sharing") else RUNTIME.without("cores")
     full = predicted_ms(chain(base), schedule)
     assert predicted_ms(chain(base.without(term)), schedule) < full * (1 - 1e-6)
 
@@ -346,6 +347,43 @@ def test_pipeline_probe_runs_the_stages_the_recipe_plans() -> None:
     assert chunks is not None and len(chunks) == 4
     assert pipeline_layout(virtual, c, chunks) == ([start for start, _, _ in chunks[1:]], [1, 1])
     assert pipeline_layout(virtual, c, None) == (balanced_cuts(c, 4), [1, 1])
+
+
+def test_workers_sharing_cores_are_priced_their_measured_slowdown() -> None:
+    """`shared_slowdown` multiplies the replay of a plan whose workers outnumber the cores (and
+    the search's bound on it), and leaves a plan with a core per worker as it was."""
+    from pdcli.planner.search import oversubscription_of
+
+    def priced(slowdown: float, stages: int) -> float:
+        runtime = dataclasses.replace(RUNTIME, cores=2, shared_slowdown=slowdown)
+        options = PlanOptions(schedule="pipedream", num_microbatches=4, batch_size=64, num_stages=stages,
+                              use_fewer_devices=True, straight=True)
+        plan = plan_chain(chain(runtime), Topology.flat(3, 1e9), options)
+        assert sum(s.replicas for s in plan.stages) == stages
+        assert plan.pipeline["replay"].get("shared_slowdown", 1.0) == (slowdown if stages > 2 else 1.0)
+        return plan.time_per_minibatch_ms
+
+    assert priced(1.3, 3) == pytest.approx(1.3 * priced(1.0, 3))
+    assert priced(1.3, 2) == pytest.approx(priced(1.0, 2))
+    assert RUNTIME.slowdown(2) == 1.2 and RUNTIME.slowdown(1) == 1.0 and RUNTIME.without("cores").slowdown(4) == 1.0
+    assert oversubscription_of(2, 3, 1.3) == pytest.approx(1.5 * 1.3) and oversubscription_of(2, 2, 1.3) == 1.0
+
+
+def test_the_pipeline_probe_measures_sharing_only_where_its_run_did_not_share() -> None:
+    """The second probe layout: the devices' balanced pipeline, when the first layout gave each
+    worker a core and the devices outnumber the cores."""
+    from pathlib import Path
+
+    from pdcli.config import load_config
+    from pdcli.probe.runtime import balanced_cuts, shared_layout
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+    c = chain(n=8)
+    cfg = load_config(recipe, ["cluster.levels.0.devices=3", "plan.num_stages=2"]).config
+    assert shared_layout(cfg, c, 2, 2) == (balanced_cuts(c, 3), [1, 1, 1])
+    assert shared_layout(cfg, c, 3, 2) is None  # the first run shared the cores: its refit holds it
+    assert shared_layout(cfg, c, 2, 4) is None  # 3 devices on 4 cores: nothing shares
+    assert shared_layout(cfg, c, 2, None) is None  # not the CPU
 
 
 def test_the_profile_summary_shows_the_all_reduce() -> None:

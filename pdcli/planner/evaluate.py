@@ -15,6 +15,7 @@ from pdcli.planner.costs import (
 from pdcli.planner.memory import StageMemory, VerticalSync, stage_memory
 from pdcli.planner.options import PlanOptions
 from pdcli.planner.pipedream import ALLREDUCE_FACTOR, TRANSFER_FACTOR, PdStage
+from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.planner.search import (
     backward_split, compute_scale_of, covered_or_zeros, optimizer_step_matrix, oversubscription_of, runtime_of,
 )
@@ -188,13 +189,17 @@ def replay(stages: Sequence[StageEval], options: PlanOptions, cores: int | None)
     return simulate(spec, costs, cores=cores)
 
 
-def replay_ms(stages: Sequence[StageEval], options: PlanOptions, cores: int | None) -> tuple[float, dict[str, Any]]:
-    """Time per minibatch of the plan's action lists replayed with its stages' `actions_ms`."""
+def replay_ms(stages: Sequence[StageEval], options: PlanOptions, runtime: RuntimeCosts) -> tuple[float, dict[str, Any]]:
+    """Time per minibatch of the plan's action lists replayed with its stages' `actions_ms` on
+    `runtime.cores`, times `runtime.slowdown` of its workers."""
+    cores, workers = runtime.cores, sum(st.replicas for st in stages)
+    slowdown = runtime.slowdown(workers)
+    shown: dict[str, Any] = {"cores": cores, **({"shared_slowdown": slowdown} if slowdown != 1.0 else {})}
     sim = replay(stages, options, cores)
     if sim is None:  # the runtime refuses it: priced by its slowest stage
         bottleneck = max(st.terms["stage_time_ms"] for st in stages)
-        return bottleneck * oversubscription_of(cores, sum(st.replicas for st in stages)), {"cores": cores}
-    return sim.time_per_minibatch_ms, {"minibatches": len(sim.done_ms), "cores": cores}
+        return bottleneck * oversubscription_of(cores, workers, slowdown), shown
+    return sim.time_per_minibatch_ms * slowdown, {"minibatches": len(sim.done_ms), **shown}
 
 
 def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
@@ -244,7 +249,7 @@ def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, sca
         first += r
     bottleneck = max(s.terms["stage_time_ms"] for s in stages)
     if runtime is not None and replay:
-        time_ms, replayed = replay_ms(stages, options, runtime.cores)
+        time_ms, replayed = replay_ms(stages, options, runtime)
         return PlanEval(tuple(stages), time_ms, replayed)
     if runtime is not None:
         return PlanEval(tuple(stages), bottleneck)

@@ -25,11 +25,12 @@ from pdcli.schedule.spec import rules
 STASHED, DIRECT = "stashed", "direct"
 """Weight modes: `pipedream`/`2bw` run forwards on stashed versions (functional_call),
 `gpipe`/`1f1b` on the live module."""
-TERMS = ("layers", "fixed", "loss", "load", "messages", "transport", "cores", "interpreter", "positions")
+TERMS = ("layers", "fixed", "loss", "load", "messages", "transport", "cores", "interpreter", "positions", "sharing")
 """What `without` can switch off: the layer scales (1 instead), the fixed costs per action,
 the loss, data loading, packing/unpacking messages, the measured transport (latency,
 bandwidth and the all-reduce: the cluster's nominal bandwidth instead), the core count bound, the
-interpreter's time between actions, the per-position factors a real run refitted."""
+interpreter's time between actions, the per-position factors a real run refitted, the slowdown
+of workers sharing cores beyond the replay's queue."""
 RUNTIME_META = "runtime"
 """`profile.json` meta key."""
 
@@ -128,11 +129,21 @@ class RuntimeCosts:
     refitted from a real run (`pdcli.report.calibrate`): a stage of the run took its factor
     times what the affine costs of its positions' profiled times say (a region of the model
     that runs slower or faster among workers sharing the host than alone). None: all 1."""
+    shared_slowdown: float = 1.0
+    """How much slower than its replay a plan runs whose workers outnumber `cores`, beyond the
+    core queue the replay models (context switches, the transport's threads waking up on busy
+    cores): a run of a layout sharing the cores over its replay with these costs, measured by
+    the pipeline probe when these costs were fitted on a layout with a core per worker
+    (`pdcli.probe.runtime`). 1.0: not measured, or fitted on shared cores (the fit holds it)."""
     sources: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What the fit was made from (probe stages, samples, residuals); informational."""
 
     def mode(self, schedule: str) -> ModeCosts:
         return self.modes[weight_mode(schedule)]
+
+    def slowdown(self, workers: int) -> float:
+        """`shared_slowdown` where `workers` outnumber the cores, else 1."""
+        return self.shared_slowdown if self.cores is not None and workers > self.cores else 1.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -144,6 +155,7 @@ class RuntimeCosts:
             "transport": self.transport, "cores": self.cores, "gap_ms": self.gap_ms, "sources": self.sources,
             "allreduce": self.allreduce.to_json() if self.allreduce is not None else None,
             "position_scale": list(self.position_scale) if self.position_scale is not None else None,
+            "shared_slowdown": self.shared_slowdown,
         }
 
     @staticmethod
@@ -163,6 +175,7 @@ class RuntimeCosts:
             gap_ms=float(obj.get("gap_ms", 0.0)), sources=dict(obj.get("sources", {})),
             allreduce=Affine.from_json(obj["allreduce"]) if obj.get("allreduce") else None,
             position_scale=tuple(float(x) for x in obj["position_scale"]) if obj.get("position_scale") else None,
+            shared_slowdown=float(obj.get("shared_slowdown", 1.0)),
         )
 
     @staticmethod
@@ -201,6 +214,8 @@ class RuntimeCosts:
             out = dataclasses.replace(out, gap_ms=0.0)
         if "positions" in terms:
             out = dataclasses.replace(out, position_scale=None)
+        if "sharing" in terms:
+            out = dataclasses.replace(out, shared_slowdown=1.0)
         return out
 
     def position_factors(self, num_positions: int) -> list[float]:

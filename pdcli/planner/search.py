@@ -211,10 +211,11 @@ def runtime_of(space: SplitSpace, topology: Topology) -> RuntimeCosts | None:
     return space.runtime.without("transport", "cores")
 
 
-def oversubscription_of(cores: int | None, devices: int) -> float:
+def oversubscription_of(cores: int | None, devices: int, slowdown: float = 1.0) -> float:
     """How much slower every stage runs when `devices` workers share `cores` (None: a device
-    each): devices / cores when that is above 1."""
-    return devices / cores if cores is not None and devices > cores else 1.0
+    each): devices / cores times `slowdown` (`RuntimeCosts.shared_slowdown`) when that is
+    above 1."""
+    return devices / cores * slowdown if cores is not None and devices > cores else 1.0
 
 
 def compute_scale_of(space: SplitSpace, scale: float) -> float:
@@ -546,13 +547,13 @@ def value_table_bytes(n: int, anchor: int, layers: int, layered: bool, options: 
 
 
 def _flat_bound(anchor: int, allowed: list[int], options: PlanOptions, costs: PdCosts,
-                runnable: tuple[int, ...], cores: int | None) -> tuple[float, int] | None:
+                runnable: tuple[int, ...], cores: int | None, slowdown: float) -> tuple[float, int] | None:
     """(L, S0): no plan on this anchor has a smaller bottleneck than L, the best over every stage
     count with `costs.time` (no memory limit: a lower bound under one too), found by the program
     without the stage-count axis (about 1/S of its cost); S0 is that plan's stage count.
     None when no plan exists."""
     flat = costs.time_minmax(1, False, options.straight, runnable)
-    times = {d: float(flat[0, 0, d]) * oversubscription_of(cores, d) for d in allowed}
+    times = {d: float(flat[0, 0, d]) * oversubscription_of(cores, d, slowdown) for d in allowed}
     d_best = min(times, key=times.__getitem__, default=None)
     if d_best is None or not np.isfinite(times[d_best]):
         return None
@@ -590,6 +591,7 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
     cap_layers = (layered and minimize == "time" and options.num_stages is None and options.replicas is None
                   and not (options.split_backward and limited and fewest_stages == 1))
     cores = runtime.cores if runtime is not None else None
+    slowdown = runtime.shared_slowdown if runtime is not None else 1.0
     shared: PdCosts | None = None
     free: PdCosts | None = None  # the costs without the memory limit, for the lower bound
     for anchor in _anchors(topology, options):
@@ -603,7 +605,7 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
                                anchor, 1) if limited else shared
             free_costs = free.for_anchor(anchor)
             free_runnable = tuple(r for r in range(1, anchor + 1) if free_costs.runnable(r))
-            bound = _flat_bound(anchor, allowed, options, free_costs, free_runnable, cores)
+            bound = _flat_bound(anchor, allowed, options, free_costs, free_runnable, cores, slowdown)
             if bound is None:
                 continue
             lower, count = bound
@@ -638,7 +640,7 @@ def _search(space: SplitSpace, topology: Topology, options: PlanOptions, scale: 
                         break
                     v = float(value[t, 0, d])
                     if minimize == "time":
-                        v *= oversubscription_of(cores, d)
+                        v *= oversubscription_of(cores, d, slowdown)
                     if minimize == "time" and layered:
                         if best is not None and v > best[0]:
                             continue  # the bubble factor is >= 1: this count cannot win

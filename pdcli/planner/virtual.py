@@ -164,8 +164,10 @@ def plan_virtual(chain: Chain, topology: Topology, options: PlanOptions, space: 
                         hint="raise cluster.memory_bytes_per_device, add devices, or use fewer microbatches")
     whole = evaluate_pd(space, topology, dataclasses.replace(stand_in, num_stages=None, straight=False), scale,
                         [(0, space.num_positions, topology.num_devices)])
-    return _assemble(chain, space, topology, options, spec, chunks, sim.time_per_minibatch_ms,
-                     whole.time_per_minibatch_ms, device_rows, {"minibatches": len(sim.done_ms), "cores": cores})
+    slowdown = runtime.slowdown(devices) if runtime is not None else 1.0
+    shown = {"minibatches": len(sim.done_ms), "cores": cores, **({"shared_slowdown": slowdown} if slowdown != 1.0 else {})}
+    return _assemble(chain, space, topology, options, spec, chunks, sim.time_per_minibatch_ms * slowdown,
+                     whole.time_per_minibatch_ms, device_rows, shown)
 
 
 def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: PlanOptions, spec: ScheduleSpec,

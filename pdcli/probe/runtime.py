@@ -383,36 +383,19 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     run to the next on a shared host, and one run's level would price every plan.
     `sources["pipeline_probe"]` says what ran, or why nothing did (fewer than 2 devices or
     workers, not the CPU, fewer than 2 positions, or every run failed: then the costs are
-    unchanged); `sources["pipeline_runs_ms"]` holds each run's steady time per minibatch."""
+    unchanged); `sources["pipeline_runs_ms"]` holds each run's steady time per minibatch. When
+    that layout gives each worker a core and the cluster's devices outnumber the cores, a layout
+    that shares them also runs, for `shared_slowdown` (`shared_layout`, `probe_sharing`)."""
     costed = runtime.priced(chain)
     shape = pipeline_layout(cfg, chain, layout_of(costed) if layout_of is not None else None)
     if shape is None or runtime.cores is None:
         return _noted(runtime, "skipped: needs 2 CPU devices, 2 workers and 2 positions")
     cuts, replicas = shape
     workers = sum(replicas)
-    bandwidth = cfg.cluster.levels[0].bandwidth_bytes_per_s
-    profiled = chain.meta.get("batch_size") if isinstance(chain.meta, dict) else None
-    stage_ms = profiled_ms(chain, 0, len(chain.nodes)) * (cfg.data.batch_size / profiled if profiled else 1.0) / workers
-    minibatches = minibatches_for(cfg.profile.pipeline_probe_seconds, stage_ms, minibatches, PIPELINE_MAX_MINIBATCHES)
-    replicated = any(r > 1 for r in replicas)
-    schedule = cfg.schedule.name
-    overrides = [
-        "profile.runtime_probe=false", "profile.repeats=1",
-        "profile.warmup=1", f"train.steps={minibatches}", "train.epochs=null", f"train.log_every={minibatches}",
-        "train.eval_batches=0", "train.eval_every=0", "train.eval_at_start=false", "train.tensorboard=false",
-        "train.checkpoint_every=0", "train.init_from=null", f"plan.num_stages={len(replicas)}",
-        f"plan.replicas=[{','.join(map(str, replicas))}]" if replicated else "plan.replicas=null",
-        "plan.split_points=null", "plan.pipe_splits=false", f"plan.boundaries=[{','.join(map(str, cuts))}]",
-        f"cluster.levels=[{{devices: {workers}, bandwidth_bytes_per_s: {bandwidth}}}]",
-        f"schedule.name={schedule}", f"schedule.virtual_stages={cfg.schedule.virtual_stages}",
-        # the stand-in configuration the stages were probed with, not a search of its own
-        # (whose pick, e.g. bf16 or other microbatches, the refit would read as this one)
-        "plan.search=[]",
-    ]
     fitted: list[tuple[float, RuntimeCosts, dict[str, Any]]] = []
     failures: list[str] = []
     for _ in range(max(1, int(cfg.profile.pipeline_probe_runs))):
-        outcome = _pipeline_run(cfg, costed, runtime, overrides)
+        outcome = _pipeline_run(cfg, costed, runtime, _probe_overrides(cfg, chain, cuts, replicas, minibatches))
         if isinstance(outcome, str):
             failures.append(outcome)
         else:
@@ -424,31 +407,119 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     runs_ms = [round(ms, 4) for ms, _, _ in fitted]
     calibrated = dataclasses.replace(calibrated, sources={**runtime.sources, "pipeline": measured,
                                                           "pipeline_runs_ms": runs_ms})
-    shown = f" x replicas {replicas}" if replicated else ""
+    shown = f" x replicas {replicas}" if replicated(replicas) else ""
     runs = f"; the median of {len(fitted)} runs ({', '.join(f'{ms:.2f}' for ms in runs_ms)} ms per minibatch)" \
         if len(fitted) > 1 else ""
-    return _noted(calibrated, f"{minibatches} minibatches of {schedule} on {workers} workers, "
-                              f"split at {cuts}{shown}{runs}")
+    calibrated = _noted(calibrated, f"{_probe_minibatches(cfg, chain, workers, minibatches)} minibatches of "
+                                    f"{cfg.schedule.name} on {workers} workers, split at {cuts}{shown}{runs}")
+    shared = shared_layout(cfg, chain, workers, runtime.cores)
+    return probe_sharing(cfg, costed, calibrated, shared, minibatches) if shared is not None else calibrated
+
+
+def replicated(replicas: Sequence[int]) -> bool:
+    return any(r > 1 for r in replicas)
+
+
+def shared_layout(cfg: Any, chain: Chain, workers: int, cores: int | None) -> tuple[list[int], list[int]] | None:
+    """The layout the pipeline probe also runs when its first layout's `workers` each had a
+    core and the cluster has more devices than the host has cores (plans that share the cores
+    are then priced from a run that did not): `pipeline_layout`'s balanced pipeline over the
+    devices (at most PIPELINE_MAX_WORKERS). None: no such layout shares the cores."""
+    if cores is None or workers > cores:
+        return None
+    shape = pipeline_layout(cfg, chain, None)
+    return shape if shape is not None and sum(shape[1]) > cores else None
+
+
+def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tuple[list[int], list[int]],
+                  minibatches: int) -> RuntimeCosts:
+    """`calibrated` (fitted on workers with a core each) with `shared_slowdown`: a short real
+    run of the layout `shape` (more workers than cores) over its replay with `calibrated`'s
+    costs, the median of `profile.pipeline_probe_runs` runs. What the replay's core queue does
+    not model (context switches, the transport's threads waking up on busy cores) is in it.
+    `sources["shared_probe"]` says what ran, or why it failed (then the costs are unchanged)."""
+    from pdcli.report.calibrate import run_and_replay_ms
+
+    cuts, replicas = shape
+    workers = sum(replicas)
+    overrides = _probe_overrides(cfg, costed, cuts, replicas, minibatches)
+    runs: list[tuple[float, float]] = []  # (the run's steady ms, its replay's)
+    failure = ""
+    for _ in range(max(1, int(cfg.profile.pipeline_probe_runs))):
+        with tempfile.TemporaryDirectory(prefix="pd-shared-probe-") as tmp:
+            proc = _train(cfg, Path(tmp), overrides)
+            if proc.returncode != 0:
+                failure = " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
+                continue
+            measured = run_and_replay_ms(Path(tmp) / PIPELINE_RUN, costed, calibrated)
+        if measured is not None:
+            runs.append(measured)
+    if not runs:
+        return dataclasses.replace(calibrated, sources={**calibrated.sources, "shared_probe":
+                                                        f"skipped: the run failed ({failure or 'too short'})"})
+    slowdowns = [run_ms / replay_ms for run_ms, replay_ms in runs]
+    slowdown = statistics.median(slowdowns)
+    how = (f"{_probe_minibatches(cfg, costed, workers, minibatches)} minibatches of {cfg.schedule.name} on "
+           f"{workers} workers sharing {calibrated.cores} cores, split at {cuts}: "
+           f"{', '.join(f'{x:.2f}' for x in slowdowns)} x the replay, the median taken")
+    return dataclasses.replace(calibrated, shared_slowdown=slowdown,
+                               sources={**calibrated.sources, "shared_probe": how,
+                                        "shared_runs_ms": [[round(a, 4), round(b, 4)] for a, b in runs]})
+
+
+def _probe_minibatches(cfg: Any, chain: Chain, workers: int, minibatches: int) -> int:
+    """How many minibatches a pipeline probe of `workers` workers trains: at least `minibatches`
+    and enough for `profile.pipeline_probe_seconds` in the measured half by the profiled time."""
+    profiled = chain.meta.get("batch_size") if isinstance(chain.meta, dict) else None
+    stage_ms = profiled_ms(chain, 0, len(chain.nodes)) * (cfg.data.batch_size / profiled if profiled else 1.0) / workers
+    return minibatches_for(cfg.profile.pipeline_probe_seconds, stage_ms, minibatches, PIPELINE_MAX_MINIBATCHES)
+
+
+def _probe_overrides(cfg: Any, chain: Chain, cuts: Sequence[int], replicas: Sequence[int],
+                     minibatches: int) -> list[str]:
+    """`pd train` overrides for a pipeline probe run of the stages split at `cuts` with
+    `replicas`, one worker per replica, the configured schedule."""
+    workers = sum(replicas)
+    bandwidth = cfg.cluster.levels[0].bandwidth_bytes_per_s
+    steps = _probe_minibatches(cfg, chain, workers, minibatches)
+    return [
+        "profile.runtime_probe=false", "profile.repeats=1",
+        "profile.warmup=1", f"train.steps={steps}", "train.epochs=null", f"train.log_every={steps}",
+        "train.eval_batches=0", "train.eval_every=0", "train.eval_at_start=false", "train.tensorboard=false",
+        "train.checkpoint_every=0", "train.init_from=null", f"plan.num_stages={len(replicas)}",
+        f"plan.replicas=[{','.join(map(str, replicas))}]" if replicated(replicas) else "plan.replicas=null",
+        "plan.split_points=null", "plan.pipe_splits=false", f"plan.boundaries=[{','.join(map(str, cuts))}]",
+        f"cluster.levels=[{{devices: {workers}, bandwidth_bytes_per_s: {bandwidth}}}]",
+        f"schedule.name={cfg.schedule.name}", f"schedule.virtual_stages={cfg.schedule.virtual_stages}",
+        # the stand-in configuration the stages were probed with, not a search of its own
+        # (whose pick, e.g. bf16 or other microbatches, the refit would read as this one)
+        "plan.search=[]",
+    ]
+
+
+def _train(cfg: Any, tmp: Path, overrides: list[str]) -> Any:
+    """`pd train` of `cfg` with `overrides` as run PIPELINE_RUN under `tmp` (a subprocess)."""
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    recipe = tmp / "config.yaml"
+    recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    # From the user's directory, as their own run: relative data paths and `model.target`
+    # modules beside the recipe resolve there (run.root keeps every file in tmp).
+    return subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe),
+                           f"run.root={tmp}", f"run.name={PIPELINE_RUN}", *overrides],
+                          capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S)
 
 
 def _pipeline_run(cfg: Any, costed: Chain, runtime: RuntimeCosts,
                   overrides: list[str]) -> tuple[float, RuntimeCosts, dict[str, Any]] | str:
     """One run of the pipeline probe (`pd train` with `overrides`) refitted: (its steady time
     per minibatch, the refitted costs, what it measured), or why it failed."""
-    import subprocess
-
-    from omegaconf import OmegaConf
-
     from pdcli.report.calibrate import calibrate_from_run
 
     with tempfile.TemporaryDirectory(prefix="pd-pipeline-probe-") as tmp:
-        recipe = Path(tmp) / "config.yaml"
-        recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        # From the user's directory, as their own run: relative data paths and `model.target`
-        # modules beside the recipe resolve there (run.root keeps every file in tmp).
-        proc = subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe),
-                               f"run.root={tmp}", f"run.name={PIPELINE_RUN}", *overrides],
-                              capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S)
+        proc = _train(cfg, Path(tmp), overrides)
         if proc.returncode != 0:
             return " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
         calibrated, measured = calibrate_from_run(Path(tmp) / PIPELINE_RUN, costed, runtime)

@@ -92,6 +92,9 @@ def summarize(chain: Chain, top: int = 10) -> str:
         probe = (meta["runtime"].get("sources") or {}).get("pipeline_probe")
         if probe:
             totals += f"\npipeline probe: {probe}"
+        sharing = (meta["runtime"].get("sources") or {}).get("shared_probe")
+        if sharing:
+            totals += f"\nworkers sharing cores: {sharing}"
     where = ", ".join(
         f"{key} {meta[key]}" for key in ("model", "device", "batch_size", "dtype") if key in meta
     )

@@ -201,19 +201,19 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
                                      [space.position_factor(start, end) for start, end in ranges])
     gaps = _gaps(list(traces.values()))
     gaps_mean = float(sum(gaps)) / len(gaps) if gaps else base.gap_ms
+    num_ranks = len(set().union(*ranks_of))
+    shared = base.cores is not None and num_ranks > base.cores
     calibrated = replace(
         base, modes=modes, load_inputs_ms=load_inputs, load_target_ms=load_target,
         send=refit([b for b, _ in sends], [t for _, t in sends], base.send) if sends else base.send,
         recv=refit([b for b, _ in recvs], [t for _, t in recvs], base.recv) if recvs else base.recv,
         gap_ms=gaps_mean, allreduce=refit_allreduce(allreduces, base.allreduce), position_scale=position_scale,
+        # a run on shared cores: its refit holds what sharing cost it
+        shared_slowdown=1.0 if shared else base.shared_slowdown,
         sources={**base.sources, "calibrated_from": str(run_dir)},
     )
     first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
-    summary_path = run_dir / TRAIN_DIR / SUMMARY_FILE
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    target_ms = steady_time_per_minibatch_ms(first, m * chunks_per_rank, evaluated_after(summary))
-    num_ranks = len(set().union(*ranks_of))
-    shared = base.cores is not None and num_ranks > base.cores
+    target_ms = run_steady_ms(run_dir, plan, traces)
     compute_ms = steady_compute_ms(first, list(traces.values()), m * chunks_per_rank) if shared else None
     shared_fit = None
     if compute_ms:  # its latency fitted to the run's time at the factor it takes
@@ -223,6 +223,32 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     return calibrated, {"run": str(run_dir), "schedule": schedule, "num_microbatches": m, "precision": precision,
                         "steady_time_per_minibatch_ms": target_ms, "stages": measured,
                         **({"shared_cores": shared_fit.to_json()} if shared_fit else {})}
+
+
+def run_steady_ms(run_dir: Path, plan: dict[str, Any], traces: dict[int, RankTrace]) -> float | None:
+    """The steady time per minibatch of the run in `run_dir` (trained from `plan`, traced as
+    `traces`): its first stage's completions (`steady_time_per_minibatch_ms`); None: too short."""
+    inputs = plan["inputs"]
+    per_rank = int(inputs["num_microbatches"]) * int(inputs.get("virtual_stages", 1))
+    first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
+    summary_path = run_dir / TRAIN_DIR / SUMMARY_FILE
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return steady_time_per_minibatch_ms(first, per_rank, evaluated_after(summary))
+
+
+def run_and_replay_ms(run_dir: Path, chain: Chain, runtime: RuntimeCosts) -> tuple[float, float] | None:
+    """(the steady time per minibatch of the run in `run_dir`, its plan's replay with
+    `runtime`'s costs: `chain` priced at the run's microbatch rows and precision, no
+    `shared_slowdown`). None: the run was too short to have a steady time."""
+    plan = read_trained_plan(run_dir, ReplanCommands(str(run_dir)))
+    traces = read_trace(run_dir / TRAIN_DIR / TRACE_FILE)
+    target_ms = run_steady_ms(run_dir, plan, traces) if traces else None
+    if target_ms is None:
+        return None
+    inputs = plan["inputs"]
+    priced = chain_at_precision(chain_at_rows(chain, int(inputs["batch_size"]) // int(inputs["num_microbatches"])),
+                                str(inputs.get("precision", "fp32")))
+    return target_ms, replayed_ms(replace(runtime, shared_slowdown=1.0), priced, plan)
 
 
 def steady_compute_ms(first_stage: Sequence[RankTrace], ranks: Sequence[RankTrace], num_microbatches: int) -> float | None:
@@ -338,7 +364,8 @@ def replayed_ms(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> fl
     if _chunked(plan):
         from pdcli.planner.virtual import replay_chunked_plan
 
-        return replay_chunked_plan(runtime.priced(chain), plan).time_per_minibatch_ms
+        workers = len({int(r) for stage in plan["stages"] for r in stage["ranks"]})
+        return replay_chunked_plan(runtime.priced(chain), plan).time_per_minibatch_ms * runtime.slowdown(workers)
     from pdcli.planner.evaluate import evaluate_plan
 
     return evaluate_plan(runtime.priced(chain), plan).time_per_minibatch_ms

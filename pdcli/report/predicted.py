@@ -177,11 +177,13 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
             idle_ms=idle_ms / steps, stage_time_ms=float(p["stage_time_ms"]), wall_ms=sim.makespan_ms / steps,
         ))
     pipeline = plan["pipeline"]
+    slowdown = float((pipeline.get("replay") or {}).get("shared_slowdown", 1.0))  # `RuntimeCosts.shared_slowdown`
     return Predicted(
         stages=tuple(stages), time_per_minibatch_ms=float(pipeline["time_per_minibatch_ms"]),
         throughput_samples_per_s=float(pipeline["throughput_samples_per_s"]),
         simulated_time_per_minibatch_ms=sim.time_per_minibatch_ms,
-        whole_loop_per_minibatch_ms=(sim.makespan_ms + (run_steps - steps) * sim.time_per_minibatch_ms) / run_steps,
+        whole_loop_per_minibatch_ms=(sim.makespan_ms + (run_steps - steps) * sim.time_per_minibatch_ms) / run_steps
+        * slowdown,
         num_simulated_steps=steps, split_backward=split, shared_cores=shared,
     )
 

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -407,7 +408,7 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     runs_ms = [round(ms, 4) for ms, _, _ in fitted]
     calibrated = dataclasses.replace(calibrated, sources={**runtime.sources, "pipeline": measured,
                                                           "pipeline_runs_ms": runs_ms})
-    shown = f" x replicas {replicas}" if replicated(replicas) else ""
+    shown = f" x replicas {replicas}" if _replicated(replicas) else ""
     runs = f"; the median of {len(fitted)} runs ({', '.join(f'{ms:.2f}' for ms in runs_ms)} ms per minibatch)" \
         if len(fitted) > 1 else ""
     calibrated = _noted(calibrated, f"{_probe_minibatches(cfg, chain, workers, minibatches)} minibatches of "
@@ -416,7 +417,8 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     return probe_sharing(cfg, costed, calibrated, shared, minibatches) if shared is not None else calibrated
 
 
-def replicated(replicas: Sequence[int]) -> bool:
+def _replicated(replicas: Sequence[int]) -> bool:
+    """Some stage of the layout has more than one replica."""
     return any(r > 1 for r in replicas)
 
 
@@ -449,7 +451,7 @@ def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tupl
         with tempfile.TemporaryDirectory(prefix="pd-shared-probe-") as tmp:
             proc = _train(cfg, Path(tmp), overrides)
             if proc.returncode != 0:
-                failure = " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
+                failure = _why(proc)
                 continue
             measured = run_and_replay_ms(Path(tmp) / PIPELINE_RUN, costed, calibrated)
         if measured is not None:
@@ -487,7 +489,7 @@ def _probe_overrides(cfg: Any, chain: Chain, cuts: Sequence[int], replicas: Sequ
         "profile.warmup=1", f"train.steps={steps}", "train.epochs=null", f"train.log_every={steps}",
         "train.eval_batches=0", "train.eval_every=0", "train.eval_at_start=false", "train.tensorboard=false",
         "train.checkpoint_every=0", "train.init_from=null", f"plan.num_stages={len(replicas)}",
-        f"plan.replicas=[{','.join(map(str, replicas))}]" if replicated(replicas) else "plan.replicas=null",
+        f"plan.replicas=[{','.join(map(str, replicas))}]" if _replicated(replicas) else "plan.replicas=null",
         "plan.split_points=null", "plan.pipe_splits=false", f"plan.boundaries=[{','.join(map(str, cuts))}]",
         f"cluster.levels=[{{devices: {workers}, bandwidth_bytes_per_s: {bandwidth}}}]",
         f"schedule.name={cfg.schedule.name}", f"schedule.virtual_stages={cfg.schedule.virtual_stages}",
@@ -497,10 +499,8 @@ def _probe_overrides(cfg: Any, chain: Chain, cuts: Sequence[int], replicas: Sequ
     ]
 
 
-def _train(cfg: Any, tmp: Path, overrides: list[str]) -> Any:
+def _train(cfg: Any, tmp: Path, overrides: list[str]) -> subprocess.CompletedProcess[str]:
     """`pd train` of `cfg` with `overrides` as run PIPELINE_RUN under `tmp` (a subprocess)."""
-    import subprocess
-
     from omegaconf import OmegaConf
 
     recipe = tmp / "config.yaml"
@@ -512,6 +512,11 @@ def _train(cfg: Any, tmp: Path, overrides: list[str]) -> Any:
                           capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S)
 
 
+def _why(proc: subprocess.CompletedProcess[str]) -> str:
+    """A failed probe run's reason: the last lines of its stderr."""
+    return " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
+
+
 def _pipeline_run(cfg: Any, costed: Chain, runtime: RuntimeCosts,
                   overrides: list[str]) -> tuple[float, RuntimeCosts, dict[str, Any]] | str:
     """One run of the pipeline probe (`pd train` with `overrides`) refitted: (its steady time
@@ -521,7 +526,7 @@ def _pipeline_run(cfg: Any, costed: Chain, runtime: RuntimeCosts,
     with tempfile.TemporaryDirectory(prefix="pd-pipeline-probe-") as tmp:
         proc = _train(cfg, Path(tmp), overrides)
         if proc.returncode != 0:
-            return " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
+            return _why(proc)
         calibrated, measured = calibrate_from_run(Path(tmp) / PIPELINE_RUN, costed, runtime)
     steady_ms = measured.get("steady_time_per_minibatch_ms")
     return (float(steady_ms) if steady_ms is not None else float("inf")), calibrated, measured

@@ -4,6 +4,9 @@ For each case `pd plan --pareto` (the schedule, its microbatches and recompute s
 the partition) prints the Pareto front; then the chosen point, the point `plan.max_staleness=0` chooses (the best
 flush configuration), the case's listed configurations and (for the recipes) the front's
 other points up to `--top` are each trained for a short run with the configuration fixed
+(and, where a plan on the front has more workers than the host has cores, the choice of the
+same search over as many devices as cores: the best plan that gives each worker a core, which
+the front's first points may not hold)
 (`schedule.*`, `train.recompute`, `plan.boundaries`, `plan.replicas`), interleaved over rounds, and their
 steady time per minibatch is measured as `pd report` reads it. Printed: predicted beside
 measured for every configuration, the chosen one's gap to the best measured, and the flush
@@ -33,6 +36,7 @@ from _bench_common import BenchFailed  # noqa: E402
 from _trained import pd_command, run_cases, steady_ms  # noqa: E402
 from bench_prediction import RUNTIME_SHAPE  # noqa: E402
 
+from pdcli.host import host_cores  # noqa: E402
 from pdcli.planner import Topology, plan_chain  # noqa: E402
 from pdcli.planner.evaluate import plan_options_of  # noqa: E402
 from pdcli.profiler.batch_points import chain_at_precision, chain_at_rows  # noqa: E402
@@ -108,8 +112,14 @@ def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:
     predicted.update({point_of(r): r for r in flush["front"]})
     chosen = point_of(search["front"][search["chosen"]])
     chosen_flush = point_of(flush["front"][flush["chosen"]])
+    own_cores = None  # the choice among plans that give each worker a core, where others share them
+    cores = host_cores()
+    if sum(chosen[6]) > cores or any(sum(point_of(r)[6]) > cores for r in search["front"]):
+        fewer = front_of(recipe, root, f"{name}-own-cores", extra, f"cluster.levels.0.devices={cores}")
+        own_cores = point_of(fewer["front"][fewer["chosen"]])
     others = [p for p in (point_of(r) for r in search["front"]) if p not in (chosen, chosen_flush)]
-    trained = list(dict.fromkeys([chosen, chosen_flush, *listed, *others[: max(0, top - 2)]]))
+    trained = list(dict.fromkeys([chosen, chosen_flush, *([own_cores] if own_cores else []), *listed,
+                                  *others[: max(0, top - 2)]]))
     predicted_ms = {p: predict(root / f"{name}-plan", p) for p in trained}
     measured: dict[Point, list[float]] = {p: [] for p in trained}
     for round_index in range(rounds):
@@ -129,7 +139,9 @@ def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:
         "gap_pct": (medians[chosen] / best - 1) * 100 if chosen in medians else None,
         "flush_gap_pct": (medians[chosen_flush] / best_flush - 1) * 100
         if best_flush and chosen_flush in medians else None,
+        "own_cores": label(own_cores) if own_cores else None,
         "rows": [{"config": label(p), "chosen": p == chosen, "chosen_flush": p == chosen_flush,
+                  "own_cores": p == own_cores,
                   "on_front": p in predicted,
                   "predicted_ms": predicted_ms[p],
                   "peak_bytes": predicted[p]["peak_bytes"] if p in predicted else None,
@@ -153,11 +165,13 @@ def main() -> None:
         flush_gap = f"{r['flush_gap_pct']:+.1f}%" if r["flush_gap_pct"] is not None else "-"
         print(f"\n{r['case']}: {r['front_points']} points on the front; chosen {r['chosen']} ({gap} from the best "
               f"measured); max_staleness=0 chose {r['chosen_flush']} ({flush_gap} from the best measured flush one)")
-        print(tabulate([[("* " if x["chosen"] else "") + ("0 " if x["chosen_flush"] else "") + x["config"],
+        print(tabulate([[("* " if x["chosen"] else "") + ("0 " if x["chosen_flush"] else "")
+                         + ("c " if x.get("own_cores") else "") + x["config"],
                          f"{x['predicted_ms']:.2f}" + ("" if x["on_front"] else " (off the front)"),
                          f"{x['measured_ms']:.2f}" if x["measured_ms"] else "failed",
                          " ".join(f"{v:.2f}" for v in x["measured_runs_ms"])] for x in r["rows"]],
-                       headers=["configuration (* chosen, 0 chosen at max_staleness=0)", "predicted ms/mb",
+                       headers=["configuration (* chosen, 0 chosen at max_staleness=0, c chosen with a core per "
+                                "worker)", "predicted ms/mb",
                                 "measured ms/mb (median)", "rounds"], disable_numparse=True))
     OUT.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(OUT, {"results": results})

@@ -189,17 +189,23 @@ def replay(stages: Sequence[StageEval], options: PlanOptions, cores: int | None)
     return simulate(spec, costs, cores=cores)
 
 
+def replay_shown(cores: int | None, slowdown: float, sim: Simulation | None) -> dict[str, Any]:
+    """How a plan's time was replayed (`plan.json`'s `pipeline.replay`): its minibatches, the
+    cores, and `shared_slowdown` where the replay's time was multiplied by one."""
+    return {**({"minibatches": len(sim.done_ms)} if sim is not None else {}), "cores": cores,
+            **({"shared_slowdown": slowdown} if slowdown != 1.0 else {})}
+
+
 def replay_ms(stages: Sequence[StageEval], options: PlanOptions, runtime: RuntimeCosts) -> tuple[float, dict[str, Any]]:
     """Time per minibatch of the plan's action lists replayed with its stages' `actions_ms` on
     `runtime.cores`, times `runtime.slowdown` of its workers."""
     cores, workers = runtime.cores, sum(st.replicas for st in stages)
     slowdown = runtime.slowdown(workers)
-    shown: dict[str, Any] = {"cores": cores, **({"shared_slowdown": slowdown} if slowdown != 1.0 else {})}
     sim = replay(stages, options, cores)
     if sim is None:  # the runtime refuses it: priced by its slowest stage
         bottleneck = max(st.terms["stage_time_ms"] for st in stages)
-        return bottleneck * oversubscription_of(cores, workers, slowdown), shown
-    return sim.time_per_minibatch_ms * slowdown, {"minibatches": len(sim.done_ms), **shown}
+        return bottleneck * oversubscription_of(cores, workers, slowdown), replay_shown(cores, slowdown, sim)
+    return sim.time_per_minibatch_ms * slowdown, replay_shown(cores, slowdown, sim)
 
 
 def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from pdcli.errors import UserError
 from pdcli.planner.evaluate import (
     REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, batch_scale, climb, evaluate_pd, pipeline_summary, plan_options_of,
-    stage_predicted,
+    replay_shown, stage_predicted,
 )
 from pdcli.planner.options import PlanOptions
 from pdcli.planner.plan import Plan, Stage
@@ -165,9 +165,8 @@ def plan_virtual(chain: Chain, topology: Topology, options: PlanOptions, space: 
     whole = evaluate_pd(space, topology, dataclasses.replace(stand_in, num_stages=None, straight=False), scale,
                         [(0, space.num_positions, topology.num_devices)])
     slowdown = runtime.slowdown(devices) if runtime is not None else 1.0
-    shown = {"minibatches": len(sim.done_ms), "cores": cores, **({"shared_slowdown": slowdown} if slowdown != 1.0 else {})}
     return _assemble(chain, space, topology, options, spec, chunks, sim.time_per_minibatch_ms * slowdown,
-                     whole.time_per_minibatch_ms, device_rows, shown)
+                     whole.time_per_minibatch_ms, device_rows, replay_shown(cores, slowdown, sim))
 
 
 def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: PlanOptions, spec: ScheduleSpec,

@@ -393,10 +393,11 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
         return _noted(runtime, "skipped: needs 2 CPU devices, 2 workers and 2 positions")
     cuts, replicas = shape
     workers = sum(replicas)
+    overrides = _probe_overrides(cfg, chain, cuts, replicas, minibatches)
     fitted: list[tuple[float, RuntimeCosts, dict[str, Any]]] = []
     failures: list[str] = []
     for _ in range(max(1, int(cfg.profile.pipeline_probe_runs))):
-        outcome = _pipeline_run(cfg, costed, runtime, _probe_overrides(cfg, chain, cuts, replicas, minibatches))
+        outcome = _pipeline_run(cfg, costed, runtime, overrides)
         if isinstance(outcome, str):
             failures.append(outcome)
         else:

@@ -134,11 +134,14 @@ def test_pipeline_probe_of_a_searched_recipe_runs_its_stand_ins(tmp_path: Path) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_pipeline_probe_measures_what_sharing_the_cores_costs(tmp_path: Path) -> None:
-    """Planned on two workers of a cluster with more devices than the host has cores, `pd
-    profile` also trains a pipeline over every device (sharing the cores) and keeps how much
-    slower it ran than its replay: a plan of that layout then predicts that run's steady time,
-    and a plan on two workers is priced as before."""
+@pytest.mark.parametrize("planned_shares", [False, True], ids=["planned-on-a-core-each", "planned-sharing"])
+def test_pipeline_probe_measures_what_sharing_the_cores_costs(tmp_path: Path, planned_shares: bool) -> None:
+    """On a cluster with more devices than the host has cores, `pd profile` fits the costs on
+    a pipeline whose workers each have a core (the planned two workers; or, when the plan
+    itself uses every device, a pipeline over the cores), trains a layout that shares the cores
+    (the devices' balanced pipeline; or the planned one) and keeps how much slower it ran than
+    its replay: a plan of that layout then predicts that run's steady time, and a plan with a
+    core per worker is priced without it."""
     from pdcli.host import host_cores
     from pdcli.probe.runtime import PIPELINE_MAX_WORKERS, balanced_cuts
     from pdcli.profiler.chain import Chain
@@ -147,20 +150,29 @@ def test_pipeline_probe_measures_what_sharing_the_cores_costs(tmp_path: Path) ->
     if not 2 <= cores < PIPELINE_MAX_WORKERS:
         pytest.skip(f"needs 2-{PIPELINE_MAX_WORKERS - 1} cores to share (this host has {cores})")
     devices = cores + 1
+    positions = 18  # the quickstart's chain
+    planned_cuts = [positions * k // devices for k in range(1, devices)]
+    plan_args = [f"plan.num_stages={devices}", f"plan.boundaries={planned_cuts}"] if planned_shares \
+        else ["plan.num_stages=2"]
     env = {**__import__("os").environ, "PD_PIPELINE_PROBE": "1"}
     args = [f"run.root={tmp_path}", "profile.repeats=3", "profile.pipeline_probe_minibatches=30",
-            "profile.pipeline_probe_runs=1", f"cluster.levels.0.devices={devices}", "plan.num_stages=2"]
+            "profile.pipeline_probe_runs=1", f"cluster.levels.0.devices={devices}", *plan_args]
     proc = subprocess.run([str(PD), "profile", RECIPE, *args], capture_output=True, text=True, timeout=250,
                           cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "workers sharing cores:" in proc.stdout
     chain = Chain.from_json(json.loads((tmp_path / "quickstart" / "profile.json").read_text()))
+    assert len(chain.nodes) == positions
     runtime = chain.meta["runtime"]
     sources = runtime["sources"]
-    assert sources["pipeline_probe"].startswith("30 minibatches of pipedream on 2 workers"), sources["pipeline_probe"]
+    fitted_on = cores if planned_shares else 2
+    assert sources["pipeline_probe"].startswith(f"30 minibatches of pipedream on {fitted_on} workers"), \
+        sources["pipeline_probe"]
     assert f"on {devices} workers sharing {cores} cores" in sources["shared_probe"], sources["shared_probe"]
     [(run_ms, replay_ms)] = sources["shared_runs_ms"]
     assert runtime["shared_slowdown"] == pytest.approx(run_ms / replay_ms, rel=1e-4)  # the stored times are rounded
+    shared_cuts = planned_cuts if planned_shares else balanced_cuts(chain, devices)
+    assert f"split at {shared_cuts}" in sources["shared_probe"], sources["shared_probe"]
 
     def predicted(cuts: list[int]) -> dict[str, Any]:
         out = tmp_path / f"plan-{len(cuts)}.json"
@@ -169,7 +181,7 @@ def test_pipeline_probe_measures_what_sharing_the_cores_costs(tmp_path: Path) ->
         assert result.exit_code == 0, result.output
         return json.loads(out.read_text())["pipeline"]
 
-    shared = predicted(balanced_cuts(chain, devices))
+    shared = predicted(shared_cuts)
     assert shared["time_per_minibatch_ms"] == pytest.approx(run_ms, rel=0.02)
     assert shared["replay"]["shared_slowdown"] == pytest.approx(runtime["shared_slowdown"], rel=1e-6)
     assert "shared_slowdown" not in predicted(balanced_cuts(chain, 2))["replay"]

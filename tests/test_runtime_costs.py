@@ -369,21 +369,28 @@ def test_workers_sharing_cores_are_priced_their_measured_slowdown() -> None:
     assert oversubscription_of(2, 3, 1.3) == pytest.approx(1.5 * 1.3) and oversubscription_of(2, 2, 1.3) == 1.0
 
 
-def test_the_pipeline_probe_measures_sharing_only_where_its_run_did_not_share() -> None:
-    """The second probe layout: the devices' balanced pipeline, when the first layout gave each
-    worker a core and the devices outnumber the cores."""
+def test_the_pipeline_probe_fits_on_a_core_per_worker_and_measures_sharing_apart() -> None:
+    """The probe's two layouts: the costs come from a run whose workers each have a core (the
+    planned layout, or the balanced pipeline over the cores when the planned one shares them),
+    and a layout that shares the cores (the planned one, else the devices' balanced pipeline)
+    measures `shared_slowdown`."""
     from pathlib import Path
 
     from pdcli.config import load_config
-    from pdcli.probe.runtime import balanced_cuts, shared_layout
+    from pdcli.probe.runtime import balanced_cuts, probe_layouts
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
     c = chain(n=8)
     cfg = load_config(recipe, ["cluster.levels.0.devices=3", "plan.num_stages=2"]).config
-    assert shared_layout(cfg, c, 2, 2) == (balanced_cuts(c, 3), [1, 1, 1])
-    assert shared_layout(cfg, c, 3, 2) is None  # the first run shared the cores: its refit holds it
-    assert shared_layout(cfg, c, 2, 4) is None  # 3 devices on 4 cores: nothing shares
-    assert shared_layout(cfg, c, 2, None) is None  # not the CPU
+    two, three = (balanced_cuts(c, 2), [1, 1]), (balanced_cuts(c, 3), [1, 1, 1])
+    assert probe_layouts(cfg, c, ([4], [1, 1]), 2) == (([4], [1, 1]), three)
+    # the planned layout shares the cores: fitted on the cores' own pipeline, the plan measures the sharing
+    assert probe_layouts(cfg, c, ([3, 6], [1, 1, 1]), 2) == (two, ([3, 6], [1, 1, 1]))
+    assert probe_layouts(cfg, c, ([3], [2, 1]), 2) == (two, ([3], [2, 1]))
+    assert probe_layouts(cfg, c, ([4], [1, 1]), 4) == (([4], [1, 1]), None)  # 3 devices on 4 cores: nothing shares
+    assert probe_layouts(cfg, c, ([3, 6], [1, 1, 1]), 1) == (([3, 6], [1, 1, 1]), None)  # no pipeline fits one core
+    two_devices = load_config(recipe, ["cluster.levels.0.devices=2"]).config
+    assert probe_layouts(two_devices, c, ([4], [1, 1]), 2) == (([4], [1, 1]), None)
 
 
 def test_the_profile_summary_shows_the_all_reduce() -> None:

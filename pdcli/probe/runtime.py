@@ -368,8 +368,31 @@ def pipeline_layout(cfg: Any, chain: Chain, layout: StageLayout | None) -> tuple
     if layout is not None and len(layout) >= 2 * v and workers <= PIPELINE_MAX_WORKERS:
         replicas = [r for _, _, r in layout]
         return [start for start, _, _ in layout[1:]], (replicas if v == 1 else [1] * workers)
-    num_stages = min(cfg.num_devices, len(chain.nodes) // v, PIPELINE_MAX_WORKERS)
+    return balanced_layout(cfg, chain, cfg.num_devices)
+
+
+def balanced_layout(cfg: Any, chain: Chain, workers: int) -> tuple[list[int], list[int]] | None:
+    """(cuts, replicas) of a pipeline of `workers` workers (at most PIPELINE_MAX_WORKERS, one
+    replica each, V chunks each with virtual stages) whose stages share the profiled work
+    evenly. None: fewer than 2 workers or positions per chunk."""
+    v = int(cfg.schedule.virtual_stages)
+    num_stages = min(workers, len(chain.nodes) // v, PIPELINE_MAX_WORKERS)
     return (balanced_cuts(chain, num_stages * v), [1] * num_stages) if num_stages >= 2 else None
+
+
+def probe_layouts(cfg: Any, chain: Chain, planned: tuple[list[int], list[int]],
+                  cores: int) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]] | None]:
+    """(the layout the pipeline probe fits the costs on, the layout that measures
+    `shared_slowdown` or None). The costs come from a run whose workers each have a core:
+    `planned` (`pipeline_layout`) when it fits the `cores`, else the balanced pipeline over the
+    cores, and `planned`, which shares them, measures the slowdown (its own plan is then priced
+    from a run of itself). When `planned` fits the cores, the devices' balanced pipeline
+    measures it if that shares them. With fewer than 2 cores `planned` is fitted as it is."""
+    if sum(planned[1]) <= cores:
+        devices = balanced_layout(cfg, chain, cfg.num_devices)
+        return planned, (devices if devices is not None and sum(devices[1]) > cores else None)
+    dedicated = balanced_layout(cfg, chain, cores)
+    return (dedicated, planned) if dedicated is not None else (planned, None)
 
 
 def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int,
@@ -379,19 +402,20 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     plans; one worker per replica), at least `minibatches` minibatches and
     enough for `profile.pipeline_probe_seconds` in the measured half by the profiled time; what
     workers sharing the host, waiting for each other and waking up again pay that stages run
-    alone do not (`pdcli.report.calibrate`). It trains `profile.pipeline_probe_runs` times and
+    alone do not (`pdcli.report.calibrate`). Where that layout's workers outnumber the cores,
+    the costs are fitted on the balanced pipeline over the cores and the planned layout measures
+    `shared_slowdown` (`probe_layouts`). It trains `profile.pipeline_probe_runs` times and
     keeps the refit of the run with the median steady time: how fast a run goes moves from one
     run to the next on a shared host, and one run's level would price every plan.
     `sources["pipeline_probe"]` says what ran, or why nothing did (fewer than 2 devices or
     workers, not the CPU, fewer than 2 positions, or every run failed: then the costs are
-    unchanged); `sources["pipeline_runs_ms"]` holds each run's steady time per minibatch. When
-    that layout gives each worker a core and the cluster's devices outnumber the cores, a layout
-    that shares them also runs, for `shared_slowdown` (`shared_layout`, `probe_sharing`)."""
+    unchanged); `sources["pipeline_runs_ms"]` holds each run's steady time per minibatch. A
+    layout that shares the cores, where there is one, runs after it (`probe_sharing`)."""
     costed = runtime.priced(chain)
-    shape = pipeline_layout(cfg, chain, layout_of(costed) if layout_of is not None else None)
-    if shape is None or runtime.cores is None:
+    planned = pipeline_layout(cfg, chain, layout_of(costed) if layout_of is not None else None)
+    if planned is None or runtime.cores is None:
         return _noted(runtime, "skipped: needs 2 CPU devices, 2 workers and 2 positions")
-    cuts, replicas = shape
+    (cuts, replicas), shared = probe_layouts(cfg, chain, planned, runtime.cores)
     workers = sum(replicas)
     overrides = _probe_overrides(cfg, chain, cuts, replicas, minibatches)
     fitted: list[tuple[float, RuntimeCosts, dict[str, Any]]] = []
@@ -414,24 +438,12 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
         if len(fitted) > 1 else ""
     calibrated = _noted(calibrated, f"{_probe_minibatches(cfg, chain, workers, minibatches)} minibatches of "
                                     f"{cfg.schedule.name} on {workers} workers, split at {cuts}{shown}{runs}")
-    shared = shared_layout(cfg, chain, workers, runtime.cores)
     return probe_sharing(cfg, costed, calibrated, shared, minibatches) if shared is not None else calibrated
 
 
 def _replicated(replicas: Sequence[int]) -> bool:
     """Some stage of the layout has more than one replica."""
     return any(r > 1 for r in replicas)
-
-
-def shared_layout(cfg: Any, chain: Chain, workers: int, cores: int | None) -> tuple[list[int], list[int]] | None:
-    """The layout the pipeline probe also runs when its first layout's `workers` each had a
-    core and the cluster has more devices than the host has cores (plans that share the cores
-    are then priced from a run that did not): `pipeline_layout`'s balanced pipeline over the
-    devices (at most PIPELINE_MAX_WORKERS). None: no such layout shares the cores."""
-    if cores is None or workers > cores:
-        return None
-    shape = pipeline_layout(cfg, chain, None)
-    return shape if shape is not None and sum(shape[1]) > cores else None
 
 
 def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tuple[list[int], list[int]],

@@ -89,7 +89,6 @@ def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Pa
     """`pd profile` runs the schedule on two workers three times and refits its costs to the
     median run: a plan of the probe run's split then predicts that run's steady time."""
     from pdcli.profiler.chain import Chain
-    from pdcli.probe.runtime import balanced_cuts
 
     env = {**__import__("os").environ, "PD_PIPELINE_PROBE": "1"}
     args = [f"run.root={tmp_path}", "profile.repeats=3", "profile.pipeline_probe_minibatches=30"]
@@ -105,7 +104,10 @@ def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Pa
     runs_ms = sources["pipeline_runs_ms"]
     assert len(runs_ms) == 3 and runs_ms == sorted(runs_ms) and measured_ms == pytest.approx(runs_ms[1], abs=1e-3)
     out = tmp_path / "plan.json"
-    result = runner.invoke(app, ["plan", RECIPE, *args, f"plan.boundaries={balanced_cuts(chain, 2)}", "-o", str(out)],
+    # the probe ran the recipe's planned split (not necessarily the balanced one): plan that split
+    cuts = sources["pipeline"]["boundaries"]
+    assert len(cuts) == 1 and f"split at {cuts}" in sources["pipeline_probe"]
+    result = runner.invoke(app, ["plan", RECIPE, *args, f"plan.boundaries={cuts}", "-o", str(out)],
                            env={"PD_PIPELINE_PROBE": "1"})
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["pipeline"]["time_per_minibatch_ms"] == pytest.approx(measured_ms, rel=0.05)

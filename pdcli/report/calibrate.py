@@ -221,6 +221,7 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     elif target_ms is not None:
         calibrated = fit_latency(calibrated, chain, plan, target_ms)
     return calibrated, {"run": str(run_dir), "schedule": schedule, "num_microbatches": m, "precision": precision,
+                        "boundaries": [int(stage["start"]) for stage in plan["stages"][1:]],
                         "steady_time_per_minibatch_ms": target_ms, "stages": measured,
                         **({"shared_cores": shared_fit.to_json()} if shared_fit else {})}
 

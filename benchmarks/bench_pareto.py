@@ -114,7 +114,7 @@ def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:
     chosen_flush = point_of(flush["front"][flush["chosen"]])
     own_cores = None  # the choice among plans that give each worker a core, where others share them
     cores = host_cores()
-    if sum(chosen[6]) > cores or any(sum(point_of(r)[6]) > cores for r in search["front"]):
+    if any(sum(point_of(r)[6]) > cores for r in search["front"]):  # the chosen point is on the front
         fewer = front_of(recipe, root, f"{name}-own-cores", extra, f"cluster.levels.0.devices={cores}")
         own_cores = point_of(fewer["front"][fewer["chosen"]])
     others = [p for p in (point_of(r) for r in search["front"]) if p not in (chosen, chosen_flush)]

@@ -139,6 +139,27 @@ def test_digits_split_is_fixed_and_disjoint() -> None:
     assert all(0.0 <= v <= 1.0 for v in source("digits", batch_size=32).batch(0).inputs[0].flatten().tolist())
 
 
+
+def test_digits_are_scikit_learns_read_without_importing_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from pdcli.data import digits as digits_module
+
+    bunch = load_digits()
+    pixels, labels = digits_module.digits_table()
+    assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target) and labels.dtype == np.int64
+    # a worker loading the data does not pay scikit-learn's import
+    code = "import sys; from pdcli.data.digits import digits; digits(); print('sklearn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-1000:]
+    # where the table is not where scikit-learn ships it, load_digits reads it
+    monkeypatch.setattr(digits_module, "SHIPPED_TABLE", tmp_path / "nowhere.csv.gz")
+    fallback_pixels, fallback_labels = digits_module.digits_table()
+    assert np.array_equal(fallback_pixels, bunch.data) and np.array_equal(fallback_labels, bunch.target)
+
 def test_synthetic_images_carry_a_class_signal() -> None:
     src = source("synthetic_images", batch_size=64, num_classes=4, image_size=8, channels=1)
     train = [src.batch(i) for i in range(4)]

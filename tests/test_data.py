@@ -139,7 +139,6 @@ def test_digits_split_is_fixed_and_disjoint() -> None:
     assert all(0.0 <= v <= 1.0 for v in source("digits", batch_size=32).batch(0).inputs[0].flatten().tolist())
 
 
-
 def test_digits_are_scikit_learns_read_without_importing_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -159,6 +158,7 @@ def test_digits_are_scikit_learns_read_without_importing_it(monkeypatch: pytest.
     monkeypatch.setattr(digits_module, "SHIPPED_TABLE", tmp_path / "nowhere.csv.gz")
     fallback_pixels, fallback_labels = digits_module.digits_table()
     assert np.array_equal(fallback_pixels, bunch.data) and np.array_equal(fallback_labels, bunch.target)
+
 
 def test_synthetic_images_carry_a_class_signal() -> None:
     src = source("synthetic_images", batch_size=64, num_classes=4, image_size=8, channels=1)

@@ -113,6 +113,31 @@ def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Pa
     assert json.loads(out.read_text())["pipeline"]["time_per_minibatch_ms"] == pytest.approx(measured_ms, rel=0.05)
 
 
+def test_pipeline_probe_run_reuses_the_probes_profile(tmp_path: Path) -> None:
+    """The run directory of a pipeline probe's `pd train` holds the profile the probe measured,
+    under the inputs hash that run computes: its profile step finds it fresh and measures nothing.
+    The runtime's costs, which that run does not price with, are left out."""
+    from omegaconf import OmegaConf
+
+    from pdcli.config.loader import load_config, run_dir_path
+    from pdcli.planner.runtime_costs import RUNTIME_META
+    from pdcli.probe.runtime import PIPELINE_RUN, _probe_overrides, seed_run
+    from pdcli.rundir import RunDir
+    from pdcli.steps.profile import ensure_profile, seed_profile
+
+    cfg = load_config(RECIPE, [f"run.root={tmp_path}", "profile.repeats=1", "profile.runtime_probe=false"]).config
+    chain, _ = ensure_profile(cfg, RunDir(run_dir_path(cfg)).create(), progress=False)
+    recipe = tmp_path / "config.yaml"
+    recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    items = [f"run.root={tmp_path / 'probe'}", f"run.name={PIPELINE_RUN}", *_probe_overrides(cfg, chain, [9], [1, 1], 30)]
+    seed_run(recipe, items, replace(chain, meta={**chain.meta, RUNTIME_META: {"as": "the probe passes it"}}), seed_profile)
+    probe_cfg = load_config(recipe, items).config
+    seeded, reused = ensure_profile(probe_cfg, RunDir(run_dir_path(probe_cfg)), progress=False)
+    assert reused and seeded.to_json() == chain.to_json()
+    unseeded, reused = ensure_profile(probe_cfg, RunDir(tmp_path / "elsewhere").create(), progress=False)
+    assert not reused
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_pipeline_probe_of_a_searched_recipe_runs_its_stand_ins(tmp_path: Path) -> None:

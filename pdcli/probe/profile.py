@@ -17,7 +17,7 @@ from pdcli.profiler.chain import Chain
 from pdcli.torchutil.threads import torch_threads
 
 if TYPE_CHECKING:  # the profiler's modules are imported when measuring
-    from pdcli.probe.runtime import StageLayout
+    from pdcli.probe.runtime import Seed, StageLayout
     from pdcli.profiler.measure import BatchLike, LossFn
 
 PROFILE_BATCH_INDEX = 0
@@ -118,12 +118,13 @@ def precision_time_ratios(model: torch.nn.Module, batch: BatchLike, loss_fn: Los
 
 def profile_config(
     cfg: Config, device: torch.device, num_threads: int | None, config_hash: str, progress: bool = True,
-    layout_of: Callable[[Chain], StageLayout | None] | None = None,
+    layout_of: Callable[[Chain], StageLayout | None] | None = None, seed: Seed | None = None,
 ) -> Chain:
     """Measure the model, data and optimizer of `cfg` on `device` with `num_threads` intra-op
     threads; `config_hash` is recorded in the chain (the hash of the inputs it was made from).
     `layout_of(chain)`: the stages the recipe plans on the chain priced with the in-process
-    probe's costs, which the pipeline probe then runs (`pdcli.probe.runtime.pipeline_layout`)."""
+    probe's costs, which the pipeline probe then runs (`pdcli.probe.runtime.pipeline_layout`);
+    `seed` gives those runs the profile measured here (`pdcli.probe.runtime.Seed`)."""
     # Imported here: the model zoo and data sets are only needed when measuring.
     from pdcli.data import Batch, build_data
     from pdcli.models import build_loss, build_model
@@ -184,6 +185,6 @@ def profile_config(
 
                 runtime = with_allreduce(runtime, cpu_threads_per_worker(cfg))
             if pipeline_minibatches:
-                runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches, layout_of)
+                runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches, layout_of, seed)
             chain.meta[RUNTIME_META] = runtime.to_json()
     return chain

@@ -34,7 +34,7 @@ from torch import nn
 
 from pdcli.host import host_cores
 from pdcli.models.loss import logits_of
-from pdcli.planner.runtime_costs import DIRECT, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
+from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
 from pdcli.planner.runtime_fit import StagePoints
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain
@@ -77,6 +77,11 @@ class ZerosTransport:
     def irecv(self, buf: torch.Tensor, src_rank: int, tag: int) -> _Done:
         buf.zero_()
         return _Done()
+
+
+Seed = Callable[[Any, Chain], None]
+"""Writes a chain as the profile of the run directory a loaded config names, under that config's
+inputs hash (`pdcli.steps.profile.seed_profile`), so the run reuses it."""
 
 
 def probe_boundaries(chain: Chain, shares: Sequence[float] = PROBE_SHARES) -> list[tuple[int, int]]:
@@ -396,7 +401,8 @@ def probe_layouts(cfg: Any, chain: Chain, planned: tuple[list[int], list[int]],
 
 
 def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int,
-                   layout_of: Callable[[Chain], StageLayout | None] | None = None) -> RuntimeCosts:
+                   layout_of: Callable[[Chain], StageLayout | None] | None = None,
+                   seed: Seed | None = None) -> RuntimeCosts:
     """`runtime` refitted from a short real run of the configured schedule on this host, laid
     out by `pipeline_layout` from `layout_of(chain priced with runtime)` (the stages the recipe
     plans; one worker per replica), at least `minibatches` minibatches and
@@ -410,7 +416,8 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     `sources["pipeline_probe"]` says what ran, or why nothing did (fewer than 2 devices or
     workers, not the CPU, fewer than 2 positions, or every run failed: then the costs are
     unchanged); `sources["pipeline_runs_ms"]` holds each run's steady time per minibatch. A
-    layout that shares the cores, where there is one, runs after it (`probe_sharing`)."""
+    layout that shares the cores, where there is one, runs after it (`probe_sharing`). `seed`
+    gives each run `chain` as its profile (`Seed`)."""
     costed = runtime.priced(chain)
     planned = pipeline_layout(cfg, chain, layout_of(costed) if layout_of is not None else None)
     if planned is None or runtime.cores is None:
@@ -421,7 +428,7 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     fitted: list[tuple[float, RuntimeCosts, dict[str, Any]]] = []
     failures: list[str] = []
     for _ in range(max(1, int(cfg.profile.pipeline_probe_runs))):
-        outcome = _pipeline_run(cfg, costed, runtime, overrides)
+        outcome = _pipeline_run(cfg, costed, runtime, overrides, seed)
         if isinstance(outcome, str):
             failures.append(outcome)
         else:
@@ -438,7 +445,7 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
         if len(fitted) > 1 else ""
     calibrated = _noted(calibrated, f"{_probe_minibatches(cfg, chain, workers, minibatches)} minibatches of "
                                     f"{cfg.schedule.name} on {workers} workers, split at {cuts}{shown}{runs}")
-    return probe_sharing(cfg, costed, calibrated, shared, minibatches) if shared is not None else calibrated
+    return probe_sharing(cfg, costed, calibrated, shared, minibatches, seed) if shared is not None else calibrated
 
 
 def _replicated(replicas: Sequence[int]) -> bool:
@@ -447,7 +454,7 @@ def _replicated(replicas: Sequence[int]) -> bool:
 
 
 def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tuple[list[int], list[int]],
-                  minibatches: int) -> RuntimeCosts:
+                  minibatches: int, seed: Seed | None = None) -> RuntimeCosts:
     """`calibrated` (fitted on workers with a core each) with `shared_slowdown`: a short real
     run of the layout `shape` (more workers than cores) over its replay with `calibrated`'s
     costs, the median of `profile.pipeline_probe_runs` runs. What the replay's core queue does
@@ -462,7 +469,7 @@ def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tupl
     failure = ""
     for _ in range(max(1, int(cfg.profile.pipeline_probe_runs))):
         with tempfile.TemporaryDirectory(prefix="pd-shared-probe-") as tmp:
-            proc = _train(cfg, Path(tmp), overrides)
+            proc = _train(cfg, Path(tmp), overrides, costed, seed)
             if proc.returncode != 0:
                 failure = _why(proc)
                 continue
@@ -512,17 +519,39 @@ def _probe_overrides(cfg: Any, chain: Chain, cuts: Sequence[int], replicas: Sequ
     ]
 
 
-def _train(cfg: Any, tmp: Path, overrides: list[str]) -> subprocess.CompletedProcess[str]:
-    """`pd train` of `cfg` with `overrides` as run PIPELINE_RUN under `tmp` (a subprocess)."""
+def _train(cfg: Any, tmp: Path, overrides: list[str], chain: Chain,
+           seed: Seed | None = None) -> subprocess.CompletedProcess[str]:
+    """`pd train` of `cfg` with `overrides` as run PIPELINE_RUN under `tmp` (a subprocess),
+    `seed` giving it `chain` as its profile (`seed_run`)."""
     from omegaconf import OmegaConf
 
     recipe = tmp / "config.yaml"
     recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    items = [f"run.root={tmp}", f"run.name={PIPELINE_RUN}", *overrides]
+    if seed is not None:
+        seed_run(recipe, items, chain, seed)
     # From the user's directory, as their own run: relative data paths and `model.target`
     # modules beside the recipe resolve there (run.root keeps every file in tmp).
-    return subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe),
-                           f"run.root={tmp}", f"run.name={PIPELINE_RUN}", *overrides],
+    return subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe), *items],
                           capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S)
+
+
+def seed_run(recipe: Path, overrides: list[str], chain: Chain, seed: Seed) -> None:
+    """`seed` the run of `pd train recipe overrides` with `chain` as its profile, without what
+    the probe's overrides switch off (the runtime's costs, other microbatch sizes, other
+    precisions): measured again, with fewer repeats, the model would be what that run plans
+    with, at the cost of building and timing it in every probe run. Where the overrides do not
+    load, nothing is written: the run reports why it fails."""
+    from pdcli.config.loader import load_config
+    from pdcli.errors import UserError
+    from pdcli.profiler.batch_points import BATCH_POINTS_META, PRECISION_META
+
+    try:
+        cfg = load_config(recipe, overrides).config
+    except UserError:
+        return
+    meta = {k: v for k, v in chain.meta.items() if k not in (RUNTIME_META, BATCH_POINTS_META, PRECISION_META)}
+    seed(cfg, dataclasses.replace(chain, meta=meta))
 
 
 def _why(proc: subprocess.CompletedProcess[str]) -> str:
@@ -530,14 +559,14 @@ def _why(proc: subprocess.CompletedProcess[str]) -> str:
     return " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
 
 
-def _pipeline_run(cfg: Any, costed: Chain, runtime: RuntimeCosts,
-                  overrides: list[str]) -> tuple[float, RuntimeCosts, dict[str, Any]] | str:
+def _pipeline_run(cfg: Any, costed: Chain, runtime: RuntimeCosts, overrides: list[str],
+                  seed: Seed | None = None) -> tuple[float, RuntimeCosts, dict[str, Any]] | str:
     """One run of the pipeline probe (`pd train` with `overrides`) refitted: (its steady time
     per minibatch, the refitted costs, what it measured), or why it failed."""
     from pdcli.report.calibrate import calibrate_from_run
 
     with tempfile.TemporaryDirectory(prefix="pd-pipeline-probe-") as tmp:
-        proc = _train(cfg, Path(tmp), overrides)
+        proc = _train(cfg, Path(tmp), overrides, costed, seed)
         if proc.returncode != 0:
             return _why(proc)
         calibrated, measured = calibrate_from_run(Path(tmp) / PIPELINE_RUN, costed, runtime)

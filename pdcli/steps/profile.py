@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from pdcli.config.schema import Config
+from pdcli.config.loader import run_dir_path
 from pdcli.errors import UserError
 from pdcli.profiler.chain import Chain
 from pdcli.probe.profile import (
@@ -82,9 +83,19 @@ def ensure_profile(
         return load_profile(run), True
 
     chain = profile_config(cfg, device, num_threads, inputs_hash, progress=progress,
-                           layout_of=lambda costed: planned_layout(costed, cfg))
+                           layout_of=lambda costed: planned_layout(costed, cfg), seed=seed_profile)
     run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
     return chain, False
+
+
+def seed_profile(cfg: Config, chain: Chain) -> None:
+    """Write `chain`, measured for `cfg` by another process, as the profile of `cfg`'s run
+    directory under the inputs hash `cfg` gives, so that `ensure_profile` there reuses it instead
+    of measuring again."""
+    device = profile_device(cfg)
+    num_threads = cpu_threads_per_worker(cfg) if device.type == "cpu" else None
+    run = RunDir(run_dir_path(cfg)).create()
+    run.write_json(PROFILE_ARTIFACT, chain.to_json(), profile_inputs_hash(cfg, device, num_threads))
 
 
 def load_profile(run: RunDir) -> Chain:

@@ -14,7 +14,9 @@ plan, compile, train), then the run is read with `pd report`'s library. For the 
   (`pd plan --calibrate`), so each is predicted from a run it has not seen (rounds >= 2).
 
 and per stage the compute measured against the `probe` plan's (in CPU time where the workers
-share cores, as `pd report` compares it). Measured / predicted is the
+share cores, as `pd report` compares it), and how much slower the host's reference matmul ran
+after the run than when its profile was measured (`pd report`'s host line; the probe's error is
+also shown with each run's time divided by it). Measured / predicted is the
 ratio shown; mean |error| closes each column. Writes `runs/benchmarks/prediction.json`;
 nothing is asserted.
 
@@ -127,7 +129,7 @@ def run_case(name: str, case: tuple[str, tuple[str, ...], int], root: Path, prev
     row: dict[str, Any] = {
         "case": name, "schedule": c.measured.schedule, "num_stages": len(c.stages), "steps": steps, "wall_s": wall_s,
         "measured_ms": measured_ms, "profile_ms": profile_model_ms(chain, plan), "probe_ms": probe_ms,
-        "calibrated_ms": None, "drift_warning": c.drift is not None,
+        "calibrated_ms": None, "drift_warning": c.drift is not None, "host_ratio": c.host_speed_ratio,
         "shared_cores": c.predicted.shared_cores,
         "stages": [{"stage_id": s.stage_id, "predicted_compute_ms": s.predicted.compute_ms,
                     "measured_compute_ms": s.measured.compute_ms, "measured_actions_ms": s.measured.actions_ms,
@@ -199,6 +201,7 @@ def main() -> None:
                     shutil.rmtree(kept / name)
                 shutil.copytree(root / name, kept / name)
     table, errors = [], {"profile_ms": [], "probe_ms": [], "calibrated_ms": []}
+    host_adjusted: list[float] = []  # the probe's error where the host's level moved between profile and run
     for r in rows:
         if "error" in r:
             table.append([r["case"], r["round"] + 1, "-", "-", f"failed: {r['error']}"])
@@ -207,27 +210,35 @@ def main() -> None:
         for k, v in ratios.items():
             if v is not None:
                 errors[k].append(abs(v - 1.0))
+        host = r.get("host_ratio")
+        if host and ratios["probe_ms"] is not None:
+            host_adjusted.append(abs(ratios["probe_ms"] / host - 1.0))
         table.append([
             r["case"], r["round"] + 1, r["schedule"], r["num_stages"], f"{r['measured_ms']:.2f}",
             f"{r['profile_ms']:.2f} ({ratios['profile_ms']:.2f}x)" if r["profile_ms"] else "-",
             f"{r['probe_ms']:.2f} ({ratios['probe_ms']:.2f}x)",
             f"{r['calibrated_ms']:.2f} ({ratios['calibrated_ms']:.2f}x)" if r["calibrated_ms"] else "-",
             " | ".join(f"{s['compute_ratio']:.2f}" for s in r["stages"]) + (" (CPU)" if r.get("shared_cores") else ""),
-            "yes" if r["drift_warning"] else "no",
+            "yes" if r["drift_warning"] else "no", f"{host:.2f}x" if host else "-",
         ])
     print(tabulate(table, headers=["case", "round", "schedule", "stages", "measured ms/mb", "profile model",
                                    "runtime probe", "calibrated (previous round)", "stage compute meas/pred",
-                                   "drift warning"], disable_numparse=True))
+                                   "drift warning", "host run / profile"], disable_numparse=True))
     summary = {k: statistics.mean(v) * 100 if v else None for k, v in errors.items()}
     print("\nmean |measured / predicted - 1|: " + ", ".join(
         f"{k.removesuffix('_ms')} {v:.1f}%" for k, v in summary.items() if v is not None))
+    adjusted = statistics.mean(host_adjusted) * 100 if host_adjusted else None
+    if adjusted is not None:
+        print(f"the probe's with each run's time divided by how much slower the host's reference matmul ran after it "
+              f"than when its profile was measured (`pd report`'s host line): {adjusted:.1f}%")
     noise = run_to_run(rows)
     if noise is not None:
         print(f"run to run: a case's measured time differs from the mean of its rounds by {noise['spread_pct']:.1f}% "
               f"on average (what a perfect prediction of that mean would score run by run); the probe against "
               f"each case's mean: {noise['probe_vs_mean_pct']:.1f}%")
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(OUT, {"rows": rows, "mean_abs_error_pct": summary, "run_to_run": noise})
+    atomic_write_json(OUT, {"rows": rows, "mean_abs_error_pct": summary, "probe_host_adjusted_pct": adjusted,
+                            "run_to_run": noise})
     print(f"wrote {OUT}")
 
 

@@ -91,3 +91,40 @@ def interface_of(address: str) -> str | None:
             if socket.inet_ntoa(raw[20:24]) == address:
                 return name
     return None
+
+
+HOST_SPEED_META = "host_speed_ms"
+"""Where a profile (`meta`) and a run (`train/summary.json`) record `host_speed_ms()`."""
+HOST_SPEED_SECONDS = 0.2
+HOST_SPEED_SHAPE = (128, 512, 512)
+"""The reference matmul: (rows, inner, columns), float32, one thread: about 34 MFLOP, a
+millisecond or two on one core."""
+
+
+def host_speed_ms(seconds: float = HOST_SPEED_SECONDS) -> float:
+    """This CPU's speed at the moment: the median time (ms) of a fixed one-thread float32
+    matmul (`HOST_SPEED_SHAPE`) repeated for `seconds`. A profile and a run each record it, so
+    a report can tell a host that ran slower during training (a busy machine, a lower clock)
+    from a plan that priced the work wrong."""
+    import statistics
+    import time
+
+    import torch
+
+    rows, inner, cols = HOST_SPEED_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(rows, inner, generator=generator), torch.randn(inner, cols, generator=generator)
+    samples: list[float] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(3):  # warm-up
+            torch.mm(a, b)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end or len(samples) < 5:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            samples.append((time.perf_counter() - start) * 1e3)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(samples)

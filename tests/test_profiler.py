@@ -387,6 +387,7 @@ def test_ensure_profile_reuses_until_inputs_change(tmp_path: Path) -> None:
     chain, reused = ensure_profile(cfg, run, progress=False)
     assert not reused and (run / "profile.json").exists()
     assert chain.meta["batch_size"] == cfg.microbatch_size == 4
+    assert chain.meta["host_speed_ms"] > 0  # the host's speed as the layers were timed (`pd report` compares a run's)
     assert Chain.from_json(json.loads((run / "profile.json").read_text())) == chain
 
     again, reused = ensure_profile(cfg, run, progress=False)
@@ -406,6 +407,27 @@ def test_ensure_profile_reuses_until_inputs_change(tmp_path: Path) -> None:
     assert not reused and with_adam.meta["optimizer"]["name"] == "adam"
     first_linear = with_adam.nodes[1]
     assert first_linear.optimizer_ms > 0 and first_linear.optimizer_state_bytes == 2 * first_linear.parameter_bytes
+
+
+def test_host_speed_times_the_reference_matmul_on_one_thread_and_restores_the_threads() -> None:
+    from pdcli.host import HOST_SPEED_SHAPE, host_speed_ms
+
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    real_mm = torch.mm
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        assert (a.shape[0], a.shape[1], b.shape[1]) == HOST_SPEED_SHAPE
+        return real_mm(a, b)
+
+    torch.mm = mm  # type: ignore[assignment]
+    try:
+        ms = host_speed_ms(seconds=0.02)
+    finally:
+        torch.mm = real_mm  # type: ignore[assignment]
+    assert ms > 0 and len(seen) >= 8 and set(seen) == {1}  # 3 warm-up calls, then at least 5 timed
+    assert torch.get_num_threads() == before
 
 
 def test_ensure_profile_refuses_a_hand_edited_profile(tmp_path: Path) -> None:

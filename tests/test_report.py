@@ -280,6 +280,33 @@ def test_drift_warning_appears_when_and_only_when_the_threshold_is_crossed(tmp_p
         assert out["drift"]["command"].startswith(f"pd profile {run_dir / 'config.yaml'} --force && pd plan ")
 
 
+@pytest.mark.parametrize("profiled_ms,run_ms,note", [(1.0, 1.3, "slower"), (1.0, 1.05, None), (1.3, 1.0, "faster"),
+                                                     (None, 1.0, None)])
+def test_the_report_compares_the_hosts_speed_after_the_run_with_the_profiles(
+        tmp_path: Path, profiled_ms: float | None, run_ms: float, note: str | None) -> None:
+    """The host's reference matmul after the run against the profile's: shown, and called out
+    beyond 10%; nothing where the profile did not measure it."""
+    from pdcli.host import HOST_SPEED_META
+
+    run_dir = write_run(tmp_path / "run")
+    summary_path = run_dir / "train" / "summary.json"
+    summary_path.write_text(json.dumps({**json.loads(summary_path.read_text()), HOST_SPEED_META: run_ms}))
+    if profiled_ms is not None:
+        (run_dir / "profile.json").write_text(json.dumps({"meta": {HOST_SPEED_META: profiled_ms}}))
+    result = runner.invoke(app, ["report", str(run_dir), "--no-charts"])
+    assert result.exit_code == 0, result.output
+    out = report_json(run_dir)["host_speed"]
+    if profiled_ms is None:
+        assert "host:" not in result.stdout and out["ratio"] is None
+        return
+    ratio = run_ms / profiled_ms
+    assert f"took {profiled_ms:.3f} ms when profiled, {run_ms:.3f} ms after the run ({ratio:.2f}x)" in result.stdout
+    assert out == {"profiled_ms": profiled_ms, "run_ms": run_ms, "ratio": pytest.approx(ratio)}
+    assert ("the host ran" in result.stdout) is (note is not None)
+    if note is not None:
+        assert f"the host ran {note} than when profiled" in result.stdout
+
+
 def test_communication_drift_asks_for_a_replan_only(tmp_path: Path) -> None:
     out = report_json(write_run(tmp_path / "run", send_ms=1.0))
     assert out["drift"] is not None and not out["drift"]["reprofile"]
@@ -392,6 +419,9 @@ def test_report_of_a_real_quickstart_run(real_run: Path) -> None:
         else:
             assert stage["predicted"]["stage_time_ms"] == planned["stage_time_ms"]
     assert out["pipeline"]["measured"]["steady_time_per_minibatch_ms"] > 0
+    profile = json.loads((real_run / "profile.json").read_text())
+    assert out["host_speed"] == {"profiled_ms": profile["meta"]["host_speed_ms"], "run_ms": summary["host_speed_ms"],
+                                 "ratio": pytest.approx(summary["host_speed_ms"] / profile["meta"]["host_speed_ms"])}
     for log in sorted((real_run / "train").glob("rank*.log")):  # each worker's loop walks only its own objects
         assert re.search(r"\b[1-9]\d* objects of the setup frozen out of the garbage collector", log.read_text()), log
     for name in (TIMELINE_FILE, LOSS_FILE):

@@ -12,7 +12,7 @@ import torch
 
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
-from pdcli.host import host_cores
+from pdcli.host import HOST_SPEED_META, host_cores, host_speed_ms
 from pdcli.profiler.chain import Chain
 from pdcli.torchutil.threads import torch_threads
 
@@ -153,6 +153,8 @@ def profile_config(
             optimizer_factory=lambda module: build_optimizer(cfg.optim, module),
             optimizer_name=cfg.optim.name,
         )
+        if device.type == "cpu":  # the host's level as the layers were timed (`pd report` compares a run's)
+            chain.meta[HOST_SPEED_META] = host_speed_ms()
         rows = batch_point_rows(cfg)
         if rows:
             from pdcli.profiler.batch_points import BATCH_POINTS_META, batch_points_json

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PROFILE_VERSION = 1
+PROFILE_ARTIFACT = "profile.json"
+"""A run directory's profile: a `Chain` as JSON."""
 HELD_META = "held_memory"
 """`meta` key of what stages hold for their backward (`pdcli.profiler.held`)."""
 PIPE_SPLITS_META = "pipe_split_positions"

@@ -93,6 +93,20 @@ def read_trained_plan(run_dir: Path, commands: ReplanCommands) -> dict[str, Any]
     raise UserError(f"{run_dir / PLAN_FILE} not found", hint=f"run `{commands.plan()}` first")
 
 
+def profiled_host_speed(run_dir: Path) -> float | None:
+    """The host's speed when the run's profile was measured (`meta.host_speed_ms` of its
+    profile.json; None where it has none)."""
+    from pdcli.host import HOST_SPEED_META
+    from pdcli.profiler.chain import PROFILE_ARTIFACT
+
+    path = run_dir / PROFILE_ARTIFACT
+    try:
+        value = json.loads(path.read_text()).get("meta", {}).get(HOST_SPEED_META) if path.exists() else None
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return float(value) if value else None
+
+
 def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, charts: bool = True,
                 timeline_steps: int = 3, timeline_start: int | None = None) -> ReportResult:
     """Compare what the run measured with its plan; write train/timeline.png and train/loss.png."""
@@ -118,7 +132,7 @@ def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, c
     from pdcli.report.predicted import runtime_costed
 
     comparison = compare(predicted, measured, threshold_pct, commands,
-                         str(run_dir) if runtime_costed(plan) else None)
+                         str(run_dir) if runtime_costed(plan) else None, profiled_host_speed(run_dir))
     written: dict[str, Path] = {}
     if charts:
         from pdcli.report.charts import LOSS_FILE, TIMELINE_FILE, draw_loss, draw_timeline

@@ -88,6 +88,8 @@ class Comparison:
     measured: Measured
     threshold_pct: float
     drift: Drift | None
+    profiled_host_speed_ms: float | None = None
+    """`pdcli.host.host_speed_ms` as the profile measured it (`meta.host_speed_ms`)."""
 
     @property
     def time_per_minibatch_ratio(self) -> float | None:
@@ -95,6 +97,13 @@ class Comparison:
         measured = self.measured.steady_time_per_minibatch_ms or self.measured.time_per_minibatch_ms
         p = self.predicted.time_per_minibatch_ms
         return measured / p if p > 0 else None
+
+    @property
+    def host_speed_ratio(self) -> float | None:
+        """How much longer the host's reference matmul took after the run than when profiled
+        (> 1: the host was slower for the run; None: one of them was not measured)."""
+        run, profiled = self.measured.host_speed_ms, self.profiled_host_speed_ms
+        return run / profiled if run and profiled else None
 
 
 def compute_pair(p: PredictedStage, m: MeasuredStage, shared_cores: bool) -> tuple[float, float]:
@@ -108,9 +117,10 @@ def compute_pair(p: PredictedStage, m: MeasuredStage, shared_cores: bool) -> tup
 
 
 def compare(predicted: Predicted, measured: Measured, threshold_pct: float, commands: ReplanCommands,
-            calibrate_from: str | None = None) -> Comparison:
+            calibrate_from: str | None = None, profiled_host_speed_ms: float | None = None) -> Comparison:
     """Pair the stages of the plan with the measured ones and decide whether the plan drifted;
-    `calibrate_from`: the run directory a drift is calibrated from (plans with runtime costs)."""
+    `calibrate_from`: the run directory a drift is calibrated from (plans with runtime costs);
+    `profiled_host_speed_ms`: the host's speed when the profile was measured."""
     if len(predicted.stages) != len(measured.stages):
         raise ValueError(f"the plan has {len(predicted.stages)} stages, the run measured {len(measured.stages)}")
     rows = []
@@ -119,7 +129,8 @@ def compare(predicted: Predicted, measured: Measured, threshold_pct: float, comm
         stage_pct = relative_pct(measured_compute + m.comm_ms, predicted_compute + p.comm_ms)
         compute_pct = relative_pct(measured_compute, predicted_compute)
         rows.append(StageComparison(p.stage_id, p, m, stage_pct, compute_pct, _beyond(stage_pct, threshold_pct)))
-    return Comparison(tuple(rows), predicted, measured, threshold_pct, _drift(rows, threshold_pct, commands, calibrate_from))
+    return Comparison(tuple(rows), predicted, measured, threshold_pct, _drift(rows, threshold_pct, commands, calibrate_from),
+                      profiled_host_speed_ms)
 
 
 def _drift(rows: Sequence[StageComparison], threshold_pct: float, commands: ReplanCommands,

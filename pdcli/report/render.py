@@ -135,6 +135,7 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     lines.append(tabulate(action_rows(c), headers=SPLIT_ACTION_HEADERS if split else ACTION_HEADERS, tablefmt=table_fmt,
                           disable_numparse=True))
     lines.append("")
+    lines.extend(host_lines(c))
     if c.drift is None:
         lines.append(f"no drift: every stage time is within {c.threshold_pct:g}% of the plan")
     else:
@@ -148,6 +149,24 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     for name, path in charts.items():
         lines.append(f"{name}: {path}")
     return "\n".join(lines)
+
+
+HOST_NOTE_PCT = 10.0
+"""How far the host's speed after the run may be from the profile's before the report says so."""
+
+
+def host_lines(c: Comparison) -> list[str]:
+    """The host's reference matmul when profiled and after the run, and whether the host was
+    slower or faster for the run by more than HOST_NOTE_PCT (none where either is missing)."""
+    ratio = c.host_speed_ratio
+    if ratio is None:
+        return []
+    line = (f"host: a one-thread reference matmul took {c.profiled_host_speed_ms:.3f} ms when profiled, "
+            f"{c.measured.host_speed_ms:.3f} ms after the run ({ratio:.2f}x)")
+    if abs(ratio - 1.0) * 100 > HOST_NOTE_PCT:
+        line += (f": the host ran {'slower' if ratio > 1 else 'faster'} than when profiled; that much of any "
+                 "difference from the plan is the host's level, not the plan's (re-profile to price this level)")
+    return [line]
 
 
 def event_lines(events: tuple[dict[str, Any], ...]) -> list[str]:
@@ -197,6 +216,7 @@ def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, 
                          "events": list(m.events)},
             "time_per_minibatch_ratio": c.time_per_minibatch_ratio,
         },
+        "host_speed": {"profiled_ms": c.profiled_host_speed_ms, "run_ms": m.host_speed_ms, "ratio": c.host_speed_ratio},
         "drift_threshold_pct": c.threshold_pct,
         "drift": None if c.drift is None else {"stage_ids": list(c.drift.stage_ids), "reprofile": c.drift.reprofile,
                                                 "calibrate": c.drift.calibrate, "command": c.drift.command},

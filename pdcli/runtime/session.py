@@ -15,7 +15,8 @@ import torch.distributed as dist
 from pdcli.compiler import load_stage, read_manifest
 from pdcli.data import build_data
 from pdcli.data.registry import resolve_steps
-from pdcli.host import core_share, host_cores, pin_process, interface_of, network_host_id, reach_address
+from pdcli.host import (HOST_SPEED_META, core_share, host_cores, host_speed_ms, interface_of, network_host_id, pin_process,
+                        reach_address)
 from pdcli.models import build_loss
 from pdcli.rundir import atomic_write_json
 from pdcli.runtime import checkpoint
@@ -313,8 +314,10 @@ def run_session(
         tracker.journal.close()
     gathered: list[Any] | None = [None] * placement.world_size if env.rank == writer_rank else None
     dist.gather_object(report, gathered, dst=writer_rank)
-    if gathered is not None:
-        write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=resume_step or 0, eval_s=executor.eval_s)
+    if gathered is not None:  # every rank is done training: the host's speed as the profile measured it
+        host_speed = host_speed_ms() if device.type == "cpu" else None
+        write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=resume_step or 0, eval_s=executor.eval_s,
+                      host_speed=host_speed)
     dist.barrier()
     if isinstance(transport, SocketTransport):
         transport.close()
@@ -323,9 +326,10 @@ def run_session(
 
 def write_reports(
     train_dir: Path, cfg: "Config", gathered: list[dict[str, Any]], loop_s: float, tracker: LossTracker | None, first_step: int = 0,
-    eval_s: float = 0.0,
+    eval_s: float = 0.0, host_speed: float | None = None,
 ) -> None:
-    """Chrome trace, summary.json, and the final metrics lines (exact over all last-stage replicas)."""
+    """Chrome trace, summary.json (with `host_speed`, `pdcli.host.host_speed_ms` measured after
+    the run, where there is one), and the final metrics lines (exact over all last-stage replicas)."""
     all_stats: list[RankStats] = [g["stats"] for g in gathered]
     records: dict[int, Any] = {}
     for g in gathered:
@@ -343,7 +347,7 @@ def write_reports(
         "loop_s": loop_s, "steps": cfg.train.steps, "first_step": first_step, "schedule": cfg.schedule.name, "stages": stages,
         "minibatch_losses": losses, "microbatch_losses": {str(k): v[0] for k, v in sorted(records.items())},
         "checkpoint": str(checkpoint.checkpoint_dir(train_dir, cfg.train.steps)), **end_eval, "evals": evals,
-        "eval_s": eval_s,
+        "eval_s": eval_s, **({HOST_SPEED_META: host_speed} if host_speed is not None else {}),
     }
     atomic_write_json(train_dir / SUMMARY_FILE, summary)
     final_line = {**final, "step": cfg.train.steps, "final": True, "samples_per_s": samples_per_s, "stages": stages,

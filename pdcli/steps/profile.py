@@ -10,7 +10,7 @@ import torch
 from pdcli.config.schema import Config
 from pdcli.config.loader import run_dir_path
 from pdcli.errors import UserError
-from pdcli.profiler.chain import Chain
+from pdcli.profiler.chain import PROFILE_ARTIFACT, Chain
 from pdcli.probe.profile import (
     batch_point_rows,
     cpu_threads_per_worker,
@@ -23,15 +23,14 @@ from pdcli.probe.profile import (
 from pdcli.rundir import RunDir, artifact_inputs_hash
 from pdcli.steps.plan import planned_layout
 
-PROFILE_ARTIFACT = "profile.json"
 
 
-MEASURES = 7
+MEASURES = 8
 """What the profiler measures, counted up when it measures more (2: each position's
 `wgrad_ms`; 3: the runtime probe; 4: each position's module name and the `pipe_split()`
 markers; 5: what stages hold, `meta.held_memory`; 6: the probe's stages without recompute, which the
-planner prices; 7: the pipeline probe runs the stages the recipe plans), so a run directory profiled by an older pd is measured
-again, not reused."""
+planner prices; 7: the pipeline probe runs the stages the recipe plans; 8: the host's speed,
+`meta.host_speed_ms`), so a run directory profiled by an older pd is measured again, not reused."""
 
 
 TRAINING_ONLY = {"data": ("eval_path", "eval_fraction"), "optim": ("schedule", "clip_grad_norm")}

@@ -7,11 +7,11 @@ from typing import Any, Callable
 
 from pdcli.config.schema import Config
 from pdcli.planner.render import plan_notes
-from pdcli.profiler.chain import Chain
+from pdcli.profiler.chain import PROFILE_ARTIFACT, Chain
 from pdcli.rundir import RunDir
 from pdcli.steps.compile import STAGES, ensure_stages
 from pdcli.steps.plan import PLAN, config_of_plan, ensure_plan
-from pdcli.steps.profile import PROFILE_ARTIFACT, ensure_profile
+from pdcli.steps.profile import ensure_profile
 
 Echo = Callable[[str], None]
 

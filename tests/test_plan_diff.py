@@ -46,6 +46,24 @@ def test_more_devices_change_boundaries_and_raise_throughput() -> None:
     assert back.regressed(1.0) and not back.regressed(-back.throughput_change_pct + 1.0)
 
 
+@pytest.mark.parametrize("key, value", [("schedule", "1f1b"), ("num_microbatches", 4), ("split_backward", True)])
+def test_a_changed_schedule_or_microbatch_count_alone_is_a_change(key: str, value: object) -> None:
+    a = make_plan(2)
+    b = copy.deepcopy(a)
+    b["inputs"][key] = value
+    d = diff_plans(a, b)
+    assert d.changed and d.changes == (f"{key}: {a['inputs'].get(key)} -> {value}",)
+    assert not d.regressed(0.0)
+
+
+def test_a_plan_without_split_backward_means_none() -> None:
+    a = make_plan(2)
+    a["inputs"].pop("split_backward", None)
+    b = copy.deepcopy(a)
+    b["inputs"]["split_backward"] = False
+    assert not diff_plans(a, b).changed
+
+
 def test_prediction_change_alone_is_a_change() -> None:
     a = make_plan(2)
     b = copy.deepcopy(a)

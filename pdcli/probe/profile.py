@@ -153,8 +153,6 @@ def profile_config(
             optimizer_factory=lambda module: build_optimizer(cfg.optim, module),
             optimizer_name=cfg.optim.name,
         )
-        if device.type == "cpu":  # the host's level as the layers were timed (`pd report` compares a run's)
-            chain.meta[HOST_SPEED_META] = host_speed_ms()
         rows = batch_point_rows(cfg)
         if rows:
             from pdcli.profiler.batch_points import BATCH_POINTS_META, batch_points_json
@@ -189,4 +187,6 @@ def profile_config(
             if pipeline_minibatches:
                 runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches, layout_of, seed)
             chain.meta[RUNTIME_META] = runtime.to_json()
+        if device.type == "cpu":  # the host's level as its costs were last measured (`pd report` compares a run's)
+            chain.meta[HOST_SPEED_META] = host_speed_ms()
     return chain

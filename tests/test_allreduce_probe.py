@@ -27,7 +27,7 @@ def test_the_measured_step_is_the_runtimes() -> None:
 def test_the_all_reduce_is_measured_between_two_processes() -> None:
     from pdcli.probe.allreduce import measure_allreduce
 
-    measured = measure_allreduce(threads=1, sizes=(64 << 10, 1 << 20), repeats=4)
+    measured = measure_allreduce(threads=1, sizes=(64 << 10, 1 << 20), repeats=4, gap_matmuls=1)
     assert measured is not None
     line, points = measured
     assert [p[0] for p in points] == [64 << 10, 1 << 20] and all(p[1] > 0 for p in points)

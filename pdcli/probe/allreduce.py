@@ -5,7 +5,10 @@ into one tensor, all-reduces it over gloo and copies the sums back. On one host 
 over loopback TCP with its own threads, so the time is far from bytes / bandwidth: a fixed
 cost per collective (rendezvous of the ring's steps, waking the peers) and a per-byte cost
 that includes the reduction on the CPU. `measure_allreduce` times the same three steps
-between this process and a spawned one at a few sizes and fits a line in the bytes.
+between this process and a spawned one at a few sizes and fits a line in the bytes. Both
+processes compute before each collective, as replicas compute their microbatches before
+AllReduceGrads: gloo's threads have gone to sleep and the peers arrive apart, which
+collectives run back to back never pay.
 """
 
 from __future__ import annotations
@@ -19,13 +22,17 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from pdcli.host import HOST_SPEED_SHAPE
 from pdcli.planner.runtime_costs import Affine, RuntimeCosts, steady_mean
 from pdcli.probe.runtime import fit_affine
 
 ALLREDUCE_BYTES = (64 << 10, 1 << 20, 8 << 20)
 """Flat gradients measured (bytes): a small stage's to a large one's."""
-ALLREDUCE_REPEATS = 12
+ALLREDUCE_REPEATS = 24
 """Collectives per size; the first half warms up (`steady_mean`)."""
+ALLREDUCE_GAP_MATMULS = 20
+"""Reference matmuls (`pdcli.host.HOST_SPEED_SHAPE`, a millisecond or two each on one core)
+each process computes before every collective; 0: collectives back to back."""
 ALLREDUCE_TIMEOUT_S = 60.0
 PIECES = 8
 """Gradient tensors the flat one is made of (the runtime concatenates a stage's)."""
@@ -46,7 +53,15 @@ def all_reduce_grads(group: dist.ProcessGroup, grads: Sequence[torch.Tensor]) ->
         offset += g.numel()
 
 
-def _peer(port: int, sizes: Sequence[int], repeats: int, threads: int) -> None:
+def _compute(n: int) -> None:
+    """The work between two collectives: `n` reference matmuls."""
+    rows, inner, cols = HOST_SPEED_SHAPE
+    a, b = torch.ones(rows, inner), torch.ones(inner, cols)
+    for _ in range(n):
+        torch.mm(a, b)
+
+
+def _peer(port: int, sizes: Sequence[int], repeats: int, threads: int, gap_matmuls: int) -> None:
     torch.set_num_threads(threads)
     timeout = timedelta(seconds=ALLREDUCE_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
@@ -54,18 +69,20 @@ def _peer(port: int, sizes: Sequence[int], repeats: int, threads: int) -> None:
     for size in sizes:
         grads = _grads(size)
         for _ in range(repeats):
+            _compute(gap_matmuls)
             all_reduce_grads(group, grads)
 
 
-def measure_allreduce(threads: int = 1, sizes: Sequence[int] = ALLREDUCE_BYTES,
-                      repeats: int = ALLREDUCE_REPEATS) -> tuple[Affine, list[list[float]]] | None:
+def measure_allreduce(threads: int = 1, sizes: Sequence[int] = ALLREDUCE_BYTES, repeats: int = ALLREDUCE_REPEATS,
+                      gap_matmuls: int = ALLREDUCE_GAP_MATMULS) -> tuple[Affine, list[list[float]]] | None:
     """(ms of one all-reduce of that many gradient bytes between two processes of this host,
-    (bytes, ms) measured); None where it cannot run (no gloo, or the peer failed)."""
+    each computing `gap_matmuls` reference matmuls before it, (bytes, ms) measured); None where
+    it cannot run (no gloo, or the peer failed)."""
     if not dist.is_available() or not dist.is_gloo_available():
         return None
     timeout = timedelta(seconds=ALLREDUCE_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timeout, wait_for_workers=False)
-    child = multiprocessing.get_context("spawn").Process(target=_peer, args=(store.port, tuple(sizes), repeats, threads),
+    child = multiprocessing.get_context("spawn").Process(target=_peer, args=(store.port, tuple(sizes), repeats, threads, gap_matmuls),
                                                          daemon=True)
     child.start()
     points: list[list[float]] = []
@@ -76,6 +93,7 @@ def measure_allreduce(threads: int = 1, sizes: Sequence[int] = ALLREDUCE_BYTES,
         for size in sizes:
             grads, samples = _grads(size), []
             for _ in range(repeats):
+                _compute(gap_matmuls)
                 start = time.perf_counter()
                 all_reduce_grads(group, grads)
                 samples.append((time.perf_counter() - start) * 1e3)

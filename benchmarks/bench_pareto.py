@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -45,6 +46,10 @@ from pdcli.rundir import atomic_write_json  # noqa: E402
 
 OUT = REPO / "runs" / "benchmarks" / "pareto.json"
 TIMEOUT_S = 900.0
+STEADY_S = 2.0
+"""Each trained point runs long enough that its timed second half lasts about this long by its
+prediction (`minibatches_for`), so that a slow spell of the host's lasting a second or two
+moves its time by a fraction, not wholly."""
 Point = tuple[str, int, bool, bool, str, tuple[int, ...], tuple[int, ...]]
 """(schedule, microbatches, split backward, recompute, precision, boundaries, replicas)."""
 SHAPE = tuple(o for o in RUNTIME_SHAPE if not o.startswith("schedule.num_microbatches"))
@@ -55,9 +60,15 @@ CASES: dict[str, tuple[str, tuple[str, ...], int, tuple[Point, ...]]] = {
     "gpt": ("gpt", (), 24, ()),
     "vgg16": ("vgg16", (), 30, ()),
 }
-"""Case -> (recipe, overrides, minibatches per run, configurations trained besides the front's):
-the runtime shape's are the ones issue 19 measured by hand (pipedream 1 x 256 and 8 x 32
+"""Case -> (recipe, overrides, fewest minibatches per run (`minibatches_for`), configurations
+trained besides the front's): the runtime shape's are the ones issue 19 measured by hand (pipedream 1 x 256 and 8 x 32
 rows, 1f1b 4 x 64 and 8 x 32)."""
+
+
+def minibatches_for(predicted_ms: float, least: int) -> int:
+    """Minibatches of a run whose second half (the steady time `pd report` reads) lasts about
+    STEADY_S at `predicted_ms` per minibatch; at least `least`."""
+    return max(least, 2 * math.ceil(STEADY_S * 1000.0 / max(predicted_ms, 1e-3)))
 
 
 def point_of(row: dict[str, Any]) -> Point:
@@ -126,8 +137,9 @@ def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:
         for k, point in enumerate(trained):
             print(f"{name}: {label(point)}, round {round_index + 1} ...", file=sys.stderr, flush=True)
             try:
-                measured[point].append(steady_ms(recipe, root, f"{name}-{k}", steps, [*extra, *overrides_of(point)],
-                                                 TIMEOUT_S))
+                minibatches = minibatches_for(predicted_ms[point], steps)
+                overrides = [*extra, *overrides_of(point)]
+                measured[point].append(steady_ms(recipe, root, f"{name}-{k}", minibatches, overrides, TIMEOUT_S))
             except BenchFailed as e:
                 print(f"  failed: {e}", file=sys.stderr)
     medians = {p: statistics.median(v) for p, v in measured.items() if v}

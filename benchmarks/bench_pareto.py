@@ -61,8 +61,8 @@ CASES: dict[str, tuple[str, tuple[str, ...], int, tuple[Point, ...]]] = {
     "vgg16": ("vgg16", (), 30, ()),
 }
 """Case -> (recipe, overrides, fewest minibatches per run (`minibatches_for`), configurations
-trained besides the front's): the runtime shape's are the ones issue 19 measured by hand (pipedream 1 x 256 and 8 x 32
-rows, 1f1b 4 x 64 and 8 x 32)."""
+trained besides the front's): the runtime shape's are the ones issue 19 measured by hand
+(pipedream 1 x 256 and 8 x 32 rows, 1f1b 4 x 64 and 8 x 32)."""
 
 
 def minibatches_for(predicted_ms: float, least: int) -> int:
@@ -132,14 +132,14 @@ def run_case(name: str, rounds: int, top: int, root: Path) -> dict[str, Any]:
     trained = list(dict.fromkeys([chosen, chosen_flush, *([own_cores] if own_cores else []), *listed,
                                   *others[: max(0, top - 2)]]))
     predicted_ms = {p: predict(root / f"{name}-plan", p) for p in trained}
+    minibatches = {p: minibatches_for(predicted_ms[p], steps) for p in trained}
     measured: dict[Point, list[float]] = {p: [] for p in trained}
     for round_index in range(rounds):
         for k, point in enumerate(trained):
             print(f"{name}: {label(point)}, round {round_index + 1} ...", file=sys.stderr, flush=True)
             try:
-                minibatches = minibatches_for(predicted_ms[point], steps)
                 overrides = [*extra, *overrides_of(point)]
-                measured[point].append(steady_ms(recipe, root, f"{name}-{k}", minibatches, overrides, TIMEOUT_S))
+                measured[point].append(steady_ms(recipe, root, f"{name}-{k}", minibatches[point], overrides, TIMEOUT_S))
             except BenchFailed as e:
                 print(f"  failed: {e}", file=sys.stderr)
     medians = {p: statistics.median(v) for p, v in measured.items() if v}

@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -62,6 +63,9 @@ def test_a_rank_whose_wait_failed_waits_for_a_stuck_peer_to_report_first(tmp_pat
     (up to a timeout) until the stuck peer's own watchdog reported, so the diagnosis names it first;
     a peer that waits itself, or moves on, is not waited for."""
     own, stuck = Heartbeat(status_path(tmp_path, 0)), Heartbeat(status_path(tmp_path, 1))
+    living = threading.Event()
+    keeper = threading.Thread(target=lambda: [stuck.alive() for _ in iter(lambda: living.wait(0.1), True)])
+    keeper.start()  # rank 1's sign of life stays fresh: stuck, not silent (the silent case is the next test)
     own.beat(2, "RA4<-r0")
     watchdog = Watchdog(own, GENEROUS_S, tmp_path, 0, "rank 0", world_size=2)
     stuck.beat(2, "RG3<-r0")  # waiting on a peer too: not a cause to wait for
@@ -81,8 +85,42 @@ def test_a_rank_whose_wait_failed_waits_for_a_stuck_peer_to_report_first(tmp_pat
     watchdog.await_stuck_peers()
     assert read_error(tmp_path, 1) is None and mover.finished.is_set()
     mover.join()
+    living.set()
+    keeper.join()
     own.close()
     stuck.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_falls_silent_while_a_rank_waits_for_it_is_killed_as_the_cause(tmp_path: Path) -> None:
+    """A peer still alive when this rank's wait timed out, then stopped (SIGSTOP) inside the wait
+    for stuck peers: it is killed with a `silent` report, and the waiting rank is told it need not fail
+    (otherwise torch's agent SIGKILLs the stopped peer later, and the diagnosis blames a kill without a report)."""
+    from pdcli.runtime.watchdog import ACTION_BYTES, FROZEN_S, STATUS_BYTES
+
+    own = Heartbeat(status_path(tmp_path, 0))
+    own.beat(3, "RA6<-r1")
+    peer = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        stopped = Heartbeat(status_path(tmp_path, 1))
+        stopped.beat(3, "F6@v3")
+        life = f"\nhost={socket.gethostname()} pid={peer.pid} alive={time.time():.3f}".encode()
+        stopped._map[ACTION_BYTES:STATUS_BYTES] = life.ljust(STATUS_BYTES - ACTION_BYTES)  # its last sign of life, now
+        os.kill(peer.pid, signal.SIGSTOP)
+        watchdog = Watchdog(own, GENEROUS_S, tmp_path, 0, "rank 0", world_size=2)
+        started_s = time.monotonic()
+        assert watchdog.await_stuck_peers() is True
+        assert time.monotonic() - started_s >= FROZEN_S - 1.0  # not before its sign of life was FROZEN_S old
+        report = read_error(tmp_path, 1)
+        assert report is not None and report["kind"] == "silent", report
+        assert "rank 0 killed it" in report["message"] and "F6@v3" in report["message"]
+        assert peer.wait(timeout=GENEROUS_S) == -signal.SIGKILL
+        stopped.close()
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+        own.close()
 
 
 def test_loss_guard_stops_a_climbing_loss_and_names_what_to_try() -> None:

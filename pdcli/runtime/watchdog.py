@@ -225,11 +225,13 @@ class Watchdog(threading.Thread):
             killed = True
         return killed
 
-    def await_stuck_peers(self) -> None:
+    def await_stuck_peers(self) -> bool:
         """Wait (at most one timeout and two polls, keeping this rank's sign of life) while another rank of this
         host stays in the compute action it is in now without an error report: it is likely stuck,
         and its own watchdog names it as the cause before this rank's wait on it (a symptom) does.
-        A rank that moves on to another action, reports, or ends is not waited for."""
+        A rank that moves on to another action, reports, or ends is not waited for. One that falls
+        silent meanwhile (stopped after this rank's wait began) is killed as the cause, with its
+        report (`stop_silent_peers`): True then, and this rank need not fail."""
         deadline_s = time.monotonic() + self.timeout_s + 2 * self.poll_s
         busy = {}
         for peer in range(self.world_size):
@@ -240,11 +242,14 @@ class Watchdog(threading.Thread):
         while busy and time.monotonic() < deadline_s:
             time.sleep(0.1)
             self.heartbeat.alive()
+            if self.stop_silent_peers(FROZEN_S):
+                return True
             for peer, status in list(busy.items()):
                 life = read_life(self.train_dir, peer)
                 if life is None or not exists(life[0]) or read_error(self.train_dir, peer) is not None \
                         or read_status(self.train_dir, peer) != status:
                     del busy[peer]
+        return False
 
     def run(self) -> None:
         while not self._stop_event.wait(self.poll_s):
@@ -258,8 +263,8 @@ class Watchdog(threading.Thread):
                 waiting = _is_waiting(self.heartbeat.action)
                 if waiting and self.stop_silent_peers(FROZEN_S):
                     continue  # the silent peer is the cause; its death stops the job
-                if waiting:
-                    self.await_stuck_peers()
+                if waiting and self.await_stuck_peers():
+                    continue  # a peer fell silent while this rank waited for it: the cause, killed
                 message = (
                     f"{self.who} {'waited' if waiting else 'made no progress'} for {stuck_s:.1f} s "
                     f"(train.timeout_s={self.timeout_s:g}) in action {self.heartbeat.action} at step {self.heartbeat.step}"

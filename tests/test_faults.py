@@ -108,12 +108,12 @@ def test_a_peer_that_falls_silent_while_a_rank_waits_for_it_is_killed_as_the_cau
         stopped._map[ACTION_BYTES:STATUS_BYTES] = life.ljust(STATUS_BYTES - ACTION_BYTES)  # its last sign of life, now
         os.kill(peer.pid, signal.SIGSTOP)
         watchdog = Watchdog(own, GENEROUS_S, tmp_path, 0, "rank 0", world_size=2)
-        started_s = time.monotonic()
         assert watchdog.await_stuck_peers() is True
-        assert time.monotonic() - started_s >= FROZEN_S - 1.0  # not before its sign of life was FROZEN_S old
         report = read_error(tmp_path, 1)
         assert report is not None and report["kind"] == "silent", report
         assert "rank 0 killed it" in report["message"] and "F6@v3" in report["message"]
+        quiet_s = float(re.search(r"sent nothing for ([0-9.]+) s", report["message"]).group(1))
+        assert quiet_s >= FROZEN_S  # killed once its sign of life was FROZEN_S old, not before
         assert peer.wait(timeout=GENEROUS_S) == -signal.SIGKILL
         stopped.close()
     finally:

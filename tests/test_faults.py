@@ -12,7 +12,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -96,17 +95,17 @@ def test_a_peer_that_falls_silent_while_a_rank_waits_for_it_is_killed_as_the_cau
     """A peer still alive when this rank's wait timed out, then stopped (SIGSTOP) inside the wait
     for stuck peers: it is killed with a `silent` report, and the waiting rank is told it need not fail
     (otherwise torch's agent SIGKILLs the stopped peer later, and the diagnosis blames a kill without a report)."""
-    from pdcli.runtime.watchdog import ACTION_BYTES, FROZEN_S, STATUS_BYTES
+    from pdcli.runtime.watchdog import FROZEN_S
 
     own = Heartbeat(status_path(tmp_path, 0))
     own.beat(3, "RA6<-r1")
-    peer = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    freeze = ("import os, signal, sys; from pathlib import Path; "
+              "from pdcli.runtime.watchdog import Heartbeat, status_path; "
+              "Heartbeat(status_path(Path(sys.argv[1]), 1)).beat(3, 'F6@v3'); os.kill(os.getpid(), signal.SIGSTOP)")
+    peer = subprocess.Popen([sys.executable, "-c", freeze, str(tmp_path)], cwd=REPO, start_new_session=True)
     try:
-        stopped = Heartbeat(status_path(tmp_path, 1))
-        stopped.beat(3, "F6@v3")
-        life = f"\nhost={socket.gethostname()} pid={peer.pid} alive={time.time():.3f}".encode()
-        stopped._map[ACTION_BYTES:STATUS_BYTES] = life.ljust(STATUS_BYTES - ACTION_BYTES)  # its last sign of life, now
-        os.kill(peer.pid, signal.SIGSTOP)
+        _, how = os.waitpid(peer.pid, os.WUNTRACED)  # returns once it stopped itself: its last sign of life is written
+        assert os.WIFSTOPPED(how), how
         watchdog = Watchdog(own, GENEROUS_S, tmp_path, 0, "rank 0", world_size=2)
         assert watchdog.await_stuck_peers() is True
         report = read_error(tmp_path, 1)
@@ -115,7 +114,6 @@ def test_a_peer_that_falls_silent_while_a_rank_waits_for_it_is_killed_as_the_cau
         quiet_s = float(re.search(r"sent nothing for ([0-9.]+) s", report["message"]).group(1))
         assert quiet_s >= FROZEN_S  # killed once its sign of life was FROZEN_S old, not before
         assert peer.wait(timeout=GENEROUS_S) == -signal.SIGKILL
-        stopped.close()
     finally:
         if peer.poll() is None:
             peer.kill()

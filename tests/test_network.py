@@ -147,3 +147,30 @@ def test_a_one_host_rendezvous_listens_on_localhost_only(tmp_path: Path) -> None
     multi = launch_config(4, Hosts(nnodes=2, node_rank=1, master_addr="10.0.0.1"), tmp_path, 10, run_id="pd-x")
     assert (multi.rdzv_backend, multi.rdzv_endpoint, multi.rdzv_configs["rank"], multi.run_id) == (
         NODES_RDZV_BACKEND, f"10.0.0.1:{DEFAULT_MASTER_PORT}", 1, "pd-x")
+
+
+def test_an_error_naming_a_remote_peers_address_gets_a_note_naming_the_rank() -> None:
+    """gloo names the far end of a failed collective by address only; the worker's report then
+    names the rank too (`naming_remote_peers`). A peer on this host, another address, or an address
+    that merely starts alike is not named."""
+    from pdcli.runtime.session import naming_remote_peers
+
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
+    transport = SocketTransport({1: _Peer(1, pairs[0][0], address="10.213.182.2"), 2: _Peer(2, pairs[1][0]),
+                                 3: _Peer(3, pairs[2][0], address="10.213.182.21")}, timeout_s=5)
+    try:
+        gloo = "[../gloo/transport/tcp/pair.cc:537] Read error [10.213.182.2]:60112: Connection reset by peer."
+        assert transport.remote_peers_in(gloo) == ["rank 1 (10.213.182.2)"]
+        assert transport.remote_peers_in("Read error [10.213.182.21]:1: Connection reset") == ["rank 3 (10.213.182.21)"]
+        assert transport.remote_peers_in("Read error [10.213.182.3]:1") == []
+        with pytest.raises(RuntimeError) as raised, naming_remote_peers(transport):
+            raise RuntimeError(gloo)
+        assert raised.value.__notes__ == ["that address is rank 1 (10.213.182.2)"]
+        with pytest.raises(RuntimeError) as raised, naming_remote_peers(transport):
+            raise RuntimeError("an error with no address in it")
+        assert not getattr(raised.value, "__notes__", [])
+    finally:
+        transport.close()
+        for a, b in pairs:
+            a.close()
+            b.close()

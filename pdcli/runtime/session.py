@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -298,30 +299,44 @@ def run_session(
     if tracker is not None:
         tracker.restart_clock()
     logger.info("%d objects of the setup frozen out of the garbage collector", freeze_setup())
-    start_s = time.perf_counter()
-    executor.run(on_step)
-    loop_s = time.perf_counter() - start_s - executor.eval_s  # training only: samples/s and pd report's times
-    logger.info("training loop done in %.3f s (%d optimizer steps), evaluations %.3f s", loop_s, executor.steps_done,
-                executor.eval_s)
-    checkpoints.save(cfg.train.steps, executor)
+    with naming_remote_peers(transport):  # training, checkpoints and reports: gloo's collectives among them
+        start_s = time.perf_counter()
+        executor.run(on_step)
+        loop_s = time.perf_counter() - start_s - executor.eval_s  # training only: samples/s and pd report's times
+        logger.info("training loop done in %.3f s (%d optimizer steps), evaluations %.3f s", loop_s, executor.steps_done,
+                    executor.eval_s)
+        checkpoints.save(cfg.train.steps, executor)
 
-    heartbeat.beat(executor.steps_done, "report")
-    stats = timeline.finish()
-    stats.wall_ms -= executor.eval_s * S_TO_MS
-    stats.num_weight_versions_max = executor.weights.max_versions_held
-    report = {"stats": stats, "losses": tracker.all_records() if tracker else {}}
-    if tracker is not None and tracker.journal is not None:
-        tracker.journal.close()
-    gathered: list[Any] | None = [None] * placement.world_size if env.rank == writer_rank else None
-    dist.gather_object(report, gathered, dst=writer_rank)
-    if gathered is not None:  # every rank is done training: the host's speed as the profile measured it
-        host_speed = host_speed_ms() if device.type == "cpu" else None
-        write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=resume_step or 0, eval_s=executor.eval_s,
-                      host_speed=host_speed)
-    dist.barrier()
+        heartbeat.beat(executor.steps_done, "report")
+        stats = timeline.finish()
+        stats.wall_ms -= executor.eval_s * S_TO_MS
+        stats.num_weight_versions_max = executor.weights.max_versions_held
+        report = {"stats": stats, "losses": tracker.all_records() if tracker else {}}
+        if tracker is not None and tracker.journal is not None:
+            tracker.journal.close()
+        gathered: list[Any] | None = [None] * placement.world_size if env.rank == writer_rank else None
+        dist.gather_object(report, gathered, dst=writer_rank)
+        if gathered is not None:  # every rank is done training: the host's speed as the profile measured it
+            host_speed = host_speed_ms() if device.type == "cpu" else None
+            write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=resume_step or 0, eval_s=executor.eval_s,
+                          host_speed=host_speed)
+        dist.barrier()
     if isinstance(transport, SocketTransport):
         transport.close()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def naming_remote_peers(transport: Transport) -> Iterator[None]:
+    """An error raised inside that mentions the address of a peer on another host (gloo's
+    errors name the far end of a collective by address only) gets a note naming that rank."""
+    try:
+        yield
+    except Exception as e:
+        named = transport.remote_peers_in(str(e)) if isinstance(transport, SocketTransport) else []
+        if named:
+            e.add_note(f"that address is {' or '.join(named)}")
+        raise
 
 
 def write_reports(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import secrets
 import selectors
 import socket
@@ -238,9 +239,11 @@ class _Peer:
     """
 
     def __init__(self, rank: int, sock: socket.socket, expected_bytes: Mapping[str, int | Iterable[int]] | None = None,
-                 name: str | None = None) -> None:
+                 address: str | None = None) -> None:
         self.rank = rank
-        self.name = name or f"rank {rank}"
+        self.address = address
+        """Its address when it is on another host (None: on this one)."""
+        self.name = f"rank {rank}" if address is None else f"rank {rank} ({address})"
         """How messages name the peer: `rank r`, with its address when it is on another host."""
         self.sock = sock
         self.expected_bytes = None if expected_bytes is None else {
@@ -477,11 +480,9 @@ class SocketTransport:
                 s = _dial(addresses["unix"] if local else tuple(addresses["tcp"]), timeout_s)
                 handshake.prove_to_listener(s, secret, rank, other)
                 s.settimeout(None)
-                name = f"rank {other}" if local else f"rank {other} ({addresses['tcp'][0]})"
-                peers[other] = _Peer(other, s, expected_bytes.get(other, {}), name)
+                peers[other] = _Peer(other, s, expected_bytes.get(other, {}), None if local else addresses["tcp"][0])
             for other, (s, address) in acceptor.result().items():
-                name = f"rank {other}" if hosts[other] == place.host_id else f"rank {other} ({address})"
-                peers[other] = _Peer(other, s, expected_bytes.get(other, {}), name)
+                peers[other] = _Peer(other, s, expected_bytes.get(other, {}), None if hosts[other] == place.host_id else address)
         finally:
             acceptor.close()
         # A reader thread needs the GIL to file a message; the default 5 ms switch interval
@@ -493,6 +494,12 @@ class SocketTransport:
         """`rank 1 over a Unix socket, rank 2 (10.0.0.2) over TCP`: who is reached how."""
         return ", ".join(f"{p.name} over {'a Unix socket' if p.sock.family == socket.AF_UNIX else 'TCP'}"
                          for _, p in sorted(self.peers.items()))
+
+    def remote_peers_in(self, text: str) -> list[str]:
+        """The names of the peers on other hosts whose address `text` mentions: gloo's errors name
+        the far end of a failed collective by its address only."""
+        return [p.name for _, p in sorted(self.peers.items())
+                if p.address is not None and re.search(rf"(?<![\w.]){re.escape(p.address)}(?!\w|\.\w)", text)]
 
     def _peer(self, rank: int) -> _Peer:
         if rank not in self.peers:

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             kind, message = "diverged", f"{who} diverged: {e}; last good checkpoint: {last_good(train_dir)}"
         else:
             kind = "peer" if is_comm_error(e) else "error"
-            message = f"{who} failed in {heartbeat.action} at step {heartbeat.step}: {type(e).__name__}: {e}"
+            notes = "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
+            message = f"{who} failed in {heartbeat.action} at step {heartbeat.step}: {type(e).__name__}: {e}{notes}"
             if kind == "peer":  # a receive that timed out on a stopped peer: name and kill the cause first
                 watchdog.stop_silent_peers(FROZEN_S)
         write_error(train_dir, env.rank, kind, message)

@@ -108,7 +108,8 @@ def predict(plan_dir: Path, point: Point) -> float:
                                   boundaries=bounds, replicas=reps, num_stages=None,
                                   memory_bytes_per_device=plan["inputs"].get("memory_bytes_per_device"))
     topology = Topology.from_levels(plan["inputs"]["topology"]["levels"])
-    priced = chain_at_precision(chain_at_rows(chain, options.batch_size // m), options.precision)
+    rows = options.batch_size // m
+    priced = chain_at_precision(chain_at_rows(chain, rows), options.precision, rows)
     return plan_chain(priced, topology, options).time_per_minibatch_ms
 
 

@@ -272,22 +272,84 @@ def test_the_chosen_configuration_is_planned_as_pd_plan_plans_it_alone() -> None
 def test_precision_is_searched_when_auto_and_priced_by_the_measured_step() -> None:
     """`train.precision: auto` searches fp32 and bf16; bf16's times are the profiled ones times the
     whole step's measured factor (`meta.precision_time`), its memory the half-width activations."""
-    from pdcli.profiler.batch_points import PRECISION_META, chain_at_precision
+    from pdcli.profiler.batch_points import PRECISION_META, chain_at_precision, precision_time_json
 
     cfg = load_config(QUICKSTART, ["train.precision=auto"]).config
     assert cfg.plan.search == ["train.precision"] and cfg.train.precision == "fp32"
     plain = chain()
-    assert chain_at_precision(plain, "bf16") is plain  # not measured: as profiled
+    rows = 8  # the search below: 32 samples in 4 microbatches
+    assert chain_at_precision(plain, "bf16", rows) is plain  # not measured: as profiled
+    old = dataclasses.replace(plain, meta={**plain.meta, PRECISION_META: {"fp32": 1.0, "bf16": 1.5}})
+    assert chain_at_precision(old, "bf16", rows) is old  # an older pd's whole-step factor: not read
     heavy = tuple(dataclasses.replace(n, parameter_bytes=10_000, activation_bytes=8_000_000,
                                       backward_memory_bytes=8_000_000) for n in plain.nodes)  # activations dominate
-    c = dataclasses.replace(plain, nodes=heavy, meta={**plain.meta, PRECISION_META: {"fp32": 1.0, "bf16": 1.5}})
-    assert chain_at_precision(c, "bf16").nodes[2].fwd_ms == pytest.approx(1.5 * c.nodes[2].fwd_ms)
+    table = precision_time_json({rows: {"fp32": 1.0, "bf16": 1.5}})
+    c = dataclasses.replace(plain, nodes=heavy, meta={**plain.meta, PRECISION_META: table})
+    assert chain_at_precision(c, "bf16", rows).nodes[2].fwd_ms == pytest.approx(1.5 * c.nodes[2].fwd_ms)
     outcome = search(c, ConfigSpace(("gpipe",), (4,), (False,), (False,), ("fp32", "bf16")))
     by = {p.config.precision: p for p in outcome.front}
     assert set(by) == {"fp32", "bf16"}  # slower but smaller: both on the front
     assert by["bf16"].time_per_minibatch_ms > by["fp32"].time_per_minibatch_ms
     assert by["bf16"].peak_bytes < by["fp32"].peak_bytes
     assert by["bf16"].plan.inputs["precision"] == "bf16" and outcome.chosen.config.precision == "fp32"
+
+
+def test_the_precision_factor_is_priced_at_the_configurations_microbatch_size() -> None:
+    """bf16's factor is measured at several microbatch sizes (`meta.precision_time`): a size between
+    two is interpolated, one beyond them takes the nearest one's, and the chain is priced at it."""
+    from pdcli.profiler.batch_points import PRECISION_META, chain_at_precision, precision_factor, precision_time_json
+
+    table = precision_time_json({32: {"fp32": 1.0, "bf16": 0.9}, 256: {"fp32": 1.0, "bf16": 0.5},
+                                 64: {"fp32": 1.0, "bf16": 0.7}})
+    assert table["rows"] == [32, 64, 256] and table["factors"]["bf16"] == [0.9, 0.7, 0.5]
+    meta = {PRECISION_META: table}
+    assert precision_factor(meta, "bf16", 64) == pytest.approx(0.7)
+    assert precision_factor(meta, "bf16", 160) == pytest.approx(0.6)  # halfway from 64 to 256
+    assert precision_factor(meta, "bf16", 8) == pytest.approx(0.9) and precision_factor(meta, "bf16", 1024) == 0.5
+    assert precision_factor(meta, "fp32", 100) == 1.0 and precision_factor(meta, "fp16", 64) is None
+    c = dataclasses.replace(chain(), meta={**chain().meta, **meta})
+    small, large = chain_at_precision(c, "bf16", 32), chain_at_precision(c, "bf16", 256)
+    assert small.nodes[1].bwd_ms == pytest.approx(0.9 * c.nodes[1].bwd_ms)
+    assert large.nodes[1].wgrad_ms == pytest.approx(0.5 * c.nodes[1].wgrad_ms)
+    assert chain_at_precision(c, "fp32", 256) is c
+
+
+def test_the_precisions_take_turns_so_a_slower_host_midway_moves_no_factor() -> None:
+    """`step_time_ratios` times the variants in turn within each repeat: a host that runs 3x slower
+    from the middle of the measurement on leaves each factor exact (timed one after the other,
+    the second variant would have run wholly in the slow spell)."""
+    import contextlib
+
+    import torch
+
+    from pdcli.profiler.measure import step_time_ratios
+
+    class Clock:  # a variant's step takes its own time, times the host's speed at that moment
+        def __init__(self) -> None:
+            self.variant, self.calls = "", 0
+
+        def sync(self) -> None: ...
+
+        def start(self) -> None:
+            self.calls += 1
+
+        def stop(self) -> float:
+            return {"fp32": 10.0, "bf16": 4.0, "fp16": 6.0}[self.variant] * (3.0 if self.calls > 9 else 1.0)
+
+    clock = Clock()
+
+    def variant(name: str):  # type: ignore[no-untyped-def]
+        @contextlib.contextmanager
+        def enter():  # type: ignore[no-untyped-def]
+            clock.variant = name
+            yield
+        return enter
+
+    model = torch.nn.Linear(3, 2)
+    factors = step_time_ratios(model, (torch.randn(4, 3),), torch.tensor([0, 1, 0, 1]), torch.nn.CrossEntropyLoss(),
+                               clock, 1, 5, {n: variant(n) for n in ("fp32", "bf16", "fp16")})  # type: ignore[arg-type]
+    assert factors == {"fp32": 1.0, "bf16": pytest.approx(0.4), "fp16": pytest.approx(0.6)}
+    assert clock.calls == 18 and model.weight.grad is None  # 6 rounds of 3 steps; no gradient left behind
 
 
 def test_pd_profile_measures_what_the_search_prices(tmp_path: Path) -> None:
@@ -298,17 +360,21 @@ def test_pd_profile_measures_what_the_search_prices(tmp_path: Path) -> None:
                                       "schedule.num_microbatches=auto", "train.precision=auto"])
     assert result.exit_code == 0, result.output
     meta = json.loads((tmp_path / "quickstart/profile.json").read_text())["meta"]
-    assert meta["precision_time"]["fp32"] == 1.0 and meta["precision_time"]["bf16"] > 0
     points = meta["batch_points"]
+    factors = meta["precision_time"]
+    assert factors["rows"] == sorted({meta["batch_size"], *points["rows"]})  # the profiled size and every point's
+    assert factors["factors"]["fp32"] == [1.0] * len(factors["rows"])
+    assert len(factors["factors"]["bf16"]) == len(factors["rows"]) and all(f > 0 for f in factors["factors"]["bf16"])
     assert points["rows"] and all(len(row) == len(points["fwd_ms"][0]) for row in points["fwd_ms"])
     assert all(t > 0 for row in points["fwd_ms"] for t in row)
 
 
 def test_a_precision_the_profile_did_not_measure_is_not_searched() -> None:
-    from pdcli.profiler.batch_points import PRECISION_META
+    from pdcli.profiler.batch_points import PRECISION_META, precision_time_json
     from pdcli.steps.plan import config_space
 
     cfg = load_config(QUICKSTART, ["train.precision=auto"]).config
     assert config_space(cfg, chain()).precisions == ("fp32",)  # a graph.txt, or a profile made before
-    measured = dataclasses.replace(chain(), meta={**chain().meta, PRECISION_META: {"fp32": 1.0, "bf16": 2.0}})
+    measured = dataclasses.replace(chain(), meta={**chain().meta, PRECISION_META: precision_time_json(
+        {4: {"fp32": 1.0, "bf16": 2.0}})})
     assert config_space(cfg, measured).precisions == ("fp32", "bf16")

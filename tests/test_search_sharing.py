@@ -51,7 +51,8 @@ def planned_alone(chain_at: Callable[[int], Chain], topology: Topology, base: Pl
     """Every configuration planned on its own, in the space's order (what the search shares)."""
     points = []
     for config in space.configurations():
-        chain = chain_at_precision(chain_at(base.batch_size // config.num_microbatches), config.precision)
+        rows = base.batch_size // config.num_microbatches
+        chain = chain_at_precision(chain_at(rows), config.precision, rows)
         try:
             points.append(_point(config, plan_chain(chain, topology, config_options(base, config))))
         except UserError:

@@ -201,7 +201,7 @@ def search_points(chain_at: Callable[[int], Chain], topology: Topology, base: Pl
             rows = base.batch_size // config.num_microbatches
             key = (rows, config.precision)
             if key not in chains:
-                chain = chain_at_precision(chain_at(rows), config.precision)
+                chain = chain_at_precision(chain_at(rows), config.precision, rows)
                 # a profile without batch points prices every microbatch size alike: one space
                 same = [pair for pair in chains.values() if pair[0] is chain]
                 chains[key] = same[0] if same else (chain, SplitSpace.from_chain(chain))

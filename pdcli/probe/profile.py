@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -96,24 +96,28 @@ def batch_point_rows(cfg: Config) -> list[int]:
     return point_rows(cfg.data.batch_size, auto_microbatches(cfg.data.batch_size), profile_batch_size(cfg))
 
 
-def precision_time_ratios(model: torch.nn.Module, batch: BatchLike, loss_fn: LossFn, device: torch.device,
-                          warmup: int, repeats: int) -> dict[str, float]:
+def precision_time_ratios(model: torch.nn.Module, batches: dict[int, BatchLike], loss_fn: LossFn,
+                          device: torch.device, warmup: int, repeats: int) -> dict[str, Any]:
     """The whole model's training step at each of SEARCHED_PRECISIONS (under its autocast, as the
-    runtime runs it), as a factor on its fp32 time (`meta.precision_time`)."""
+    runtime runs it) as a factor on its fp32 time, at each microbatch size of `batches` (rows ->
+    batch), the precisions taking turns (`meta.precision_time`)."""
+    from functools import partial
+
     from pdcli.planner.pareto import SEARCHED_PRECISIONS
+    from pdcli.profiler.batch_points import precision_time_json
     from pdcli.profiler.clock import Clock
-    from pdcli.profiler.measure import time_step
+    from pdcli.profiler.measure import step_time_ratios
     from pdcli.torchutil.precision import autocast
 
-    inputs = tuple(t.to(device) for t in batch.inputs)
-    target = batch.target.to(device)
     clock = Clock(device)
     model.to(device).train()
-    times = {}
-    for precision in SEARCHED_PRECISIONS:
-        with autocast(precision, device.type):
-            times[precision] = time_step(model, inputs, target, loss_fn, clock, warmup, repeats)
-    return {precision: ms / times["fp32"] for precision, ms in times.items()}
+    variants = {precision: partial(autocast, precision, device.type) for precision in ("fp32", *SEARCHED_PRECISIONS)}
+    factors = {}
+    for rows, batch in sorted(batches.items()):
+        inputs = tuple(t.to(device) for t in batch.inputs)
+        factors[rows] = step_time_ratios(model, inputs, batch.target.to(device), loss_fn, clock, warmup, repeats,
+                                         variants)
+    return precision_time_json(factors)
 
 
 def profile_config(
@@ -154,21 +158,22 @@ def profile_config(
             optimizer_name=cfg.optim.name,
         )
         rows = batch_point_rows(cfg)
+        batches: dict[int, BatchLike] = {batch_size: batch}
+        for size in rows:
+            torch.manual_seed(cfg.train.seed)
+            sized = build_data(cfg.data, size).batch(PROFILE_BATCH_INDEX)
+            batches[size] = Batch(inputs=tuple(t[:size] for t in sized.inputs), target=sized.target[:size])
         if rows:
             from pdcli.profiler.batch_points import BATCH_POINTS_META, batch_points_json
 
-            points = {}
-            for size in rows:
-                torch.manual_seed(cfg.train.seed)
-                sized = build_data(cfg.data, size).batch(PROFILE_BATCH_INDEX)
-                sized = Batch(inputs=tuple(t[:size] for t in sized.inputs), target=sized.target[:size])
-                points[size] = profile_model(build_model(cfg.model), sized, build_loss(cfg.model.loss), device,
-                                             warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, progress=False)
+            points = {size: profile_model(build_model(cfg.model), batches[size], build_loss(cfg.model.loss), device,
+                                          warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, progress=False)
+                      for size in rows}
             chain.meta[BATCH_POINTS_META] = batch_points_json(points)
         if "train.precision" in cfg.plan.search:
             from pdcli.profiler.batch_points import PRECISION_META
 
-            chain.meta[PRECISION_META] = precision_time_ratios(model, batch, build_loss(cfg.model.loss), device,
+            chain.meta[PRECISION_META] = precision_time_ratios(model, batches, build_loss(cfg.model.loss), device,
                                                                cfg.profile.warmup, cfg.profile.repeats)
         if cfg.profile.runtime_probe:
             from pdcli.planner.runtime_costs import RUNTIME_META

@@ -25,7 +25,10 @@ from pdcli.profiler.chain import Chain
 BATCH_POINTS_META = "batch_points"
 PRECISION_META = "precision_time"
 """`meta.precision_time`: the whole model's training step under each precision's autocast, as a
-factor on the profiled (fp32) time (`pd profile` measures it when `train.precision` is searched)."""
+factor on its fp32 time, at each microbatch size measured (`pd profile` measures it when
+`train.precision` is searched): `{"rows": [r1, ...], "factors": {"fp32": [1.0, ...], "bf16":
+[...]}}`. The factor moves with the rows: a bf16 matmul gains more over fp32 on many rows than on
+a few."""
 TIME_FIELDS = ("fwd_ms", "bwd_ms", "wgrad_ms")
 
 
@@ -64,10 +67,34 @@ def chain_at_rows(chain: Chain, rows: int) -> Chain:
     return dataclasses.replace(chain, nodes=tuple(nodes))
 
 
-def chain_at_precision(chain: Chain, precision: str) -> Chain:
-    """`chain` priced at `precision`: every position's times by the whole step's measured factor
-    (unchanged for a precision the profile did not measure, and fp32)."""
-    factor = (chain.meta.get(PRECISION_META) or {}).get(precision)
+def precision_time_json(factors: dict[int, dict[str, float]]) -> dict[str, Any]:
+    """`meta.precision_time` from each measured microbatch size's factors (rows -> precision -> factor)."""
+    rows = sorted(factors)
+    precisions = sorted({p for by in factors.values() for p in by})
+    return {"rows": rows, "factors": {p: [float(factors[r][p]) for r in rows] for p in precisions}}
+
+
+def measured_precisions(meta: dict[str, Any]) -> tuple[str, ...]:
+    """The precisions `meta.precision_time` prices (none for a profile without it, or of an older pd)."""
+    table = meta.get(PRECISION_META)
+    return tuple(table["factors"]) if isinstance(table, dict) and isinstance(table.get("factors"), dict) else ()
+
+
+def precision_factor(meta: dict[str, Any], precision: str, rows: int) -> float | None:
+    """The step's time at `precision` as a factor on fp32's for microbatches of `rows` samples:
+    piecewise linear between the measured sizes, the nearest one's beyond them (None: not measured)."""
+    if precision not in measured_precisions(meta):
+        return None
+    table = meta[PRECISION_META]
+    xs, ys = [float(r) for r in table["rows"]], [float(f) for f in table["factors"][precision]]
+    return interpolate(xs, ys, min(max(float(rows), xs[0]), xs[-1]))
+
+
+def chain_at_precision(chain: Chain, precision: str, rows: int) -> Chain:
+    """`chain`, priced for microbatches of `rows` samples, priced at `precision`: every position's
+    times by the whole step's measured factor at those rows (unchanged for a precision the
+    profile did not measure, and fp32)."""
+    factor = precision_factor(chain.meta, precision, rows)
     if not factor or factor == 1.0:
         return chain
     nodes = tuple(dataclasses.replace(n, **{f: float(getattr(n, f)) * factor for f in TIME_FIELDS}) for n in chain.nodes)

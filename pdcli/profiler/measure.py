@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Protocol, Sequence
 
 import torch
 import torch.fx as fx
@@ -312,6 +312,41 @@ def time_step(
     step_ms = median_ms(clock, step, warmup, repeats, setup=zero_grads)
     zero_grads()
     return step_ms
+
+
+def step_time_ratios(
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    target: torch.Tensor,
+    loss_fn: LossFn,
+    clock: Clock,
+    warmup: int,
+    repeats: int,
+    variants: Mapping[str, Callable[[], ContextManager[object]]],
+) -> dict[str, float]:
+    """Each variant's time of the whole model's training step (forward, loss and backward inside
+    its context) as a factor on the first variant's. The variants take turns within every repeat
+    and a factor is the median of the repeats' ratios, so that a change in the host's speed during
+    the measurement moves both sides of a ratio alike."""
+    params = list(model.parameters())
+    names = list(variants)
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    for iteration in range(warmup + repeats):
+        times: dict[str, float] = {}
+        for name in names:
+            for p in params:
+                p.grad = None
+            clock.sync()
+            clock.start()
+            with variants[name]():
+                loss_fn(logits_of(model(*inputs)), target).backward()
+            times[name] = clock.stop()
+        if iteration >= warmup:
+            for name in names:
+                ratios[name].append(times[name] / max(times[names[0]], 1e-12))
+    for p in params:
+        p.grad = None
+    return {name: float(statistics.median(r)) for name, r in ratios.items()}
 
 
 def node_label(gm: fx.GraphModule, node: fx.Node, value: Any) -> str:

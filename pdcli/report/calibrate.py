@@ -145,7 +145,8 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     # the profile priced as the planner priced the run's configuration: its microbatch's rows
     # (`meta.batch_points`) and its precision (`meta.precision_time`), so that the refit is of
     # the costs beyond those and a plan of another configuration reads it alike
-    chain = base.priced(chain_at_precision(chain_at_rows(chain, int(inputs["batch_size"]) // m), precision))
+    rows = int(inputs["batch_size"]) // m
+    chain = base.priced(chain_at_precision(chain_at_rows(chain, rows), precision, rows))
     space = SplitSpace.from_chain(chain)  # the positions' times with `base`'s factors
     if plan["stages"][-1]["end"] != space.num_positions:
         raise UserError(f"{run_dir}: its plan covers {plan['stages'][-1]['end']} positions, the profile has "
@@ -247,8 +248,8 @@ def run_and_replay_ms(run_dir: Path, chain: Chain, runtime: RuntimeCosts) -> tup
     if target_ms is None:
         return None
     inputs = plan["inputs"]
-    priced = chain_at_precision(chain_at_rows(chain, int(inputs["batch_size"]) // int(inputs["num_microbatches"])),
-                                str(inputs.get("precision", "fp32")))
+    rows = int(inputs["batch_size"]) // int(inputs["num_microbatches"])
+    priced = chain_at_precision(chain_at_rows(chain, rows), str(inputs.get("precision", "fp32")), rows)
     return target_ms, replayed_ms(replace(runtime, shared_slowdown=1.0), priced, plan)
 
 

@@ -136,7 +136,7 @@ def config_space(cfg: Config, chain: Chain) -> Any:
         CHUNKED_SCHEDULES, SEARCHED_PRECISIONS, SEARCHED_SCHEDULES, ConfigSpace, auto_microbatches,
     )
     from pdcli.planner.runtime_costs import RuntimeCosts
-    from pdcli.profiler.batch_points import PRECISION_META
+    from pdcli.profiler.batch_points import measured_precisions
 
     searched = set(cfg.plan.search)
     name_free = "schedule.name" in searched
@@ -151,7 +151,7 @@ def config_space(cfg: Config, chain: Chain) -> Any:
     recompute = (False, True) if "train.recompute" in searched else (cfg.train.recompute,)
     precisions: tuple[str, ...] = (cfg.train.precision,)
     if "train.precision" in searched:  # a precision the profile cannot price is not searched
-        measured = chain.meta.get(PRECISION_META) or {}
+        measured = measured_precisions(chain.meta)
         precisions = tuple(p for p in SEARCHED_PRECISIONS if p in measured) or precisions
     return ConfigSpace(tuple(schedules), microbatches, splits, recompute, precisions)
 

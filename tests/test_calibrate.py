@@ -77,6 +77,33 @@ def test_calibrated_plan_predicts_the_run_it_was_fitted_to(tmp_path: Path) -> No
         assert work_ms(replayed[rank].spans) == pytest.approx(work_ms(traces[rank].spans), rel=0.02), stage
 
 
+def test_a_receive_is_priced_by_what_it_ran_after_its_message_was_sent_not_by_its_wait(tmp_path: Path) -> None:
+    """Under 1f1b with one microbatch every receive waits for its peer's whole compute; the refit
+    prices a receive by what it ran after the matching send ended (`_after_arrival`), so the wait
+    is not counted as its cost. A receive whose message was sent before it began counts whole."""
+    from pdcli.report.calibrate import _after_arrival, _sends_ended
+    from pdcli.report.measured import RankTrace, Span, read_trace
+
+    plan = {"stages": [{"stage_id": 0, "ranks": [0]}, {"stage_id": 1, "ranks": [1]}]}
+    sender = RankTrace(1, "stage 1", (Span("SendGrads", "comm", 30.0, 0.5, None, 6),
+                                      Span("SendGrads", "comm", 100.0, 0.5, None, 7)))
+    receives = (Span("RecvGrads", "comm", 5.0, 26.5, None, 6),  # waited 25.5 ms, ran 1.0 after the send
+                Span("RecvGrads", "comm", 101.0, 0.8, None, 7),  # its message there before it began
+                Span("RecvGrads", "comm", 200.0, 3.0, None, 8))  # its send not in the trace
+    sent = _sends_ended({0: RankTrace(0, "stage 0", receives), 1: sender}, plan, chunked=False)
+    assert sent == {("SendGrads", 1, 6): 30.5, ("SendGrads", 1, 7): 100.5}
+    assert _after_arrival(receives, sent, "SendGrads", 1) == pytest.approx([1.0, 0.8])
+    assert _after_arrival(receives, sent, "SendGrads", 0) == []  # not that stage's sends
+
+    # the trace's action text names the microbatch of a message, and only of a message
+    events = [{"ph": "X", "name": name, "cat": "comm", "ts": ts, "dur": 10.0, "pid": 0, "args": {"action": action}}
+              for name, ts, action in (("RecvGrads", 0.0, "RG6<-r0"), ("SendActivations", 20.0, "SA7:c1->r0"),
+                                       ("Forward", 40.0, "F7@v1"))]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    spans = read_trace(tmp_path / "trace.json")[0].spans
+    assert [(s.microbatch, s.chunk) for s in spans] == [(6, None), (7, 1), (None, None)]
+
+
 def test_calibrate_needs_a_run_directory(tmp_path: Path) -> None:
     result = runner.invoke(app, ["plan", RECIPE, f"run.root={tmp_path}", "profile.repeats=2", "profile.probe_minibatches=4",
                                  "--calibrate", str(tmp_path / "missing")])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from tqdm import tqdm
 
 from pdcli.models.loss import logits_of
 from pdcli.profiler.chain import HELD_META, PIPE_SPLITS_META, Chain, ChainNode
-from pdcli.profiler.clock import Clock, device_name, median_ms
+from pdcli.profiler.clock import Clock, device_name
 from pdcli.profiler.held import held_memory
 from pdcli.profiler.optim_cost import OptimizerCost, OptimizerFactory, measure_optimizer, step_overhead_ms
 from pdcli.profiler.replay import call_node, is_inplace, node_inputs, used_parameters
@@ -290,6 +291,37 @@ def time_weight_grads(
     return _median(samples)
 
 
+def step_samples(
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    target: torch.Tensor,
+    loss_fn: LossFn,
+    clock: Clock,
+    warmup: int,
+    repeats: int,
+    variants: Mapping[str, Callable[[], ContextManager[object]]],
+) -> dict[str, list[float]]:
+    """Each variant's times (ms) of the whole model's training step (forward, loss and backward
+    inside the variant's context) over `repeats` rounds after `warmup` untimed ones; the variants
+    take turns within every round."""
+    params = list(model.parameters())
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for iteration in range(warmup + repeats):
+        for name, context in variants.items():
+            for p in params:
+                p.grad = None
+            clock.sync()
+            clock.start()
+            with context():
+                loss_fn(logits_of(model(*inputs)), target).backward()
+            ms = clock.stop()
+            if iteration >= warmup:
+                samples[name].append(ms)
+    for p in params:
+        p.grad = None
+    return samples
+
+
 def time_step(
     model: torch.nn.Module,
     inputs: Sequence[torch.Tensor],
@@ -300,18 +332,8 @@ def time_step(
     repeats: int,
 ) -> float:
     """Median time of the whole model's training step: forward, loss, backward."""
-    params = list(model.parameters())
-
-    def zero_grads() -> None:
-        for p in params:
-            p.grad = None
-
-    def step() -> None:
-        loss_fn(logits_of(model(*inputs)), target).backward()
-
-    step_ms = median_ms(clock, step, warmup, repeats, setup=zero_grads)
-    zero_grads()
-    return step_ms
+    return float(statistics.median(
+        step_samples(model, inputs, target, loss_fn, clock, warmup, repeats, {"": contextlib.nullcontext})[""]))
 
 
 def step_time_ratios(
@@ -324,29 +346,13 @@ def step_time_ratios(
     repeats: int,
     variants: Mapping[str, Callable[[], ContextManager[object]]],
 ) -> dict[str, float]:
-    """Each variant's time of the whole model's training step (forward, loss and backward inside
-    its context) as a factor on the first variant's. The variants take turns within every repeat
-    and a factor is the median of the repeats' ratios, so that a change in the host's speed during
-    the measurement moves both sides of a ratio alike."""
-    params = list(model.parameters())
-    names = list(variants)
-    ratios: dict[str, list[float]] = {name: [] for name in names}
-    for iteration in range(warmup + repeats):
-        times: dict[str, float] = {}
-        for name in names:
-            for p in params:
-                p.grad = None
-            clock.sync()
-            clock.start()
-            with variants[name]():
-                loss_fn(logits_of(model(*inputs)), target).backward()
-            times[name] = clock.stop()
-        if iteration >= warmup:
-            for name in names:
-                ratios[name].append(times[name] / max(times[names[0]], 1e-12))
-    for p in params:
-        p.grad = None
-    return {name: float(statistics.median(r)) for name, r in ratios.items()}
+    """Each variant's time of the whole model's training step as a factor on the first variant's:
+    the median of the rounds' ratios (`step_samples`, the variants in turn within a round), so
+    that a change in the host's speed during the measurement moves both sides of a ratio alike."""
+    samples = step_samples(model, inputs, target, loss_fn, clock, warmup, repeats, variants)
+    first = samples[next(iter(variants))]
+    return {name: float(statistics.median(t / max(f, 1e-12) for t, f in zip(times, first)))
+            for name, times in samples.items()}
 
 
 def node_label(gm: fx.GraphModule, node: fx.Node, value: Any) -> str:

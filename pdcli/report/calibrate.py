@@ -55,7 +55,8 @@ SHARED_FACTORS = (0.25, 4.0)
 """Shared cores: the range of the factor on the CPU costs fitted from the run's spans."""
 SHARED_BISECTIONS = 8
 UNPACK_QUANTILE = 0.1
-"""A receive's unpacking cost: this quantile of its durations (most receives also wait)."""
+"""A receive's unpacking cost where its message's send is not in the trace: this quantile of
+its durations (most receives also wait)."""
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -69,6 +70,32 @@ def _durations(traces: Sequence[RankTrace], chunk: int | None = None) -> dict[st
         for span in trace.spans:
             if chunk is None or span.chunk == chunk:
                 out.setdefault(span.name, []).append(span.dur_ms)
+    return out
+
+
+def _sends_ended(traces: dict[int, RankTrace], plan: dict[str, Any], chunked: bool) -> dict[tuple[str, int, int], float]:
+    """(Send action, the sending stage, microbatch) -> when that send ended, on the trace's clock."""
+    stage_of = {int(r): int(stage["stage_id"]) for stage in plan["stages"] for r in stage["ranks"]}
+    out: dict[tuple[str, int, int], float] = {}
+    for rank, trace in traces.items():
+        for span in trace.spans:
+            if span.name.startswith("Send") and span.microbatch is not None:
+                stage = span.chunk if chunked and span.chunk is not None else stage_of.get(rank)
+                if stage is not None:
+                    out[(span.name, stage, span.microbatch)] = span.end_ms
+    return out
+
+
+def _after_arrival(spans: Sequence[Span], sent: dict[tuple[str, int, int], float], send: str, sender: int) -> list[float]:
+    """How long each receive in `spans` ran after its message's send (`send` on stage `sender`)
+    ended: its unpacking, without the wait for the peer. A receive whose message was sent before
+    it began counts whole; one whose send is not in the trace is left out. The ranks share one
+    host's clock (`pdcli.runtime.metrics.Timeline`)."""
+    out = []
+    for span in spans:
+        ended = sent.get((send, sender, span.microbatch)) if span.microbatch is not None else None
+        if ended is not None:
+            out.append(min(max(span.end_ms - max(span.start_ms, ended), 0.0), span.dur_ms))
     return out
 
 
@@ -164,6 +191,7 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     allreduces: list[tuple[float, int, float]] = []
     cut = np.asarray(chain.cut_bytes, dtype=float)
     ranks_of = [set(int(r) for r in stage["ranks"]) for stage in plan["stages"]]
+    sent = _sends_ended(traces, plan, chunked)
     for stage in plan["stages"]:
         k, start, end = int(stage["stage_id"]), int(stage["start"]), int(stage["end"])
         own = [traces[r] for r in stage["ranks"] if r in traces]
@@ -176,9 +204,12 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
         for action, nbytes in (("SendActivations", out_bytes), ("SendGrads", in_bytes)):
             if nbytes and action in times:
                 sends.append((nbytes, steady_mean(times[action])))
-        for action, nbytes in (("RecvActivations", in_bytes), ("RecvGrads", out_bytes)):
+        for action, nbytes, send, sender in (("RecvActivations", in_bytes, "SendActivations", k - 1),
+                                             ("RecvGrads", out_bytes, "SendGrads", k + 1)):
             if nbytes and action in times:
-                recvs.append((nbytes, _quantile(times[action], UNPACK_QUANTILE)))
+                spans = [s for t in own for s in t.spans if s.name == action and (not chunked or s.chunk == k)]
+                unpacked = _after_arrival(spans, sent, send, sender)
+                recvs.append((nbytes, steady_mean(unpacked) if unpacked else _quantile(times[action], UNPACK_QUANTILE)))
         loads = steady(times.get("LoadMicrobatch", []))
         # a replica runs m / replicas LoadMicrobatch per minibatch; the first makes the minibatch
         load_ms = float(sum(loads)) / len(loads) * m / int(stage["replicas"]) if loads else 0.0

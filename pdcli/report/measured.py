@@ -42,6 +42,8 @@ class Span:
     dur_ms: float
     chunk: int | None = None
     """With virtual stages: the chunk the action ran (from its text form); None otherwise."""
+    microbatch: int | None = None
+    """The microbatch a message action (Send*, Recv*) carries (from its text form); None otherwise."""
 
     @property
     def end_ms(self) -> float:
@@ -82,12 +84,28 @@ def read_trace(path: Path) -> dict[int, RankTrace]:
     for e in complete:
         start_ms = (float(e["ts"]) - t0_us) / US_PER_MS
         label = (e.get("args") or {}).get("action")
-        spans.setdefault(int(e["pid"]), []).append(Span(str(e["name"]), str(e.get("cat", "")), start_ms,
-                                                        float(e["dur"]) / US_PER_MS, chunk_of(label)))
+        name = str(e["name"])
+        spans.setdefault(int(e["pid"]), []).append(Span(name, str(e.get("cat", "")), start_ms,
+                                                        float(e["dur"]) / US_PER_MS, chunk_of(label),
+                                                        microbatch_of(label) if name.startswith(MESSAGES) else None))
     return {
         rank: RankTrace(rank, labels.get(rank, f"rank {rank}"), tuple(sorted(s, key=lambda x: x.start_ms)))
         for rank, s in sorted(spans.items())
     }
+
+
+MESSAGES = ("Send", "Recv")
+"""The names of message actions start so (SendActivations, RecvGrads, ...)."""
+
+
+def microbatch_of(text: Any) -> int | None:
+    """The microbatch of an action's text form (`RG6<-r0`), None when it is no action."""
+    if not isinstance(text, str):
+        return None
+    try:
+        return getattr(parse_action(text), "microbatch_id", None)
+    except ValueError:
+        return None
 
 
 def chunk_of(text: Any) -> int | None:

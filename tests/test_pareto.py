@@ -315,14 +315,14 @@ def test_the_precision_factor_is_priced_at_the_configurations_microbatch_size() 
 
 
 def test_the_precisions_take_turns_so_a_slower_host_midway_moves_no_factor() -> None:
-    """`step_time_ratios` times the variants in turn within each repeat: a host that runs 3x slower
+    """`step_samples` times the variants in turn within each repeat: a host that runs 3x slower
     from the middle of the measurement on leaves each factor exact (timed one after the other,
     the second variant would have run wholly in the slow spell)."""
     import contextlib
 
     import torch
 
-    from pdcli.profiler.measure import step_time_ratios
+    from pdcli.profiler.measure import ratios_to_first, step_samples
 
     class Clock:  # a variant's step takes its own time, times the host's speed at that moment
         def __init__(self) -> None:
@@ -346,8 +346,10 @@ def test_the_precisions_take_turns_so_a_slower_host_midway_moves_no_factor() -> 
         return enter
 
     model = torch.nn.Linear(3, 2)
-    factors = step_time_ratios(model, (torch.randn(4, 3),), torch.tensor([0, 1, 0, 1]), torch.nn.CrossEntropyLoss(),
-                               clock, 1, 5, {n: variant(n) for n in ("fp32", "bf16", "fp16")})  # type: ignore[arg-type]
+    samples = step_samples(model, (torch.randn(4, 3),), torch.tensor([0, 1, 0, 1]), torch.nn.CrossEntropyLoss(),
+                           clock, 1, 5, {n: variant(n) for n in ("fp32", "bf16", "fp16")})  # type: ignore[arg-type]
+    assert len(samples["bf16"]) == 5 and samples["bf16"][-1] == 12.0  # the warm-up round left out; slow at the end
+    factors = ratios_to_first(samples)
     assert factors == {"fp32": 1.0, "bf16": pytest.approx(0.4), "fp16": pytest.approx(0.6)}
     assert clock.calls == 18 and model.weight.grad is None  # 6 rounds of 3 steps; no gradient left behind
 

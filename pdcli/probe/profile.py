@@ -106,7 +106,7 @@ def precision_time_ratios(model: torch.nn.Module, batches: dict[int, BatchLike],
     from pdcli.planner.pareto import SEARCHED_PRECISIONS
     from pdcli.profiler.batch_points import precision_time_json
     from pdcli.profiler.clock import Clock
-    from pdcli.profiler.measure import step_time_ratios
+    from pdcli.profiler.measure import ratios_to_first, step_samples
     from pdcli.torchutil.precision import autocast
 
     clock = Clock(device)
@@ -115,8 +115,8 @@ def precision_time_ratios(model: torch.nn.Module, batches: dict[int, BatchLike],
     factors = {}
     for rows, batch in sorted(batches.items()):
         inputs = tuple(t.to(device) for t in batch.inputs)
-        factors[rows] = step_time_ratios(model, inputs, batch.target.to(device), loss_fn, clock, warmup, repeats,
-                                         variants)
+        factors[rows] = ratios_to_first(step_samples(model, inputs, batch.target.to(device), loss_fn, clock, warmup,
+                                                     repeats, variants))
     return precision_time_json(factors)
 
 

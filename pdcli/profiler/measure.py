@@ -336,21 +336,11 @@ def time_step(
         step_samples(model, inputs, target, loss_fn, clock, warmup, repeats, {"": contextlib.nullcontext})[""]))
 
 
-def step_time_ratios(
-    model: torch.nn.Module,
-    inputs: Sequence[torch.Tensor],
-    target: torch.Tensor,
-    loss_fn: LossFn,
-    clock: Clock,
-    warmup: int,
-    repeats: int,
-    variants: Mapping[str, Callable[[], ContextManager[object]]],
-) -> dict[str, float]:
-    """Each variant's time of the whole model's training step as a factor on the first variant's:
-    the median of the rounds' ratios (`step_samples`, the variants in turn within a round), so
-    that a change in the host's speed during the measurement moves both sides of a ratio alike."""
-    samples = step_samples(model, inputs, target, loss_fn, clock, warmup, repeats, variants)
-    first = samples[next(iter(variants))]
+def ratios_to_first(samples: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Each variant's time as a factor on the first variant's: the median of the rounds' ratios
+    (`step_samples`, the variants in turn within a round), so that a change in the host's speed
+    during the measurement moves both sides of a ratio alike."""
+    first = samples[next(iter(samples))]
     return {name: float(statistics.median(t / max(f, 1e-12) for t, f in zip(times, first)))
             for name, times in samples.items()}
 

@@ -63,14 +63,24 @@ def _quantile(values: list[float], q: float) -> float:
     return float(np.quantile(steady(values), q)) if values else 0.0
 
 
-def _durations(traces: Sequence[RankTrace], chunk: int | None = None) -> dict[str, list[float]]:
-    """Action name -> durations (ms) on `traces`; only chunk `chunk`'s actions unless None."""
-    out: dict[str, list[float]] = {}
+def _spans(traces: Sequence[RankTrace], chunk: int | None = None) -> dict[str, list[Span]]:
+    """Action name -> its spans on `traces`; only chunk `chunk`'s actions unless None."""
+    out: dict[str, list[Span]] = {}
     for trace in traces:
         for span in trace.spans:
             if chunk is None or span.chunk == chunk:
-                out.setdefault(span.name, []).append(span.dur_ms)
+                out.setdefault(span.name, []).append(span)
     return out
+
+
+def _durations_of(spans: dict[str, list[Span]]) -> dict[str, list[float]]:
+    """Action name -> the durations (ms) of its `spans`."""
+    return {name: [span.dur_ms for span in by_name] for name, by_name in spans.items()}
+
+
+def _durations(traces: Sequence[RankTrace], chunk: int | None = None) -> dict[str, list[float]]:
+    """Action name -> durations (ms) on `traces`; only chunk `chunk`'s actions unless None."""
+    return _durations_of(_spans(traces, chunk))
 
 
 def _sends_ended(traces: dict[int, RankTrace], plan: dict[str, Any], chunked: bool) -> dict[tuple[str, int, int], float]:
@@ -195,7 +205,8 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     for stage in plan["stages"]:
         k, start, end = int(stage["stage_id"]), int(stage["start"]), int(stage["end"])
         own = [traces[r] for r in stage["ranks"] if r in traces]
-        times = _durations(own, k if chunked else None)
+        own_spans = _spans(own, k if chunked else None)
+        times = _durations_of(own_spans)
         last = k == last_id
         fits.add(start, end, times, last, update=not chunked)  # a rank steps all of its chunks at once
         # a message to a chunk on the same rank does not leave the process: not a transfer's cost
@@ -207,8 +218,7 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
         for action, nbytes, send, sender in (("RecvActivations", in_bytes, "SendActivations", k - 1),
                                              ("RecvGrads", out_bytes, "SendGrads", k + 1)):
             if nbytes and action in times:
-                spans = [s for t in own for s in t.spans if s.name == action and (not chunked or s.chunk == k)]
-                unpacked = _after_arrival(spans, sent, send, sender)
+                unpacked = _after_arrival(own_spans[action], sent, send, sender)
                 recvs.append((nbytes, steady_mean(unpacked) if unpacked else _quantile(times[action], UNPACK_QUANTILE)))
         loads = steady(times.get("LoadMicrobatch", []))
         # a replica runs m / replicas LoadMicrobatch per minibatch; the first makes the minibatch

@@ -8,7 +8,7 @@ Child side: `python _baselines.py single|stages|pipelining <shape json> <arg> [a
 result line.
 
 Every child applies the same glibc allocator setting as pd's workers
-(`pdcli.runtime.executor.tune_allocator`), and the 2-process rows pin each process to its own
+(`pdcli.torchutil.allocator.tune_allocator`), and the 2-process rows pin each process to its own
 share of the cores as pd's workers are by default (`train.bind_cores`), so no row wins by the
 allocator or the pinning alone.
 """
@@ -34,7 +34,7 @@ from torch.distributed.pipelining import (
 from torch.nn import functional as F
 
 from pdcli.host import core_share, pin_process
-from pdcli.runtime.executor import tune_allocator
+from pdcli.torchutil.allocator import tune_allocator
 
 from _bench_common import (
     NUM_STAGES,

@@ -371,6 +371,23 @@ def test_pd_profile_measures_what_the_search_prices(tmp_path: Path) -> None:
     assert all(t > 0 for row in points["fwd_ms"] for t in row)
 
 
+def test_pd_profile_measures_under_the_allocator_the_workers_run_with(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pd profile` tunes glibc's allocator as every worker does (`pdcli.torchutil.allocator`)
+    before it times anything: under glibc's default a step pays page faults a worker never pays."""
+    import pdcli.profiler.measure as measure
+    import pdcli.torchutil.allocator as allocator
+
+    calls: list[str] = []
+    tune, profile_model = allocator.tune_allocator, measure.profile_model
+    monkeypatch.setattr(allocator, "tune_allocator", lambda: calls.append("tune") or tune())
+    monkeypatch.setattr(measure, "profile_model", lambda *a, **k: calls.append("measure") or profile_model(*a, **k))
+    result = CliRunner().invoke(app, ["profile", QUICKSTART, f"run.root={tmp_path}", "profile.repeats=1",
+                                      "profile.warmup=0", "profile.runtime_probe=false"])
+    assert result.exit_code == 0, result.output
+    assert calls[:2] == ["tune", "measure"]
+
+
 def test_a_precision_the_profile_did_not_measure_is_not_searched() -> None:
     from pdcli.profiler.batch_points import PRECISION_META, precision_time_json
     from pdcli.steps.plan import config_space

@@ -136,6 +136,10 @@ def profile_config(
     from pdcli.profiler.measure import profile_model
     from pdcli.torchutil.optim import build_optimizer
 
+    from pdcli.torchutil.allocator import tune_allocator
+
+    if device.type == "cpu":  # measured under the allocator the workers run with
+        tune_allocator()
     batch_size = profile_batch_size(cfg)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)

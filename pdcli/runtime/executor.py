@@ -16,7 +16,6 @@ Adaptations to the schedule's action set (noted for the schedules engineer):
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,36 +39,13 @@ from pdcli.runtime.tied import TiedCopy, sum_tied_grads
 from pdcli.runtime.update import UpdateRule, set_lr
 from pdcli.runtime.watchdog import FAULT_ENV, Heartbeat, inject_fault, parse_fault
 from pdcli.runtime.weights import WeightVersions
+from pdcli.torchutil.allocator import tune_allocator
 from pdcli.torchutil.optim import step_out_of_place, supports_out_of_place
 from pdcli.torchutil.precision import autocast
 from pdcli.torchutil.wgrad import DeferredWeightGrads
 
 RECV_LOOKAHEAD_ACTIONS = 16
 FP16_LOSS_SCALE = 1024.0  # static; an overflow stops training with a clear error
-
-
-# glibc mallopt parameters: keep freed blocks of up to 32 MiB in the heap instead of
-# returning them to the kernel (its default trims and unmaps them, so every microbatch
-# page-faults its weight copies, gradients and activations in again).
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum
-TRIM_THRESHOLD_BYTES = 1 << 30
-
-
-ALLOCATOR_ENV = "PD_TUNE_ALLOCATOR"  # "0" leaves glibc's defaults (to measure what this buys)
-
-
-def tune_allocator() -> bool:
-    """Stop glibc from returning freed tensor memory to the kernel; False where it cannot."""
-    if os.environ.get(ALLOCATOR_ENV) == "0":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-            libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
-        )
-    except (OSError, AttributeError):  # not glibc (macOS, musl)
-        return False
 
 
 LossRecorder = Callable[[int, float, int, int], None]

@@ -424,3 +424,16 @@ def test_shared_core_fit_recovers_a_replays_compute_and_says_when_it_cannot() ->
     _, beyond = fit_shared(runtime, c, plan, 3 * compute_ms, target_ms)
     assert beyond is not None and beyond.capped and beyond.factor == pytest.approx(beyond.max_factor)
     assert beyond.replayed_compute_ms < 3 * compute_ms
+
+
+def test_the_profile_summary_says_the_layers_are_timed_without_the_probes_autocast() -> None:
+    """A profile probed under bf16 prints that its layer table is timed without autocast and that
+    the probe's scales price the layers at bf16; an fp32 probe, or one of an older pd, says nothing."""
+    from pdcli.profiler.summary import summarize
+
+    def text(precision: str | None) -> str:
+        runtime = RUNTIME if precision is None else dataclasses.replace(RUNTIME, sources={"precision": precision})
+        return summarize(chain(runtime))
+
+    assert "the probe ran them under bf16 autocast" in text("bf16")
+    assert "autocast" not in text("fp32") and "autocast" not in text(None)

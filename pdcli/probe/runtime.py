@@ -322,7 +322,8 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
         recv=fit_affine([b for b, _ in recvs], [t for _, t in recvs], single="fixed"),
         latency_ms=transport[0] if transport else None, bandwidth_bytes_per_s=transport[1] if transport else None,
         transport="socket" if transport else "", cores=cores, gap_ms=float(statistics.median(gaps)) if gaps else 0.0,
-        sources={"probe_stages": [list(r) for r in ranges], "minibatches": num_minibatches, "stages": stages_seen},
+        sources={"probe_stages": [list(r) for r in ranges], "minibatches": num_minibatches, "stages": stages_seen,
+                 "precision": cfg.train.precision},
     )
 
 

@@ -134,9 +134,8 @@ def profile_config(
     from pdcli.models import build_loss, build_model
     from pdcli.models.fit import check_model_fits_data, model_key
     from pdcli.profiler.measure import profile_model
-    from pdcli.torchutil.optim import build_optimizer
-
     from pdcli.torchutil.allocator import tune_allocator
+    from pdcli.torchutil.optim import build_optimizer
 
     if device.type == "cpu":  # measured under the allocator the workers run with
         tune_allocator()

@@ -89,14 +89,15 @@ def summarize(chain: Chain, top: int = 10) -> str:
     if runtime:
         totals += "\n\nwhat the runtime pays per action (runtime probe: real stages run by its executor; " \
                   "ms = scale x profiled ms + fixed ms)\n" + tabulate(runtime, tablefmt="plain", disable_numparse=True)
-        precision = (meta["runtime"].get("sources") or {}).get("precision")
+        sources = meta["runtime"].get("sources") or {}
+        precision = sources.get("precision")
         if precision and precision != "fp32":
             totals += (f"\nthe layers above are timed without autocast; the probe ran them under {precision} "
                        f"autocast, as training will: its scales price them at {precision}")
-        probe = (meta["runtime"].get("sources") or {}).get("pipeline_probe")
+        probe = sources.get("pipeline_probe")
         if probe:
             totals += f"\npipeline probe: {probe}"
-        sharing = (meta["runtime"].get("sources") or {}).get("shared_probe")
+        sharing = sources.get("shared_probe")
         if sharing:
             totals += f"\nworkers sharing cores: {sharing}"
     where = ", ".join(

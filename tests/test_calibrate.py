@@ -225,6 +225,9 @@ def test_pipeline_probe_measures_what_sharing_the_cores_costs(tmp_path: Path, pl
     assert f"on {devices} workers sharing {cores} cores" in sources["shared_probe"], sources["shared_probe"]
     [(run_ms, replay_ms)] = sources["shared_runs_ms"]
     assert runtime["shared_slowdown"] == pytest.approx(run_ms / replay_ms, rel=1e-4)  # the stored times are rounded
+    [(run_cpu_ms, replay_cpu_ms)] = sources["shared_compute_cpu_ms"]
+    assert run_cpu_ms > 0 and replay_cpu_ms > 0
+    assert runtime["shared_cpu_scale"] == pytest.approx(run_cpu_ms / replay_cpu_ms, rel=1e-3)
     shared_cuts = planned_cuts if planned_shares else balanced_cuts(chain, devices)
     assert f"split at {shared_cuts}" in sources["shared_probe"], sources["shared_probe"]
 
@@ -238,7 +241,9 @@ def test_pipeline_probe_measures_what_sharing_the_cores_costs(tmp_path: Path, pl
     shared = predicted(shared_cuts)
     assert shared["time_per_minibatch_ms"] == pytest.approx(run_ms, rel=0.02)
     assert shared["replay"]["shared_slowdown"] == pytest.approx(runtime["shared_slowdown"], rel=1e-6)
-    assert "shared_slowdown" not in predicted(balanced_cuts(chain, 2))["replay"]
+    assert shared["replay"]["shared_cpu_scale"] == pytest.approx(runtime["shared_cpu_scale"], rel=1e-6)
+    alone = predicted(balanced_cuts(chain, 2))["replay"]
+    assert "shared_slowdown" not in alone and "shared_cpu_scale" not in alone
 
 
 @pytest.mark.slow

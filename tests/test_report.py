@@ -470,6 +470,22 @@ def test_a_replay_on_shared_cores_predicts_each_stages_own_compute_beside_its_qu
         assert a.compute_cpu_ms == a.compute_ms
 
 
+def test_on_shared_cores_each_stages_compute_is_priced_the_cpu_time_sharing_costs_it() -> None:
+    """A plan priced with `shared_cpu_scale` (its workers' compute takes that much more CPU time
+    on shared cores) predicts each stage's compute in CPU time that much higher; the time, the
+    wall compute and a plan whose ranks each have a core are as they were."""
+    from pdcli.report.predicted import predict
+
+    plan, shared = shared_core_prediction()
+    replay = plan["pipeline"]["replay"]
+    scaled = predict({**plan, "pipeline": {**plan["pipeline"], "replay": {**replay, "shared_cpu_scale": 1.25}}},
+                     "pipedream", 4, 20)
+    assert scaled.time_per_minibatch_ms == shared.time_per_minibatch_ms
+    for s, base in zip(scaled.stages, shared.stages):
+        assert base.compute_cpu_ms is not None and s.compute_cpu_ms == pytest.approx(1.25 * base.compute_cpu_ms)
+        assert s.compute_ms == base.compute_ms
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_on_shared_cores_a_stage_is_held_to_its_cpu_time(shared: bool) -> None:
     """A stage whose actions took 1.6x their wall time (the kernel ran the other worker during

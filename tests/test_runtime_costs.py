@@ -351,21 +351,29 @@ def test_pipeline_probe_runs_the_stages_the_recipe_plans() -> None:
 
 def test_workers_sharing_cores_are_priced_their_measured_slowdown() -> None:
     """`shared_slowdown` multiplies the replay of a plan whose workers outnumber the cores (and
-    the search's bound on it), and leaves a plan with a core per worker as it was."""
+    the search's bound on it), and leaves a plan with a core per worker as it was;
+    `shared_cpu_scale` goes to the plan's replay for the report's compute per stage and leaves
+    the time alone."""
     from pdcli.planner.search import oversubscription_of
 
-    def priced(slowdown: float, stages: int) -> float:
-        runtime = dataclasses.replace(RUNTIME, cores=2, shared_slowdown=slowdown)
+    def priced(slowdown: float, stages: int, cpu_scale: float = 1.0) -> float:
+        runtime = dataclasses.replace(RUNTIME, cores=2, shared_slowdown=slowdown, shared_cpu_scale=cpu_scale)
         options = PlanOptions(schedule="pipedream", num_microbatches=4, batch_size=64, num_stages=stages,
                               use_fewer_devices=True, straight=True)
         plan = plan_chain(chain(runtime), Topology.flat(3, 1e9), options)
         assert sum(s.replicas for s in plan.stages) == stages
         assert plan.pipeline["replay"].get("shared_slowdown", 1.0) == (slowdown if stages > 2 else 1.0)
+        assert plan.pipeline["replay"].get("shared_cpu_scale", 1.0) == (cpu_scale if stages > 2 else 1.0)
         return plan.time_per_minibatch_ms
 
     assert priced(1.3, 3) == pytest.approx(1.3 * priced(1.0, 3))
     assert priced(1.3, 2) == pytest.approx(priced(1.0, 2))
+    assert priced(1.3, 3, 1.2) == priced(1.3, 3) and priced(1.3, 2, 1.2) == priced(1.3, 2)
     assert RUNTIME.slowdown(2) == 1.2 and RUNTIME.slowdown(1) == 1.0 and RUNTIME.without("cores").slowdown(4) == 1.0
+    scaled = dataclasses.replace(RUNTIME, shared_cpu_scale=1.1)
+    assert scaled.cpu_sharing(2) == 1.1 and scaled.cpu_sharing(1) == 1.0
+    assert scaled.without("sharing").cpu_sharing(2) == 1.0 and scaled.without("sharing").slowdown(2) == 1.0
+    assert RuntimeCosts.from_json(scaled.to_json()) == scaled
     assert oversubscription_of(2, 3, 1.3) == pytest.approx(1.5 * 1.3) and oversubscription_of(2, 2, 1.3) == 1.0
 
 

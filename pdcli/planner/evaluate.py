@@ -189,11 +189,14 @@ def replay(stages: Sequence[StageEval], options: PlanOptions, cores: int | None)
     return simulate(spec, costs, cores=cores)
 
 
-def replay_shown(cores: int | None, slowdown: float, sim: Simulation | None) -> dict[str, Any]:
+def replay_shown(cores: int | None, slowdown: float, sim: Simulation | None, cpu_scale: float = 1.0) -> dict[str, Any]:
     """How a plan's time was replayed (`plan.json`'s `pipeline.replay`): its minibatches, the
-    cores, and `shared_slowdown` where the replay's time was multiplied by one."""
+    cores, `shared_slowdown` where the replay's time was multiplied by one, and
+    `shared_cpu_scale` where the workers' compute costs that much more CPU time for sharing the
+    cores (`RuntimeCosts`; the report's compute per stage)."""
     return {**({"minibatches": len(sim.done_ms)} if sim is not None else {}), "cores": cores,
-            **({"shared_slowdown": slowdown} if slowdown != 1.0 else {})}
+            **({"shared_slowdown": slowdown} if slowdown != 1.0 else {}),
+            **({"shared_cpu_scale": cpu_scale} if cpu_scale != 1.0 else {})}
 
 
 def replay_ms(stages: Sequence[StageEval], options: PlanOptions, runtime: RuntimeCosts) -> tuple[float, dict[str, Any]]:
@@ -202,10 +205,11 @@ def replay_ms(stages: Sequence[StageEval], options: PlanOptions, runtime: Runtim
     cores, workers = runtime.cores, sum(st.replicas for st in stages)
     slowdown = runtime.slowdown(workers)
     sim = replay(stages, options, cores)
+    shown = replay_shown(cores, slowdown, sim, runtime.cpu_sharing(workers))
     if sim is None:  # the runtime refuses it: priced by its slowest stage
         bottleneck = max(st.terms["stage_time_ms"] for st in stages)
-        return bottleneck * oversubscription_of(cores, workers, slowdown), replay_shown(cores, slowdown, sim)
-    return sim.time_per_minibatch_ms * slowdown, replay_shown(cores, slowdown, sim)
+        return bottleneck * oversubscription_of(cores, workers, slowdown), shown
+    return sim.time_per_minibatch_ms * slowdown, shown
 
 
 def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,

@@ -29,8 +29,8 @@ TERMS = ("layers", "fixed", "loss", "load", "messages", "transport", "cores", "i
 """What `without` can switch off: the layer scales (1 instead), the fixed costs per action,
 the loss, data loading, packing/unpacking messages, the measured transport (latency,
 bandwidth and the all-reduce: the cluster's nominal bandwidth instead), the core count bound, the
-interpreter's time between actions, the per-position factors a real run refitted, the slowdown
-of workers sharing cores beyond the replay's queue."""
+interpreter's time between actions, the per-position factors a real run refitted, what workers
+sharing cores pay beyond the replay's queue (the slowdown and the compute's CPU factor)."""
 RUNTIME_META = "runtime"
 """`profile.json` meta key."""
 
@@ -135,6 +135,11 @@ class RuntimeCosts:
     cores): a run of a layout sharing the cores over its replay with these costs, measured by
     the pipeline probe when these costs were fitted on a layout with a core per worker
     (`pdcli.probe.runtime`). 1.0: not measured, or fitted on shared cores (the fit holds it)."""
+    shared_cpu_scale: float = 1.0
+    """How much more CPU time a compute action takes where workers outnumber `cores` than the
+    costs say (caches and memory bandwidth shared, the kernel switching workers): the same run's
+    compute, in CPU time per minibatch, over its replay's. Part of what `shared_slowdown` holds,
+    so it prices a stage's compute, not the time; measured with it. 1.0: as `shared_slowdown`."""
     sources: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What the fit was made from (probe stages, samples, residuals); informational."""
 
@@ -143,7 +148,15 @@ class RuntimeCosts:
 
     def slowdown(self, workers: int) -> float:
         """`shared_slowdown` where `workers` outnumber the cores, else 1."""
-        return self.shared_slowdown if self.cores is not None and workers > self.cores else 1.0
+        return self.shared_slowdown if self.shares(workers) else 1.0
+
+    def cpu_sharing(self, workers: int) -> float:
+        """`shared_cpu_scale` where `workers` outnumber the cores, else 1."""
+        return self.shared_cpu_scale if self.shares(workers) else 1.0
+
+    def shares(self, workers: int) -> bool:
+        """`workers` outnumber the cores."""
+        return self.cores is not None and workers > self.cores
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -155,7 +168,7 @@ class RuntimeCosts:
             "transport": self.transport, "cores": self.cores, "gap_ms": self.gap_ms, "sources": self.sources,
             "allreduce": self.allreduce.to_json() if self.allreduce is not None else None,
             "position_scale": list(self.position_scale) if self.position_scale is not None else None,
-            "shared_slowdown": self.shared_slowdown,
+            "shared_slowdown": self.shared_slowdown, "shared_cpu_scale": self.shared_cpu_scale,
         }
 
     @staticmethod
@@ -176,6 +189,7 @@ class RuntimeCosts:
             allreduce=Affine.from_json(obj["allreduce"]) if obj.get("allreduce") else None,
             position_scale=tuple(float(x) for x in obj["position_scale"]) if obj.get("position_scale") else None,
             shared_slowdown=float(obj.get("shared_slowdown", 1.0)),
+            shared_cpu_scale=float(obj.get("shared_cpu_scale", 1.0)),
         )
 
     @staticmethod
@@ -215,7 +229,7 @@ class RuntimeCosts:
         if "positions" in terms:
             out = dataclasses.replace(out, position_scale=None)
         if "sharing" in terms:
-            out = dataclasses.replace(out, shared_slowdown=1.0)
+            out = dataclasses.replace(out, shared_slowdown=1.0, shared_cpu_scale=1.0)
         return out
 
     def position_factors(self, num_positions: int) -> list[float]:

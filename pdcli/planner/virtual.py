@@ -165,8 +165,9 @@ def plan_virtual(chain: Chain, topology: Topology, options: PlanOptions, space: 
     whole = evaluate_pd(space, topology, dataclasses.replace(stand_in, num_stages=None, straight=False), scale,
                         [(0, space.num_positions, topology.num_devices)])
     slowdown = runtime.slowdown(devices) if runtime is not None else 1.0
+    cpu_scale = runtime.cpu_sharing(devices) if runtime is not None else 1.0
     return _assemble(chain, space, topology, options, spec, chunks, sim.time_per_minibatch_ms * slowdown,
-                     whole.time_per_minibatch_ms, device_rows, replay_shown(cores, slowdown, sim))
+                     whole.time_per_minibatch_ms, device_rows, replay_shown(cores, slowdown, sim, cpu_scale))
 
 
 def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: PlanOptions, spec: ScheduleSpec,

@@ -456,17 +456,19 @@ def _replicated(replicas: Sequence[int]) -> bool:
 
 def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tuple[list[int], list[int]],
                   minibatches: int, seed: Seed | None = None) -> RuntimeCosts:
-    """`calibrated` (fitted on workers with a core each) with `shared_slowdown`: a short real
-    run of the layout `shape` (more workers than cores) over its replay with `calibrated`'s
-    costs, the median of `profile.pipeline_probe_runs` runs. What the replay's core queue does
-    not model (context switches, the transport's threads waking up on busy cores) is in it.
+    """`calibrated` (fitted on workers with a core each) with `shared_slowdown` and
+    `shared_cpu_scale`: short real runs of the layout `shape` (more workers than cores), the
+    median of `profile.pipeline_probe_runs`, over their replay with `calibrated`'s costs: in
+    time, and in their compute's CPU time. What the replay's core queue does not model (context
+    switches, the transport's threads waking up on busy cores, caches and memory bandwidth
+    shared) is in the one; what of it the compute itself pays, in the other.
     `sources["shared_probe"]` says what ran, or why it failed (then the costs are unchanged)."""
-    from pdcli.report.calibrate import run_and_replay_ms
+    from pdcli.report.calibrate import RunAndReplay, run_and_replay
 
     cuts, replicas = shape
     workers = sum(replicas)
     overrides = _probe_overrides(cfg, costed, cuts, replicas, minibatches)
-    runs: list[tuple[float, float]] = []  # (the run's steady ms, its replay's)
+    runs: list[RunAndReplay] = []
     failure = ""
     for _ in range(max(1, int(cfg.profile.pipeline_probe_runs))):
         with tempfile.TemporaryDirectory(prefix="pd-shared-probe-") as tmp:
@@ -474,20 +476,27 @@ def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tupl
             if proc.returncode != 0:
                 failure = _why(proc)
                 continue
-            measured = run_and_replay_ms(Path(tmp) / PIPELINE_RUN, costed, calibrated)
+            measured = run_and_replay(Path(tmp) / PIPELINE_RUN, costed, calibrated)
         if measured is not None:
             runs.append(measured)
     if not runs:
         return dataclasses.replace(calibrated, sources={**calibrated.sources, "shared_probe":
                                                         f"skipped: the run failed ({failure or 'too short'})"})
-    slowdowns = [run_ms / replay_ms for run_ms, replay_ms in runs]
-    slowdown = statistics.median(slowdowns)
+    slowdowns = [run.run_ms / run.replay_ms for run in runs]
+    cpu_scales = [run.run_compute_cpu_ms / run.replay_compute_cpu_ms for run in runs
+                  if run.run_compute_cpu_ms and run.replay_compute_cpu_ms]
+    cpu_scale = statistics.median(cpu_scales) if cpu_scales else 1.0
     how = (f"{_probe_minibatches(cfg, costed, workers, minibatches)} minibatches of {cfg.schedule.name} on "
            f"{workers} workers sharing {calibrated.cores} cores, split at {cuts}: "
-           f"{', '.join(f'{x:.2f}' for x in slowdowns)} x the replay, the median taken")
-    return dataclasses.replace(calibrated, shared_slowdown=slowdown,
-                               sources={**calibrated.sources, "shared_probe": how,
-                                        "shared_runs_ms": [[round(a, 4), round(b, 4)] for a, b in runs]})
+           f"{', '.join(f'{x:.2f}' for x in slowdowns)} x the replay"
+           + (f", the compute {', '.join(f'{x:.2f}' for x in cpu_scales)} x its CPU time" if cpu_scales else "")
+           + ", the median taken")
+    return dataclasses.replace(
+        calibrated, shared_slowdown=statistics.median(slowdowns), shared_cpu_scale=cpu_scale,
+        sources={**calibrated.sources, "shared_probe": how,
+                 "shared_runs_ms": [[round(run.run_ms, 4), round(run.replay_ms, 4)] for run in runs],
+                 "shared_compute_cpu_ms": [[round(run.run_compute_cpu_ms or 0.0, 4),
+                                            round(run.replay_compute_cpu_ms or 0.0, 4)] for run in runs]})
 
 
 def _probe_minibatches(cfg: Any, chain: Chain, workers: int, minibatches: int) -> int:

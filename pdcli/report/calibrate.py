@@ -252,6 +252,7 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
         gap_ms=gaps_mean, allreduce=refit_allreduce(allreduces, base.allreduce), position_scale=position_scale,
         # a run on shared cores: its refit holds what sharing cost it
         shared_slowdown=1.0 if shared else base.shared_slowdown,
+        shared_cpu_scale=1.0 if shared else base.shared_cpu_scale,
         sources={**base.sources, "calibrated_from": str(run_dir)},
     )
     first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
@@ -279,10 +280,23 @@ def run_steady_ms(run_dir: Path, plan: dict[str, Any], traces: dict[int, RankTra
     return steady_time_per_minibatch_ms(first, per_rank, evaluated_after(summary))
 
 
-def run_and_replay_ms(run_dir: Path, chain: Chain, runtime: RuntimeCosts) -> tuple[float, float] | None:
-    """(the steady time per minibatch of the run in `run_dir`, its plan's replay with
-    `runtime`'s costs: `chain` priced at the run's microbatch rows and precision, no
-    `shared_slowdown`). None: the run was too short to have a steady time."""
+@dataclass(frozen=True)
+class RunAndReplay:
+    """A run beside its plan's replay, per minibatch over the steady half: the time, and the
+    compute of all ranks in CPU time (the replay's with no rank queued for a core)."""
+
+    run_ms: float
+    replay_ms: float
+    run_compute_cpu_ms: float | None
+    replay_compute_cpu_ms: float | None
+
+
+def run_and_replay(run_dir: Path, chain: Chain, runtime: RuntimeCosts) -> RunAndReplay | None:
+    """The run in `run_dir` beside its plan's replay with `runtime`'s costs (`chain` priced at
+    the run's microbatch rows and precision, no `shared_slowdown` nor `shared_cpu_scale`). The
+    run's compute in CPU time over its steady half is its traced compute there times the CPU
+    time per compute ms its ranks' totals hold (`summary.json`). None: the run was too short to
+    have a steady time."""
     plan = read_trained_plan(run_dir, ReplanCommands(str(run_dir)))
     traces = read_trace(run_dir / TRAIN_DIR / TRACE_FILE)
     target_ms = run_steady_ms(run_dir, plan, traces) if traces else None
@@ -291,7 +305,16 @@ def run_and_replay_ms(run_dir: Path, chain: Chain, runtime: RuntimeCosts) -> tup
     inputs = plan["inputs"]
     rows = int(inputs["batch_size"]) // int(inputs["num_microbatches"])
     priced = chain_at_precision(chain_at_rows(chain, rows), str(inputs.get("precision", "fp32")), rows)
-    return target_ms, replayed_ms(replace(runtime, shared_slowdown=1.0), priced, plan)
+    alone = replace(runtime, shared_slowdown=1.0, shared_cpu_scale=1.0)
+    per_rank = int(inputs["num_microbatches"]) * int(inputs.get("virtual_stages", 1))
+    first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
+    compute_ms = steady_compute_ms(first, list(traces.values()), per_rank)
+    summary = json.loads((run_dir / TRAIN_DIR / SUMMARY_FILE).read_text())
+    wall = sum(float(s["compute_ms"]) * int(s["replicas"]) for s in summary["stages"])
+    cpu = sum(float(s.get("compute_cpu_ms", 0.0)) * int(s["replicas"]) for s in summary["stages"])
+    return RunAndReplay(target_ms, replayed_ms(alone, priced, plan),
+                        compute_ms * cpu / wall if compute_ms and wall > 0 and cpu > 0 else None,
+                        replayed_compute_ms(alone.without("cores"), priced, plan))
 
 
 def steady_compute_ms(first_stage: Sequence[RankTrace], ranks: Sequence[RankTrace], num_microbatches: int) -> float | None:

@@ -57,7 +57,8 @@ class PredictedStage:
     older plan)."""
     compute_cpu_ms: float | None = None
     """The compute actions' own cost (CPU time), per minibatch: compute_ms without the time a
-    replay on shared cores queued the rank for a core (None: not a runtime-costed plan)."""
+    replay on shared cores queued the rank for a core, times the plan's `shared_cpu_scale` (None:
+    not a runtime-costed plan)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -151,15 +152,17 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
                              num_microbatches, steps, replicas, vertical_sync, split_backward=split, orders=orders,
                              virtual_stages=int(plan.get("inputs", {}).get("virtual_stages", 1)))
     runtime = runtime_costed(plan)
-    cores = (plan["pipeline"].get("replay") or {}).get("cores") if runtime else None
+    replayed = plan["pipeline"].get("replay") or {}
+    cores = replayed.get("cores") if runtime else None
     costs = stage_costs(plan, schedule, num_microbatches)
     sim = simulate(spec, costs, cores=cores)
     shared = cores is not None and spec.num_ranks > int(cores)
     own = simulate(spec, costs) if shared else sim  # the same lists, nobody queued for a core
+    cpu_scale = float(replayed.get("shared_cpu_scale", 1.0))  # `RuntimeCosts.shared_cpu_scale`
     stages = []
     for stage_id, stage in enumerate(plan_stages):
         if runtime:
-            stages.append(_replayed_stage(stage, stage_id, spec, sim, own, replicas[stage_id], steps))
+            stages.append(_replayed_stage(stage, stage_id, spec, sim, own, replicas[stage_id], steps, cpu_scale))
             continue
         p = stage["predicted"]
         optimizer_ms = float(p.get("optimizer_ms", 0.0))
@@ -177,7 +180,7 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
             idle_ms=idle_ms / steps, stage_time_ms=float(p["stage_time_ms"]), wall_ms=sim.makespan_ms / steps,
         ))
     pipeline = plan["pipeline"]
-    slowdown = float((pipeline.get("replay") or {}).get("shared_slowdown", 1.0))  # `RuntimeCosts.shared_slowdown`
+    slowdown = float(replayed.get("shared_slowdown", 1.0))  # `RuntimeCosts.shared_slowdown`
     return Predicted(
         stages=tuple(stages), time_per_minibatch_ms=float(pipeline["time_per_minibatch_ms"]),
         throughput_samples_per_s=float(pipeline["throughput_samples_per_s"]),
@@ -198,11 +201,12 @@ def _category_ms(sim: Simulation, spec: ScheduleSpec, stage_id: int, replicas: i
 
 
 def _replayed_stage(stage: dict[str, Any], stage_id: int, spec: ScheduleSpec, sim: Simulation, own: Simulation,
-                    replicas: int, steps: int) -> PredictedStage:
+                    replicas: int, steps: int, cpu_scale: float) -> PredictedStage:
     """A stage of a runtime-costed plan, per minibatch, in the runtime's own categories:
     compute (every action but messages), comm (sends, all-reduce), idle (receives: waiting and
-    unpacking), from the replay `sim` of its action lists; its compute's own cost from `own`,
-    the replay with no rank queued for a core."""
+    unpacking), from the replay `sim` of its action lists; its compute's own cost (CPU time)
+    from `own`, the replay with no rank queued for a core, times `cpu_scale`, what compute
+    costs more where the workers share the cores."""
     p = stage["predicted"]
     totals = _category_ms(sim, spec, stage_id, replicas, steps)
     return PredictedStage(
@@ -210,5 +214,5 @@ def _replayed_stage(stage: dict[str, Any], stage_id: int, spec: ScheduleSpec, si
         compute_ms=totals[COMPUTE], optimizer_ms=float(p.get("optimizer_ms", 0.0)),
         wgrad_ms=float(p.get("wgrad_ms", 0.0)), comm_ms=totals[COMM], idle_ms=totals[IDLE],
         stage_time_ms=totals[COMPUTE] + totals[COMM], wall_ms=sim.makespan_ms / steps,
-        compute_cpu_ms=_category_ms(own, spec, stage_id, replicas, steps)[COMPUTE],
+        compute_cpu_ms=_category_ms(own, spec, stage_id, replicas, steps)[COMPUTE] * cpu_scale,
     )

@@ -135,7 +135,9 @@ def run_case(name: str, case: tuple[str, tuple[str, ...], int], root: Path, prev
                     "measured_compute_ms": s.measured.compute_ms, "measured_actions_ms": s.measured.actions_ms,
                     "predicted_compute_cpu_ms": s.predicted.compute_cpu_ms,
                     "measured_compute_cpu_ms": s.measured.compute_cpu_ms,
-                    "compute_ratio": 1.0 + s.compute_drift_pct / 100.0 if s.compute_drift_pct is not None else None}
+                    "compute_ratio": 1.0 + s.compute_drift_pct / 100.0 if s.compute_drift_pct is not None else None,
+                    "measured_comm_ms": s.measured.comm_ms, "predicted_comm_ms": s.predicted.comm_ms,
+                    "stage_time_drift_pct": s.stage_time_drift_pct}
                    for s in c.stages],
     }
     base = RuntimeCosts.from_meta(chain.meta)

@@ -408,6 +408,7 @@ def test_report_of_a_real_quickstart_run(real_run: Path) -> None:
         m = stage["measured"]
         assert m["compute_ms"] * REAL_STEPS == pytest.approx(totals["compute_ms"])
         assert 0 < m["compute_cpu_ms"] and m["compute_cpu_ms"] * REAL_STEPS == pytest.approx(totals["compute_cpu_ms"])
+        assert 0 < m["comm_cpu_ms"] and m["comm_cpu_ms"] * REAL_STEPS == pytest.approx(totals["comm_cpu_ms"])
         assert m["idle_ms"] * REAL_STEPS == pytest.approx(totals["idle_ms"])
         assert m["actions_ms"]["Forward"] > 0 and m["actions_ms"]["Backward"] > 0
         assert m["compute_ms"] + m["comm_ms"] + m["idle_ms"] <= m["wall_ms"] * 1.001  # the trace span holds them all
@@ -488,9 +489,9 @@ def test_on_shared_cores_each_stages_compute_is_priced_the_cpu_time_sharing_cost
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_on_shared_cores_a_stage_is_held_to_its_cpu_time(shared: bool) -> None:
-    """A stage whose actions took 1.6x their wall time (the kernel ran the other worker during
-    them) but used the CPU time the plan prices has not drifted where the replay shared cores;
-    held to wall time, it has."""
+    """A stage whose compute took 1.6x and whose sends took 3x their predicted wall time (the
+    kernel ran the other worker during them) but used the CPU time the plan prices has not
+    drifted where the replay shared cores; held to wall time, it has."""
     import dataclasses
 
     from pdcli.report.compare import compare
@@ -498,13 +499,16 @@ def test_on_shared_cores_a_stage_is_held_to_its_cpu_time(shared: bool) -> None:
 
     _, predicted = shared_core_prediction()
     predicted = dataclasses.replace(predicted, shared_cores=shared)
-    stages = tuple(MeasuredStage(stage_id=p.stage_id, replicas=1, compute_ms=p.compute_ms * 1.6, comm_ms=p.comm_ms,
-                                 idle_ms=p.idle_ms, wall_ms=p.wall_ms, actions_ms={},
-                                 compute_cpu_ms=p.compute_cpu_ms) for p in predicted.stages)
+    assert all(p.comm_cpu_ms for p in predicted.stages)
+    stages = tuple(MeasuredStage(stage_id=p.stage_id, replicas=1, compute_ms=p.compute_ms * 1.6,
+                                 comm_ms=p.comm_ms * 3, idle_ms=p.idle_ms, wall_ms=p.wall_ms, actions_ms={},
+                                 compute_cpu_ms=p.compute_cpu_ms, comm_cpu_ms=p.comm_cpu_ms) for p in predicted.stages)
     measured = Measured(schedule="pipedream", num_steps=20, batch_size=64, num_microbatches=4, stages=stages,
                         time_per_minibatch_ms=predicted.time_per_minibatch_ms, steady_time_per_minibatch_ms=None,
                         samples_per_s=1.0, final_loss=1.0, final_accuracy=None, minibatch_losses=(), metrics=(), ranks={})
     c = compare(predicted, measured, 25.0, ReplanCommands("recipe.yaml"))
     for s in c.stages:
         assert s.compute_drift_pct == (pytest.approx(0.0, abs=1e-9) if shared else pytest.approx(60.0))
+        assert s.stage_time_drift_pct == (pytest.approx(0.0, abs=1e-9) if shared else pytest.approx(
+            (1.6 * s.predicted.compute_ms + 3 * s.predicted.comm_ms) / (s.predicted.compute_ms + s.predicted.comm_ms) * 100 - 100))
     assert (c.drift is None) is shared

@@ -5,7 +5,8 @@ from the plan's `stage_time_ms` by more than the threshold. When its compute alo
 off by more than the threshold the profile no longer describes the machine (re-profile,
 then re-plan); otherwise the communication terms are off (the cluster's bandwidth in the
 config), and a re-plan after fixing it is what helps. Where the plan's replay ran workers on
-shared cores, compute is counted in CPU time on both sides (`compute_pair`).
+shared cores, compute and comm are counted in CPU time on both sides (`compute_pair`,
+`comm_pair`).
 """
 
 from __future__ import annotations
@@ -116,6 +117,15 @@ def compute_pair(p: PredictedStage, m: MeasuredStage, shared_cores: bool) -> tup
     return m.compute_ms, p.compute_ms
 
 
+def comm_pair(p: PredictedStage, m: MeasuredStage, shared_cores: bool) -> tuple[float, float]:
+    """(measured, predicted) comm of a stage, ms per minibatch, as `compute_pair` counts compute:
+    wall time, or CPU time where the replay shared cores among the ranks (a send's wall time then
+    also holds the turns of the workers the kernel ran during it)."""
+    if shared_cores and m.comm_cpu_ms is not None and p.comm_cpu_ms is not None:
+        return m.comm_cpu_ms, p.comm_cpu_ms
+    return m.comm_ms, p.comm_ms
+
+
 def compare(predicted: Predicted, measured: Measured, threshold_pct: float, commands: ReplanCommands,
             calibrate_from: str | None = None, profiled_host_speed_ms: float | None = None) -> Comparison:
     """Pair the stages of the plan with the measured ones and decide whether the plan drifted;
@@ -126,7 +136,8 @@ def compare(predicted: Predicted, measured: Measured, threshold_pct: float, comm
     rows = []
     for p, m in zip(predicted.stages, measured.stages):
         measured_compute, predicted_compute = compute_pair(p, m, predicted.shared_cores)
-        stage_pct = relative_pct(measured_compute + m.comm_ms, predicted_compute + p.comm_ms)
+        measured_comm, predicted_comm = comm_pair(p, m, predicted.shared_cores)
+        stage_pct = relative_pct(measured_compute + measured_comm, predicted_compute + predicted_comm)
         compute_pct = relative_pct(measured_compute, predicted_compute)
         rows.append(StageComparison(p.stage_id, p, m, stage_pct, compute_pct, _beyond(stage_pct, threshold_pct)))
     return Comparison(tuple(rows), predicted, measured, threshold_pct, _drift(rows, threshold_pct, commands, calibrate_from),

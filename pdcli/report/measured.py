@@ -144,6 +144,8 @@ class MeasuredStage:
     compute_cpu_ms: float | None = None
     """The CPU time of its processes inside compute actions (None: a run from before it was
     counted). Where workers share cores, compute_ms also holds the time other workers ran."""
+    comm_cpu_ms: float | None = None
+    """The same inside comm actions (None: a run from before it was counted)."""
 
     @property
     def stage_time_ms(self) -> float:
@@ -271,6 +273,7 @@ def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage
             comm_ms=float(row["comm_ms"]) / steps, idle_ms=float(row["idle_ms"]) / steps, wall_ms=wall_ms / steps,
             actions_ms=dict(sorted(actions.items())),
             compute_cpu_ms=float(row["compute_cpu_ms"]) / steps if "compute_cpu_ms" in row else None,
+            comm_cpu_ms=float(row["comm_cpu_ms"]) / steps if "comm_cpu_ms" in row else None,
         ))
     first = [r for rank, r in ranks.items() if stage_of_rank.get(rank) == 0]
     lines = read_metrics(train_dir / METRICS_FILE)

@@ -59,6 +59,9 @@ class PredictedStage:
     """The compute actions' own cost (CPU time), per minibatch: compute_ms without the time a
     replay on shared cores queued the rank for a core, times the plan's `shared_cpu_scale` (None:
     not a runtime-costed plan)."""
+    comm_cpu_ms: float | None = None
+    """The comm actions' own cost, per minibatch: comm_ms without the time a replay on shared
+    cores queued the rank for a core (None: not a runtime-costed plan)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -206,13 +209,14 @@ def _replayed_stage(stage: dict[str, Any], stage_id: int, spec: ScheduleSpec, si
     compute (every action but messages), comm (sends, all-reduce), idle (receives: waiting and
     unpacking), from the replay `sim` of its action lists; its compute's own cost (CPU time)
     from `own`, the replay with no rank queued for a core, times `cpu_scale`, what compute
-    costs more where the workers share the cores."""
+    costs more where the workers share the cores; its comm's own cost from `own`."""
     p = stage["predicted"]
     totals = _category_ms(sim, spec, stage_id, replicas, steps)
+    alone = _category_ms(own, spec, stage_id, replicas, steps)
     return PredictedStage(
         stage_id=stage_id, replicas=replicas, fwd_ms=float(p["fwd_ms"]), bwd_ms=float(p["bwd_ms"]),
         compute_ms=totals[COMPUTE], optimizer_ms=float(p.get("optimizer_ms", 0.0)),
         wgrad_ms=float(p.get("wgrad_ms", 0.0)), comm_ms=totals[COMM], idle_ms=totals[IDLE],
         stage_time_ms=totals[COMPUTE] + totals[COMM], wall_ms=sim.makespan_ms / steps,
-        compute_cpu_ms=_category_ms(own, spec, stage_id, replicas, steps)[COMPUTE] * cpu_scale,
+        compute_cpu_ms=alone[COMPUTE] * cpu_scale, comm_cpu_ms=alone[COMM],
     )

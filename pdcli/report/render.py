@@ -37,14 +37,16 @@ def _frac(value: float) -> str:
 
 def stage_rows(c: Comparison) -> list[list[str]]:
     """One row per stage, predicted / measured (STAGE_HEADERS; with CPU_HEADER after the compute
-    where the replay shared cores)."""
+    and COMM_CPU_HEADER after the comm where the replay shared cores)."""
     rows = []
     for s in c.stages:
         p, m = s.predicted, s.measured
-        cpu = [f"{_ms(p.compute_cpu_ms)} / {_ms(m.compute_cpu_ms)}"] if c.predicted.shared_cores else []
+        shared = c.predicted.shared_cores
+        cpu = [f"{_ms(p.compute_cpu_ms)} / {_ms(m.compute_cpu_ms)}"] if shared else []
+        comm_cpu = [f"{_ms(p.comm_cpu_ms)} / {_ms(m.comm_cpu_ms)}"] if shared else []
         rows.append([
             str(s.stage_id), str(m.replicas), f"{_ms(p.compute_ms)} / {_ms(m.compute_ms)}", *cpu,
-            f"{_ms(p.comm_ms)} / {_ms(m.comm_ms)}",
+            f"{_ms(p.comm_ms)} / {_ms(m.comm_ms)}", *comm_cpu,
             f"{_ms(p.idle_ms)} / {_ms(m.idle_ms)}", f"{_ms(p.stage_time_ms)} / {_ms(m.stage_time_ms)}",
             _pct(s.stage_time_drift_pct) + (" DRIFT" if s.drifted else ""),
             f"{_frac(p.bubble_fraction)} / {_frac(m.bubble_fraction)}",
@@ -53,13 +55,15 @@ def stage_rows(c: Comparison) -> list[list[str]]:
 
 
 STAGE_HEADERS = ["stage", "replicas", "compute ms", "comm ms", "idle ms", "stage time ms", "drift", "bubble"]
-CPU_HEADER = "compute CPU ms"
-"""The column shown where the replay ran the workers on shared cores: the drift is judged on it
-(`pdcli.report.compare.compute_pair`)."""
+CPU_HEADER, COMM_CPU_HEADER = "compute CPU ms", "comm CPU ms"
+"""The columns shown where the replay ran the workers on shared cores: the drift is judged on them
+(`pdcli.report.compare.compute_pair`, `comm_pair`)."""
 
 
 def stage_headers(c: Comparison) -> list[str]:
-    return [*STAGE_HEADERS[:3], CPU_HEADER, *STAGE_HEADERS[3:]] if c.predicted.shared_cores else STAGE_HEADERS
+    if not c.predicted.shared_cores:
+        return STAGE_HEADERS
+    return [*STAGE_HEADERS[:3], CPU_HEADER, STAGE_HEADERS[3], COMM_CPU_HEADER, *STAGE_HEADERS[4:]]
 
 
 MAIN_ACTIONS = ("Forward", "Backward", "OptimizerStep")
@@ -192,11 +196,11 @@ def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, 
             "predicted": {"compute_ms": s.predicted.compute_ms, "comm_ms": s.predicted.comm_ms, "idle_ms": s.predicted.idle_ms,
                           "stage_time_ms": s.predicted.stage_time_ms, "fwd_ms": s.predicted.fwd_ms, "bwd_ms": s.predicted.bwd_ms,
                           "wgrad_ms": s.predicted.wgrad_ms, "wall_ms": s.predicted.wall_ms,
-                          "compute_cpu_ms": s.predicted.compute_cpu_ms,
+                          "compute_cpu_ms": s.predicted.compute_cpu_ms, "comm_cpu_ms": s.predicted.comm_cpu_ms,
                           "bubble_fraction": s.predicted.bubble_fraction},
             "measured": {"compute_ms": s.measured.compute_ms, "comm_ms": s.measured.comm_ms, "idle_ms": s.measured.idle_ms,
                          "stage_time_ms": s.measured.stage_time_ms, "wall_ms": s.measured.wall_ms,
-                         "compute_cpu_ms": s.measured.compute_cpu_ms,
+                         "compute_cpu_ms": s.measured.compute_cpu_ms, "comm_cpu_ms": s.measured.comm_cpu_ms,
                          "bubble_fraction": s.measured.bubble_fraction, "actions_ms": s.measured.actions_ms},
             "stage_time_drift_pct": s.stage_time_drift_pct, "compute_drift_pct": s.compute_drift_pct, "drifted": s.drifted,
         })

@@ -32,7 +32,7 @@ from pdcli.runtime.comm import Mailbox, chunk_link
 from pdcli.runtime.evaluation import EvalSums
 from pdcli.runtime.divergence import Diverged, check_gradients, check_loss
 from pdcli.runtime.memory import MemoryTracker, tensor_bytes
-from pdcli.runtime.metrics import COMPUTE, Timeline, action_category
+from pdcli.runtime.metrics import IDLE, Timeline, action_category
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import TiedCopy, sum_tied_grads
@@ -146,7 +146,7 @@ class ActionLoop:
             if self._fault is not None and self.steps_done >= self._fault[0] and isinstance(action, (S.Forward, S.Backward)):
                 inject_fault(self._fault[1])  # in compute: a hang there is the cause, not a symptom
             category = action_category(action)
-            counted = category == COMPUTE  # only compute actions' CPU time is counted
+            counted = category != IDLE  # compute and comm actions' CPU time is counted, not waiting
             start_s, cpu_s = tl.now(), tl.cpu_now() if counted else 0.0
             self.run_action(action)
             if self.evaluating(action):  # evaluation time stays out of the training timeline and its totals

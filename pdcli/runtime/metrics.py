@@ -6,9 +6,10 @@ Categories (per rank, in ms):
 - `idle`: blocked waiting for a receive to arrive (the pipeline bubble; on one host the
   transfer itself cannot be told apart from waiting for the peer's compute).
 
-Besides the wall time, a rank counts the CPU time its process used inside compute actions
-(`compute_cpu_ms`, every thread of the worker): where workers share cores, an action's wall
-time also holds the time the kernel ran another worker, and the CPU time is its own work.
+Besides the wall time, a rank counts the CPU time its process used inside compute and comm
+actions (`compute_cpu_ms`, `comm_cpu_ms`, every thread of the worker): where workers share cores,
+an action's wall time also holds the time the kernel ran another worker, and the CPU time is its
+own work.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class RankStats:
     compute_ms: float = 0.0
     compute_cpu_ms: float = 0.0
     """CPU time of the worker's process inside compute actions."""
+    comm_cpu_ms: float = 0.0
+    """CPU time of the worker's process inside comm actions."""
     comm_ms: float = 0.0
     idle_ms: float = 0.0
     wall_ms: float = 0.0
@@ -100,12 +103,14 @@ class Timeline:
     def add(self, name: str, category: str, start_s: float, end_s: float, label: str | None = None,
             cpu_s: float = 0.0) -> None:
         """A span; `label` (an action's text form, `F3@v1`) goes to the trace event's args;
-        `cpu_s`: the process's CPU time inside it (counted for compute spans)."""
+        `cpu_s`: the process's CPU time inside it (counted for compute and comm spans)."""
         dur_s = end_s - start_s
         attr = f"{category}_ms"
         setattr(self.stats, attr, getattr(self.stats, attr) + dur_s * S_TO_MS)
         if category == COMPUTE:
             self.stats.compute_cpu_ms += cpu_s * S_TO_MS
+        elif category == COMM:
+            self.stats.comm_cpu_ms += cpu_s * S_TO_MS
         if len(self.stats.events) < MAX_TRACE_EVENTS:
             ts_us = (self._wall0_s + start_s - self._perf0_s) * S_TO_US
             self.stats.events.append((name, category, ts_us, dur_s * S_TO_US, label))
@@ -141,6 +146,7 @@ def per_stage(all_stats: list[RankStats]) -> list[dict[str, Any]]:
                 "replicas": n,
                 "compute_ms": sum(s.compute_ms for s in group) / n,
                 "compute_cpu_ms": sum(s.compute_cpu_ms for s in group) / n,
+                "comm_cpu_ms": sum(s.comm_cpu_ms for s in group) / n,
                 "comm_ms": sum(s.comm_ms for s in group) / n,
                 "idle_ms": sum(s.idle_ms for s in group) / n,
                 "wall_ms": max(s.wall_ms for s in group),

@@ -255,9 +255,8 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
         shared_cpu_scale=1.0 if shared else base.shared_cpu_scale,
         sources={**base.sources, "calibrated_from": str(run_dir)},
     )
-    first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
     target_ms = run_steady_ms(run_dir, plan, traces)
-    compute_ms = steady_compute_ms(first, list(traces.values()), m * chunks_per_rank) if shared else None
+    compute_ms = plan_compute_ms(plan, list(traces.values())) if shared else None
     shared_fit = None
     if compute_ms:  # its latency fitted to the run's time at the factor it takes
         calibrated, shared_fit = fit_shared(calibrated, chain, plan, compute_ms, target_ms)
@@ -272,12 +271,22 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
 def run_steady_ms(run_dir: Path, plan: dict[str, Any], traces: dict[int, RankTrace]) -> float | None:
     """The steady time per minibatch of the run in `run_dir` (trained from `plan`, traced as
     `traces`): its first stage's completions (`steady_time_per_minibatch_ms`); None: too short."""
-    inputs = plan["inputs"]
-    per_rank = int(inputs["num_microbatches"]) * int(inputs.get("virtual_stages", 1))
     first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
     summary_path = run_dir / TRAIN_DIR / SUMMARY_FILE
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return steady_time_per_minibatch_ms(first, per_rank, evaluated_after(summary))
+    return steady_time_per_minibatch_ms(first, per_rank(plan), evaluated_after(summary))
+
+
+def per_rank(plan: dict[str, Any]) -> int:
+    """The microbatches a rank of `plan` runs per minibatch (each of its chunks runs all)."""
+    inputs = plan["inputs"]
+    return int(inputs["num_microbatches"]) * int(inputs.get("virtual_stages", 1))
+
+
+def plan_compute_ms(plan: dict[str, Any], ranks: Sequence[RankTrace]) -> float | None:
+    """`steady_compute_ms` of the `ranks` (measured or replayed) of a run of `plan`."""
+    first = {int(r) for r in plan["stages"][0]["ranks"]}
+    return steady_compute_ms([t for t in ranks if t.rank in first], ranks, per_rank(plan))
 
 
 @dataclass(frozen=True)
@@ -306,9 +315,7 @@ def run_and_replay(run_dir: Path, chain: Chain, runtime: RuntimeCosts) -> RunAnd
     rows = int(inputs["batch_size"]) // int(inputs["num_microbatches"])
     priced = chain_at_precision(chain_at_rows(chain, rows), str(inputs.get("precision", "fp32")), rows)
     alone = replace(runtime, shared_slowdown=1.0, shared_cpu_scale=1.0)
-    per_rank = int(inputs["num_microbatches"]) * int(inputs.get("virtual_stages", 1))
-    first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
-    compute_ms = steady_compute_ms(first, list(traces.values()), per_rank)
+    compute_ms = plan_compute_ms(plan, list(traces.values()))
     summary = json.loads((run_dir / TRAIN_DIR / SUMMARY_FILE).read_text())
     wall = sum(float(s["compute_ms"]) * int(s["replicas"]) for s in summary["stages"])
     cpu = sum(float(s.get("compute_cpu_ms", 0.0)) * int(s["replicas"]) for s in summary["stages"])
@@ -418,11 +425,7 @@ def fit_shared(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any], comput
 def replayed_compute_ms(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> float | None:
     """`steady_compute_ms` of the replay of `plan` with `runtime`'s costs."""
     traces = replayed_traces(runtime, chain, plan)
-    if traces is None:
-        return None
-    first = set(int(r) for r in plan["stages"][0]["ranks"])
-    per_rank = int(plan["inputs"]["num_microbatches"]) * int(plan["inputs"].get("virtual_stages", 1))
-    return steady_compute_ms([t for t in traces if t.rank in first], traces, per_rank)
+    return plan_compute_ms(plan, traces) if traces is not None else None
 
 
 def replayed_ms(runtime: RuntimeCosts, chain: Chain, plan: dict[str, Any]) -> float:

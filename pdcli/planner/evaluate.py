@@ -189,7 +189,7 @@ def replay(stages: Sequence[StageEval], options: PlanOptions, cores: int | None)
     return simulate(spec, costs, cores=cores)
 
 
-def replay_shown(cores: int | None, slowdown: float, sim: Simulation | None, cpu_scale: float = 1.0) -> dict[str, Any]:
+def replay_shown(cores: int | None, slowdown: float, sim: Simulation | None, cpu_scale: float) -> dict[str, Any]:
     """How a plan's time was replayed (`plan.json`'s `pipeline.replay`): its minibatches, the
     cores, `shared_slowdown` where the replay's time was multiplied by one, and
     `shared_cpu_scale` where the workers' compute costs that much more CPU time for sharing the

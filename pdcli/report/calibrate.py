@@ -255,7 +255,7 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
         shared_cpu_scale=1.0 if shared else base.shared_cpu_scale,
         sources={**base.sources, "calibrated_from": str(run_dir)},
     )
-    target_ms = run_steady_ms(run_dir, plan, traces)
+    target_ms = run_steady_ms(run_summary(run_dir), plan, traces)
     compute_ms = plan_compute_ms(plan, list(traces.values())) if shared else None
     shared_fit = None
     if compute_ms:  # its latency fitted to the run's time at the factor it takes
@@ -268,12 +268,17 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
                         **({"shared_cores": shared_fit.to_json()} if shared_fit else {})}
 
 
-def run_steady_ms(run_dir: Path, plan: dict[str, Any], traces: dict[int, RankTrace]) -> float | None:
-    """The steady time per minibatch of the run in `run_dir` (trained from `plan`, traced as
-    `traces`): its first stage's completions (`steady_time_per_minibatch_ms`); None: too short."""
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    """The `summary.json` of the run in `run_dir` ({} when it has none)."""
+    path = run_dir / TRAIN_DIR / SUMMARY_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def run_steady_ms(summary: dict[str, Any], plan: dict[str, Any], traces: dict[int, RankTrace]) -> float | None:
+    """The steady time per minibatch of a run (trained from `plan`, traced as `traces`, summed
+    up in `summary`): its first stage's completions (`steady_time_per_minibatch_ms`); None: too
+    short."""
     first = [traces[r] for r in plan["stages"][0]["ranks"] if r in traces]
-    summary_path = run_dir / TRAIN_DIR / SUMMARY_FILE
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return steady_time_per_minibatch_ms(first, per_rank(plan), evaluated_after(summary))
 
 
@@ -308,7 +313,8 @@ def run_and_replay(run_dir: Path, chain: Chain, runtime: RuntimeCosts) -> RunAnd
     have a steady time."""
     plan = read_trained_plan(run_dir, ReplanCommands(str(run_dir)))
     traces = read_trace(run_dir / TRAIN_DIR / TRACE_FILE)
-    target_ms = run_steady_ms(run_dir, plan, traces) if traces else None
+    summary = run_summary(run_dir)
+    target_ms = run_steady_ms(summary, plan, traces) if traces else None
     if target_ms is None:
         return None
     inputs = plan["inputs"]
@@ -316,9 +322,9 @@ def run_and_replay(run_dir: Path, chain: Chain, runtime: RuntimeCosts) -> RunAnd
     priced = chain_at_precision(chain_at_rows(chain, rows), str(inputs.get("precision", "fp32")), rows)
     alone = replace(runtime, shared_slowdown=1.0, shared_cpu_scale=1.0)
     compute_ms = plan_compute_ms(plan, list(traces.values()))
-    summary = json.loads((run_dir / TRAIN_DIR / SUMMARY_FILE).read_text())
-    wall = sum(float(s["compute_ms"]) * int(s["replicas"]) for s in summary["stages"])
-    cpu = sum(float(s.get("compute_cpu_ms", 0.0)) * int(s["replicas"]) for s in summary["stages"])
+    stages = summary.get("stages", ())
+    wall = sum(float(s["compute_ms"]) * int(s["replicas"]) for s in stages)
+    cpu = sum(float(s.get("compute_cpu_ms", 0.0)) * int(s["replicas"]) for s in stages)
     return RunAndReplay(target_ms, replayed_ms(alone, priced, plan),
                         compute_ms * cpu / wall if compute_ms and wall > 0 and cpu > 0 else None,
                         replayed_compute_ms(alone.without("cores"), priced, plan))

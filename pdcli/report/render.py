@@ -39,9 +39,9 @@ def stage_rows(c: Comparison) -> list[list[str]]:
     """One row per stage, predicted / measured (STAGE_HEADERS; with CPU_HEADER after the compute
     and COMM_CPU_HEADER after the comm where the replay shared cores)."""
     rows = []
+    shared = c.predicted.shared_cores
     for s in c.stages:
         p, m = s.predicted, s.measured
-        shared = c.predicted.shared_cores
         cpu = [f"{_ms(p.compute_cpu_ms)} / {_ms(m.compute_cpu_ms)}"] if shared else []
         comm_cpu = [f"{_ms(p.comm_cpu_ms)} / {_ms(m.comm_cpu_ms)}"] if shared else []
         rows.append([

@@ -60,22 +60,23 @@ RUNTIME_SHAPE = (
 )
 """`benchmarks/bench_runtime.py`'s small section: MLP 8 x 1024, 8 microbatches of 32 rows, its split."""
 CASES: dict[str, tuple[str, tuple[str, ...], int]] = {
-    "quickstart": ("quickstart", (), 900),
-    "quickstart-1f1b": ("quickstart", ("schedule.name=1f1b",), 900),
-    "quickstart-gpipe": ("quickstart", ("schedule.name=gpipe",), 900),
-    "quickstart-2bw": ("quickstart", ("schedule.name=2bw",), 900),
-    "quickstart-interleaved": ("quickstart", ("schedule.name=interleaved", "schedule.virtual_stages=2"), 900),
-    "gpt": ("gpt", (), 160),
-    "resnet18": ("resnet18", (), 70),
-    "inception": ("inception", (), 45),
-    "gnmt": ("gnmt", (), 260),
-    "vgg16": ("vgg16", (), 150),
-    "gpt2_hf": ("gpt2_hf", ("train.eval_every=0", "train.eval_at_start=false"), 250),
-    "llama_hf": ("llama_hf", ("train.eval_every=0", "train.eval_at_start=false"), 210),
-    "runtime-shape": ("quickstart", RUNTIME_SHAPE, 40),
+    "quickstart": ("quickstart", (), 2700),
+    "quickstart-1f1b": ("quickstart", ("schedule.name=1f1b",), 2700),
+    "quickstart-gpipe": ("quickstart", ("schedule.name=gpipe",), 2700),
+    "quickstart-2bw": ("quickstart", ("schedule.name=2bw",), 2700),
+    "quickstart-interleaved": ("quickstart", ("schedule.name=interleaved", "schedule.virtual_stages=2"), 2700),
+    "gpt": ("gpt", (), 480),
+    "resnet18": ("resnet18", (), 210),
+    "inception": ("inception", (), 135),
+    "gnmt": ("gnmt", (), 780),
+    "vgg16": ("vgg16", (), 450),
+    "gpt2_hf": ("gpt2_hf", ("train.eval_every=0", "train.eval_at_start=false"), 750),
+    "llama_hf": ("llama_hf", ("train.eval_every=0", "train.eval_at_start=false"), 630),
+    "runtime-shape": ("quickstart", RUNTIME_SHAPE, 120),
 }
-"""Case -> (recipe, overrides, minibatches): the timed second half lasts about 3 s on this host
-(a half-second window moved the same plan's time by 5-12% from run to run)."""
+"""Case -> (recipe, overrides, minibatches): the timed second half lasts about 8 s on this host
+(a half-second window moved the same plan's time by 5-12% from run to run, a 3-second one by up
+to 7%: a short run samples the host's level as well as the plan's)."""
 OTHER_SCHEDULES = ("pipedream", "2bw", "1f1b", "gpipe")
 """`--every-schedule`: each recipe (the quickstart has its cases) also under each of these
 it does not name itself, as `<recipe>-<schedule>`."""

@@ -496,6 +496,7 @@ def test_on_shared_cores_a_stage_is_held_to_its_cpu_time(shared: bool) -> None:
 
     from pdcli.report.compare import compare
     from pdcli.report.measured import Measured, MeasuredStage
+    from pdcli.report.render import TEXT, render
 
     _, predicted = shared_core_prediction()
     predicted = dataclasses.replace(predicted, shared_cores=shared)
@@ -512,3 +513,6 @@ def test_on_shared_cores_a_stage_is_held_to_its_cpu_time(shared: bool) -> None:
         assert s.stage_time_drift_pct == (pytest.approx(0.0, abs=1e-9) if shared else pytest.approx(
             (1.6 * s.predicted.compute_ms + 3 * s.predicted.comm_ms) / (s.predicted.compute_ms + s.predicted.comm_ms) * 100 - 100))
     assert (c.drift is None) is shared
+    text = render(c, TEXT, Path("run"), {})
+    assert ("judged on compute CPU + comm CPU" in text) is shared
+    assert ("no drift: every stage's compute CPU + comm CPU is within 25%" in text) is shared

@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from pdcli.schedule.simulator import shares_cores
 from pdcli.schedule.spec import rules
 
 STASHED, DIRECT = "stashed", "direct"
@@ -156,7 +157,7 @@ class RuntimeCosts:
 
     def shares(self, workers: int) -> bool:
         """`workers` outnumber the cores."""
-        return self.cores is not None and workers > self.cores
+        return shares_cores(workers, self.cores)
 
     def to_json(self) -> dict[str, Any]:
         return {

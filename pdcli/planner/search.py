@@ -60,6 +60,7 @@ from pdcli.planner.options import PlanOptions, check_table
 from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
+from pdcli.schedule.simulator import shares_cores
 from pdcli.schedule.spec import FLUSH_SCHEDULES, ONE_F_ONE_B, rules, stand_in
 
 
@@ -215,7 +216,7 @@ def oversubscription_of(cores: int | None, devices: int, slowdown: float = 1.0) 
     """How much slower every stage runs when `devices` workers share `cores` (None: a device
     each): devices / cores times `slowdown` (`RuntimeCosts.shared_slowdown`) when that is
     above 1."""
-    return devices / cores * slowdown if cores is not None and devices > cores else 1.0
+    return devices / cores * slowdown if cores is not None and shares_cores(devices, cores) else 1.0
 
 
 def compute_scale_of(space: SplitSpace, scale: float) -> float:

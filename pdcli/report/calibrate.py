@@ -244,7 +244,7 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     gaps = _gaps(list(traces.values()))
     gaps_mean = float(sum(gaps)) / len(gaps) if gaps else base.gap_ms
     num_ranks = len(set().union(*ranks_of))
-    shared = base.cores is not None and num_ranks > base.cores
+    shared = base.shares(num_ranks)
     calibrated = replace(
         base, modes=modes, load_inputs_ms=load_inputs, load_target_ms=load_target,
         send=refit([b for b, _ in sends], [t for _, t in sends], base.send) if sends else base.send,

@@ -24,7 +24,7 @@ from pdcli.planner.evaluate import ACTIONS_KEY, replay_stage_costs
 from pdcli.report.measured import pipeline_bubble
 from pdcli.runtime.metrics import CATEGORIES, COMM, COMPUTE, IDLE, action_category
 from pdcli.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads
-from pdcli.schedule.simulator import Simulation, StageCost, simulate
+from pdcli.schedule.simulator import Simulation, StageCost, shares_cores, simulate
 from pdcli.schedule.orders import Order
 from pdcli.schedule.spec import FLUSH_SCHEDULES, rules, stand_in
 
@@ -159,7 +159,7 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
     cores = replayed.get("cores") if runtime else None
     costs = stage_costs(plan, schedule, num_microbatches)
     sim = simulate(spec, costs, cores=cores)
-    shared = cores is not None and spec.num_ranks > int(cores)
+    shared = shares_cores(spec.num_ranks, cores)
     own = simulate(spec, costs) if shared else sim  # the same lists, nobody queued for a core
     cpu_scale = float(replayed.get("shared_cpu_scale", 1.0))  # `RuntimeCosts.shared_cpu_scale`
     stages = []

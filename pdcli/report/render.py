@@ -116,7 +116,9 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     )
     lines.extend(event_lines(m.events))
     lines.append("")
-    lines.append("per stage, predicted / measured, ms per minibatch (of one replica; stage time = compute + comm):")
+    lines.append("per stage, predicted / measured, ms per minibatch (of one replica; stage time = compute + comm"
+                 + ("; the workers share cores, so the drift is judged on compute CPU + comm CPU):" if p.shared_cores
+                    else "):"))
     lines.append(tabulate(stage_rows(c), headers=stage_headers(c), tablefmt=table_fmt, disable_numparse=True))
     lines.append("")
     pipeline = [
@@ -141,7 +143,8 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     lines.append("")
     lines.extend(host_lines(c))
     if c.drift is None:
-        lines.append(f"no drift: every stage time is within {c.threshold_pct:g}% of the plan")
+        judged = "every stage's compute CPU + comm CPU" if p.shared_cores else "every stage time"
+        lines.append(f"no drift: {judged} is within {c.threshold_pct:g}% of the plan")
     else:
         d = c.drift
         why = ("the run's action costs differ from the profile's runtime probe: refit them from this run and re-plan"

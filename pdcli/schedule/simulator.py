@@ -170,7 +170,7 @@ def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
         raise ValueError(f"{len(costs)} stage costs for {spec.num_chunks} stages (chunks)")
     lists = lists_by_rank if lists_by_rank is not None else build_all(spec, eager_sends=send_mode is SendMode.EAGER)
     stages = [spec.stage_replica_of(rank)[0] for rank in range(spec.num_ranks)]
-    if cores is not None and spec.num_ranks > cores:
+    if cores is not None and shares_cores(spec.num_ranks, cores):
         if send_mode is not SendMode.EAGER:
             raise ValueError("a replay on shared cores needs eager sends (the CPU runtime's)")
         return _summarize(spec, _shared(spec, lists, stages, costs, cores, time_slice_ms))
@@ -229,6 +229,12 @@ def drain_start_ms(forward_starts: Iterable[Sequence[float]]) -> float | None:
     """When the pipeline starts to drain: the earliest, over the first stage's replicas (each
     one's forwards' start times), of a replica's last forward; None: no forward."""
     return min((max(starts) for starts in forward_starts if starts), default=None)
+
+
+def shares_cores(workers: int, cores: int | None) -> bool:
+    """`workers` outnumber the `cores` they run on (None: each worker has a device of its own):
+    the replay then queues them for a core."""
+    return cores is not None and workers > cores
 
 
 def steady_window(done_ms: Sequence[float], drain_ms: float | None = None) -> tuple[int, int]:

@@ -17,7 +17,9 @@ and per stage the compute measured against the `probe` plan's (in CPU time where
 share cores, as `pd report` compares it), and how much slower the host's reference matmul ran
 after the run than when its profile was measured (`pd report`'s host line; the probe's error is
 also shown with each run's time divided by it). Measured / predicted is the
-ratio shown; mean |error| closes each column. Writes `runs/benchmarks/prediction.json`;
+ratio shown; mean |error| closes each column. Later rounds train the same plan again from the
+same profile (`pd train` keeps what is not stale); with two rounds or more each case's median
+measured / probe over its rounds closes the output, the run-to-run noise beside it. Writes `runs/benchmarks/prediction.json`;
 nothing is asserted.
 
     .venv/bin/python benchmarks/bench_prediction.py [--cases quickstart gpt ...] [--every-schedule] [--rounds R]
@@ -153,24 +155,30 @@ def _ratio(row: dict[str, Any], key: str) -> float | None:
     return row["measured_ms"] / value if value else None
 
 
-def run_to_run(rows: list[dict[str, Any]]) -> dict[str, float] | None:
-    """The host's noise: the mean |measured / mean of its case's rounds - 1| over the runs of the
-    cases measured in two rounds or more, and the probe's mean error against those means (None:
-    no case has two rounds)."""
+def over_rounds(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The cases measured in two rounds or more: per case the median of its rounds' measured /
+    probe ratios and their range; over them the host's noise (the mean |measured / mean of its
+    case's rounds - 1|, what a perfect prediction of that mean would score run by run), the
+    probe's mean error against each case's median, and how many medians are within 0.9-1.1
+    (None: no case has two rounds)."""
     by_case: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         if "error" not in r:
             by_case.setdefault(r["case"], []).append(r)
-    spread, probe = [], []
-    for runs in by_case.values():
+    spread: list[float] = []
+    cases: dict[str, dict[str, float]] = {}
+    for name, runs in by_case.items():
         if len(runs) < 2:
             continue
         mean_ms = statistics.mean(r["measured_ms"] for r in runs)
         spread.extend(abs(r["measured_ms"] / mean_ms - 1.0) for r in runs)
-        probe.append(abs(mean_ms / statistics.mean(r["probe_ms"] for r in runs) - 1.0))
-    if not spread:
+        ratios = [r["measured_ms"] / r["probe_ms"] for r in runs]
+        cases[name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    if not cases:
         return None
-    return {"spread_pct": statistics.mean(spread) * 100, "probe_vs_mean_pct": statistics.mean(probe) * 100}
+    errors = [abs(c["median"] - 1.0) for c in cases.values()]
+    return {"spread_pct": statistics.mean(spread) * 100, "median_error_pct": statistics.mean(errors) * 100,
+            "medians_within_10pct": sum(e <= 0.1 for e in errors), "cases": cases}
 
 
 def main() -> None:
@@ -203,7 +211,8 @@ def main() -> None:
                 if (kept / name).exists():
                     shutil.rmtree(kept / name)
                 shutil.copytree(root / name, kept / name)
-    table, errors = [], {"profile_ms": [], "probe_ms": [], "calibrated_ms": []}
+    table: list[list[Any]] = []
+    errors: dict[str, list[float]] = {"profile_ms": [], "probe_ms": [], "calibrated_ms": []}
     host_adjusted: list[float] = []  # the probe's error where the host's level moved between profile and run
     for r in rows:
         if "error" in r:
@@ -234,14 +243,18 @@ def main() -> None:
     if adjusted is not None:
         print(f"the probe's with each run's time divided by how much slower the host's reference matmul ran after it "
               f"than when its profile was measured (`pd report`'s host line): {adjusted:.1f}%")
-    noise = run_to_run(rows)
+    noise = over_rounds(rows)
     if noise is not None:
+        print("\nover the rounds, measured / runtime probe per case: median (range)")
+        print(tabulate([[name, f"{c['median']:.2f}x", f"{c['min']:.2f}-{c['max']:.2f}"]
+                        for name, c in noise["cases"].items()], headers=["case", "median", "rounds"],
+                       disable_numparse=True))
         print(f"run to run: a case's measured time differs from the mean of its rounds by {noise['spread_pct']:.1f}% "
-              f"on average (what a perfect prediction of that mean would score run by run); the probe against "
-              f"each case's mean: {noise['probe_vs_mean_pct']:.1f}%")
+              f"on average; the probe against each case's median: {noise['median_error_pct']:.1f}%, "
+              f"{noise['medians_within_10pct']} of {len(noise['cases'])} medians within 0.9-1.1")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(OUT, {"rows": rows, "mean_abs_error_pct": summary, "probe_host_adjusted_pct": adjusted,
-                            "run_to_run": noise})
+                            "over_rounds": noise})
     print(f"wrote {OUT}")
 
 

@@ -19,8 +19,8 @@ after the run than when its profile was measured (`pd report`'s host line; the p
 also shown with each run's time divided by it). Measured / predicted is the
 ratio shown; mean |error| closes each column. Later rounds train the same plan again from the
 same profile (`pd train` keeps what is not stale); with two rounds or more each case's median
-measured / probe over its rounds closes the output, the run-to-run noise beside it. Writes `runs/benchmarks/prediction.json`;
-nothing is asserted.
+measured / probe over its rounds closes the output, the run-to-run noise beside it. Writes
+`runs/benchmarks/prediction.json`; nothing is asserted.
 
     .venv/bin/python benchmarks/bench_prediction.py [--cases quickstart gpt ...] [--every-schedule] [--rounds R]
 """
@@ -172,7 +172,7 @@ def over_rounds(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
             continue
         mean_ms = statistics.mean(r["measured_ms"] for r in runs)
         spread.extend(abs(r["measured_ms"] / mean_ms - 1.0) for r in runs)
-        ratios = [r["measured_ms"] / r["probe_ms"] for r in runs]
+        ratios = [q for r in runs if (q := _ratio(r, "probe_ms")) is not None]
         cases[name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
     if not cases:
         return None

@@ -26,6 +26,7 @@ from pdcli.runtime.sockets import TRANSPORT_ENV
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.job import TrainingFailed, format_summary, run_training
 from pdcli.testing.toy import ToyNet, toy_plan, write_toy_run, write_toy_stages
+from pdcli.torchutil.allocator import huge_page_env
 from pdcli.runtime.weights import WeightVersionError, WeightVersions
 
 pytestmark = pytest.mark.slow  # real processes over torch.distributed
@@ -269,6 +270,10 @@ def test_run_outputs_metrics_trace_checkpoint_and_summary(tmp_path: Path) -> Non
     state = checkpoint.load_model_state(run_dir / "train", cfg.train.steps)
     assert sorted(state) == sorted(ToyNet(2).state_dict())
     assert all((run_dir / "train" / f"rank{r}.log").exists() for r in range(3))
+    # the workers' heap is the one `pd profile` measures under (pdcli.torchutil.allocator)
+    on_huge_pages = ["heap on transparent huge pages" in (run_dir / "train" / f"rank{r}.log").read_text()
+                     for r in range(3)]
+    assert on_huge_pages == [huge_page_env({}) is not None] * 3
     table = format_summary(result)
     assert "compute ms" in table and f"{result.final_loss:.4f}" in table
 

@@ -40,6 +40,7 @@ from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import tied_copies
 from pdcli.runtime.update import UpdateRule, clips_per_stage
 from pdcli.runtime.watchdog import RESTART_COUNT_ENV, Heartbeat
+from pdcli.torchutil.allocator import HEAP_HUGE_PAGES, heap_on_huge_pages
 from pdcli.torchutil.optim import build_optimizer
 
 if TYPE_CHECKING:
@@ -219,6 +220,8 @@ def run_session(
     loaded = {k: load_stage(stages_dir, k) for k in chunks}
     for module, _ in loaded.values():
         module.to(device).train()
+    if device.type == "cpu" and heap_on_huge_pages():
+        logger.info("heap on transparent huge pages (%s)", HEAP_HUGE_PAGES)
     module, entry = loaded[stage_id]
     tied = tied_copies(manifest, placement, stage_id, module, entry)  # collective: every rank (none with chunks)
     ios = {k: StageIO.from_manifest(manifest, k) for k in chunks}

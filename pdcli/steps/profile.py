@@ -25,7 +25,7 @@ from pdcli.steps.plan import planned_layout
 
 
 
-MEASURES = 13
+MEASURES = 14
 """What the profiler measures, counted up when it measures more (2: each position's
 `wgrad_ms`; 3: the runtime probe; 4: each position's module name and the `pipe_split()`
 markers; 5: what stages hold, `meta.held_memory`; 6: the probe's stages without recompute, which the
@@ -33,7 +33,7 @@ planner prices; 7: the pipeline probe runs the stages the recipe plans; 8: the h
 `meta.host_speed_ms`; 9: the all-reduce between compute; 10: `meta.precision_time` at each
 microbatch size; 11: the pipeline probe's receives priced after their message's send; 12: under the
 workers' allocator, `pdcli.torchutil.allocator`; 13: the compute's CPU time on shared cores,
-`RuntimeCosts.shared_cpu_scale`), so a run
+`RuntimeCosts.shared_cpu_scale`; 14: on the workers' huge-page heap), so a run
 directory profiled by an older pd is measured again, not reused."""
 
 

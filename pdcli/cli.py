@@ -44,11 +44,3 @@ app.add_typer(config_cmd.app, name="config")
 def main() -> None:
     app()
 
-
-def entry() -> None:
-    """The `pd` console script: `main` in a process whose heap is the workers'
-    (`pdcli.torchutil.allocator.restart_on_huge_pages`; it starts the process again where needed)."""
-    from pdcli.torchutil.allocator import restart_on_huge_pages
-
-    restart_on_huge_pages()
-    main()

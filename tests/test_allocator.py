@@ -98,3 +98,15 @@ def test_children_started_inside_get_the_tunable() -> None:
                               capture_output=True, text=True, timeout=30).stdout
     assert HEAP_HUGE_PAGES in seen
     assert os.environ.get(TUNABLES_ENV) == before  # this process's environment as it was
+
+
+def test_the_console_script_restarts_before_the_heavy_imports() -> None:
+    """`pd` (`pdcli.entry:main`) starts itself again before it imports the commands or torch:
+    the restart costs a bare interpreter's start, not a second import of torch."""
+    code = ("import sys, pdcli.entry, pdcli.torchutil.allocator\n"
+            "print(sorted(m for m in ('torch', 'typer', 'pdcli.cli') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+    assert 'pd = "pdcli.entry:main"' in (REPO / "pyproject.toml").read_text()

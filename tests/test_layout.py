@@ -134,6 +134,7 @@ def test_no_circles_even_through_lazy_and_type_only_imports() -> None:
 
 
 LAYERS = (
+    ("pdcli.entry",),
     ("pdcli.cli",),
     ("pdcli.commands",),
     ("pdcli.steps",),

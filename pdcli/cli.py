@@ -43,4 +43,3 @@ app.add_typer(config_cmd.app, name="config")
 
 def main() -> None:
     app()
-

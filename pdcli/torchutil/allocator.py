@@ -5,12 +5,11 @@ microbatch page-faults its weight copies, gradients and activations in again. pd
 blocks of up to 32 MiB in the heap instead, in the workers and while profiling (a step timed under
 the default pays page faults the workers never pay: a bf16 step's fresh fp32 gradients most of all).
 
-Where the kernel gives transparent huge pages on request (THP mode `madvise`), pd's processes also start
-with glibc's heap on them (`glibc.malloc.hugetlb=1` in `GLIBC_TUNABLES`, read by the loader, so
-it is set for a new process: the workers' environment, and the `pd` command, which starts itself
-again under it). On 4 KiB pages, where a process's tensors land in physical memory moves its
-compute from one process to the next (a one-thread LSTM step: 117-131 ms from process to process,
-96-101 ms on huge pages).
+Where the kernel gives transparent huge pages on request (THP mode `madvise`), pd's processes
+also run glibc's heap on them (`glibc.malloc.hugetlb=1` in `GLIBC_TUNABLES`). The loader reads it,
+so it is set for a new process: in the workers' environment, and for the `pd` command, which starts
+itself again under it. On 4 KiB pages, where a process's tensors land in physical memory can move
+its compute from one process to the next.
 """
 
 from __future__ import annotations

@@ -214,26 +214,26 @@ def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s:
     # --launcher-pid: a worker whose parent is no longer this process exits (see die_with_parent)
     args = ("-u", "-m", WORKER_MODULE, "--run-dir", str(run_dir), "--launcher-pid", str(os.getpid()))
     try:
-        with children_on_huge_pages():  # the heap `pd profile` measured under (torchutil.allocator)
-            for attempt in range(PORT_ATTEMPTS):
-                config = launch_config(placement.world_size, hosts, log_dir, rdzv_timeout_s=max(60.0, timeout_s * 2),
-                                       max_restarts=max_restarts, run_id=run_id)
-                events = FailureEvents(train_dir, placement, num_steps)
-                try:
-                    with restarting_agent(events.on_failure, events.before_restart):
-                        elastic_launch(config, sys.executable)(*args)
-                    return
-                except DistNetworkError as e:
-                    # The free port we picked was taken before the agent bound it (another job); pick again.
-                    if "EADDRINUSE" not in str(e):
-                        raise
-                    if hosts.master_port is not None:
-                        raise UserError(
-                            f"--master-port {hosts.master_port} is already in use on this host",
-                            hint="pick another port, or leave --master-port out to get a free one",
-                        ) from None
-                    if attempt == PORT_ATTEMPTS - 1:
-                        raise
+        for attempt in range(PORT_ATTEMPTS):
+            config = launch_config(placement.world_size, hosts, log_dir, rdzv_timeout_s=max(60.0, timeout_s * 2),
+                                   max_restarts=max_restarts, run_id=run_id)
+            events = FailureEvents(train_dir, placement, num_steps)
+            try:
+                # the workers start on the heap `pd profile` measured under (torchutil.allocator)
+                with restarting_agent(events.on_failure, events.before_restart), children_on_huge_pages():
+                    elastic_launch(config, sys.executable)(*args)
+                return
+            except DistNetworkError as e:
+                # The free port we picked was taken before the agent bound it (another job); pick again.
+                if "EADDRINUSE" not in str(e):
+                    raise
+                if hosts.master_port is not None:
+                    raise UserError(
+                        f"--master-port {hosts.master_port} is already in use on this host",
+                        hint="pick another port, or leave --master-port out to get a free one",
+                    ) from None
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
     except ChildFailedError as e:
         raise TrainingFailed(diagnose(train_dir, placement, e, log_dir)) from None
     except SignalException as e:  # Ctrl-C / SIGTERM on the launcher: the agent stopped the workers

@@ -7,8 +7,8 @@ return samples/s (and the bound its stage times) or raise BenchFailed.
 Child side: `python _baselines.py single|stages|pipelining <shape json> <arg> [arg]` prints one
 result line.
 
-Every child applies the same glibc allocator setting as pd's workers
-(`pdcli.torchutil.allocator.tune_allocator`), and the 2-process rows pin each process to its own
+Every child applies the same glibc allocator settings as pd's workers (`tune_allocator`, and the
+heap on huge pages through `thread_env`), and the 2-process rows pin each process to its own
 share of the cores as pd's workers are by default (`train.bind_cores`), so no row wins by the
 allocator or the pinning alone.
 """

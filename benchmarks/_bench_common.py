@@ -17,6 +17,7 @@ from torch import nn
 
 from pdcli.config.schema import ModelConfig
 from pdcli.models import build_model
+from pdcli.torchutil.allocator import huge_page_env
 
 NUM_CLASSES = 10
 NUM_STAGES = 2
@@ -117,8 +118,10 @@ def fixed_batch(shape: BenchShape) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def thread_env(num_threads: int) -> dict[str, str]:
-    """Environment for a child that must use `num_threads` threads from its first import."""
-    env = dict(os.environ)
+    """Environment for a child that must use `num_threads` threads from its first import, on the
+    heap pd's workers run on (`huge_page_env`: glibc's heap on transparent huge pages where the
+    kernel's mode is `madvise`), so no row wins by its heap."""
+    env = huge_page_env(os.environ) or dict(os.environ)
     env["OMP_NUM_THREADS"] = str(num_threads)
     env["MKL_NUM_THREADS"] = str(num_threads)
     return env

@@ -11,7 +11,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from _bench_common import paired_ratios  # noqa: E402
+from _bench_common import paired_ratios, thread_env  # noqa: E402
 from bench_runtime import Row, counterparts, paired  # noqa: E402
 
 
@@ -58,3 +58,17 @@ def test_the_orders_ceiling_is_what_pds_lists_gain_by_their_order_alone() -> Non
     assert schedule_ceiling("zbv", 8, 2) == pytest.approx(1.0)
     assert ceiling_of("pd train interleaved, V=2, 8 microbatches") == schedule_ceiling("interleaved", 8, 2)
     assert ceiling_of("pd train 1f1b, 4 microbatches, schedule.split_backward=false") is None
+
+
+def test_baseline_children_run_on_the_heap_pd_workers_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdcli.torchutil.allocator import HEAP_HUGE_PAGES, TUNABLES_ENV, huge_page_env
+    monkeypatch.delenv(TUNABLES_ENV, raising=False)
+    monkeypatch.delenv("PD_TUNE_ALLOCATOR", raising=False)
+    env = thread_env(1)
+    assert env["OMP_NUM_THREADS"] == "1"
+    if huge_page_env({}) is None:
+        assert TUNABLES_ENV not in env  # not glibc, or the kernel's THP mode is not madvise
+    else:
+        assert env[TUNABLES_ENV] == HEAP_HUGE_PAGES
+    monkeypatch.setenv("PD_TUNE_ALLOCATOR", "0")
+    assert TUNABLES_ENV not in thread_env(1)

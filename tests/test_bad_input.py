@@ -72,6 +72,22 @@ def test_evaluation_and_epochs_that_cannot_run_fail_before_profiling(tmp_path: P
     assert not (tmp_path / "quickstart/profile.json").exists()  # none of them profiled
 
 
+def test_merged_weight_grads_where_pd_does_not_place_them(tmp_path: Path) -> None:
+    root = f"run.root={tmp_path}"
+    merge = "schedule.merge_weight_grads=true"
+    fails("train", QUICKSTART, root, "schedule.name=pipedream", merge,
+          expect=("schedule.merge_weight_grads", "not 'pipedream'", "set it to false"))
+    fails("train", QUICKSTART, root, "schedule.name=1f1b", "schedule.split_backward=false", merge,
+          expect=("schedule.merge_weight_grads", "with it off"))
+    fails("train", QUICKSTART, root, "schedule.name=zbv", "schedule.virtual_stages=2", merge,
+          expect=("schedule.merge_weight_grads", "zbv's own order places its WeightGrads"))
+    lines = tmp_path / "mine.txt"
+    lines.write_text("F0 F1 B0 W0 B1 W1\nF0 B0 W0 F1 B1 W1\n")
+    fails("train", QUICKSTART, root, "schedule.name=file", f"schedule.path={lines}", merge,
+          expect=("schedule.merge_weight_grads", "mine.txt", "leave the W's out"))
+    assert not (tmp_path / "quickstart/profile.json").exists()
+
+
 def test_schedule_that_needs_more_memory_than_a_device_has(compiled: str) -> None:
     fails("train", QUICKSTART, compiled, "cluster.memory_bytes_per_device=100000",
           expect=("memory", "cluster.memory_bytes_per_device"))

@@ -46,7 +46,8 @@ def test_more_devices_change_boundaries_and_raise_throughput() -> None:
     assert back.regressed(1.0) and not back.regressed(-back.throughput_change_pct + 1.0)
 
 
-@pytest.mark.parametrize("key, value", [("schedule", "1f1b"), ("num_microbatches", 4), ("split_backward", True)])
+@pytest.mark.parametrize("key, value", [("schedule", "1f1b"), ("num_microbatches", 4), ("split_backward", True),
+                                        ("merge_weight_grads", True)])
 def test_a_changed_schedule_or_microbatch_count_alone_is_a_change(key: str, value: object) -> None:
     a = make_plan(2)
     b = copy.deepcopy(a)

@@ -518,6 +518,30 @@ def test_split_backward_lowers_the_predicted_time_of_a_2_stage_1f1b_plan() -> No
     assert "wgrad_ms" not in pipedream.to_json()["stages"][0]["predicted"]  # PipeDream's model has no W
 
 
+def test_merged_weight_grads_are_replayed_at_the_flush_and_held_until_it() -> None:
+    m = 8
+    chain = dataclasses.replace(linear_chain(1.0), meta={"batch_size": 4})
+    base = dict(schedule="1f1b", num_microbatches=m, straight=True, num_stages=2, batch_size=4, split_backward=True)
+    lagged = plan_chain(chain, Topology.flat(2), PlanOptions(**base))
+    merged = plan_chain(chain, Topology.flat(2), PlanOptions(**base, merge_weight_grads=True))
+    obj = merged.to_json()
+    assert obj["inputs"].pop("merge_weight_grads") is True and obj["inputs"] == lagged.to_json()["inputs"]
+    assert "weight gradients merged at the flush" in render_plan(merged.to_json(), chain)
+    # the same work per stage (the merged matmul is priced as M microbatches' W's), placed at the flush
+    assert [s.predicted["stage_time_ms"] for s in merged.stages] == [s.predicted["stage_time_ms"] for s in lagged.stages]
+    spec = ScheduleSpec.make("1f1b", 2, m, 8, split_backward=True, merge_weight_grads=True)
+    sim = simulate(spec, [StageCost(1.0, 2.0, wgrad_ms=1.0)] * 2)
+    assert replayed_bubble_factor("1f1b", m, 2, 1 / 3, 1 / 3, merged=True) == pytest.approx(
+        sim.time_per_minibatch_ms / (m * 3.0), rel=1e-9)
+    assert replayed_bubble_factor("1f1b", m, 2, 1 / 3, 1 / 3, merged=True) != replayed_bubble_factor("1f1b", m, 2, 1 / 3, 1 / 3)
+    # memory: every microbatch waits for the flush, whatever the stage count
+    for num_stages, stages_from in [(2, 1), (2, 2), (4, 2), (6, 5)]:
+        kw = dict(replicas=1, devices_from=stages_from, stages_from=stages_from, num_microbatches=m,
+                  split_backward=True, num_stages=num_stages)
+        assert float(stage_memory("1f1b", 100.0, 80.0, **kw, merge_weight_grads=True).activations_bytes) == 80.0
+        assert float(stage_memory("1f1b", 100.0, 80.0, **kw).activations_bytes) == min(stages_from + num_stages, m) * 10.0
+
+
 @pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
 def test_split_backward_needs_a_flush_schedule(schedule: str) -> None:
     with pytest.raises(UserError, match=f"split_backward only applies to .*not '{schedule}'"):

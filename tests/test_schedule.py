@@ -162,6 +162,67 @@ def test_split_backward_checks_for_every_flush_shape_both_transports():
     assert checked > 300
 
 
+def assert_weight_grads_at_the_flush(actions) -> int:
+    """Every WeightGrads sits in a run right before its minibatch's OptimizerStep (or the
+    AllReduceGrads before it), one per Backward, ordered by chunk, then microbatch; returns the runs."""
+    runs, run = 0, []
+    backwards = 0
+    for a in actions:
+        if isinstance(a, WeightGrads):
+            run.append((-1 if a.chunk is None else a.chunk, a.microbatch_id))
+            continue
+        if run:
+            assert isinstance(a, (OptimizerStep, AllReduceGrads)), f"{a} after the W's"
+            assert run == sorted(run) and len(run) == backwards, run
+            runs, run, backwards = runs + 1, [], 0
+        if isinstance(a, Backward):
+            backwards += 1
+        if isinstance(a, OptimizerStep):
+            assert backwards == 0 or not runs
+    assert not run
+    return runs
+
+
+def test_merged_weight_grads_wait_for_the_flush_on_every_flush_shape_both_transports():
+    checked = 0
+    for spec in all_specs():
+        if not spec.is_flush or spec.chunked or rules(spec.name).hand_written:  # chunked: test_virtual_stages.py
+            continue
+        merged = dataclasses.replace(spec, split_backward=True, merge_weight_grads=True)
+        lagged = dataclasses.replace(spec, split_backward=True)
+        for eager in (False, True):
+            lists = build_all(merged, eager_sends=eager)
+            for with_merge, without in zip(lists, build_all(lagged, eager_sends=eager)):
+                # the same actions, the W's moved to the flush
+                assert [a for a in with_merge if not isinstance(a, WeightGrads)] == \
+                    [a for a in without if not isinstance(a, WeightGrads)]
+                assert sorted(map(str, with_merge)) == sorted(map(str, without))
+                assert assert_weight_grads_at_the_flush(with_merge) == spec.num_steps
+            for mode in ([SendMode.EAGER] if eager or max(spec.replicas) > 1 else list(SendMode)):
+                report = check_schedules(lists, merged, mode)
+                stages = [stage for stage, r in enumerate(spec.replicas) for _ in range(r)]
+                for stage, held in zip(stages, report.max_depth_by_rank):
+                    assert held.activation_sets <= merged.stash_depth(stage).activation_sets
+            checked += 1
+    assert checked > 300
+
+
+def test_merged_weight_grads_hold_every_microbatch_until_the_flush():
+    lagged = ScheduleSpec.make("1f1b", 4, 8, 1, split_backward=True)
+    merged = dataclasses.replace(lagged, merge_weight_grads=True)
+    assert [lagged.stash_depth(s).activation_sets for s in range(4)] == [8, 7, 6, 5]  # in flight + the lag of 4
+    assert [merged.stash_depth(s).activation_sets for s in range(4)] == [8] * 4
+
+
+@pytest.mark.parametrize("name,split,why", [
+    ("pipedream", True, "not 'pipedream'"), ("1f1b", False, "with it off"), ("zbv", True, "own order places"),
+])
+def test_merged_weight_grads_need_weight_grads_pd_places(name, split, why):
+    with pytest.raises(UserError, match=why):
+        ScheduleSpec.make(name, 2, 4, 1, split_backward=split, virtual_stages=2 if name == "zbv" else 1,
+                          merge_weight_grads=True)
+
+
 def test_split_backward_fills_the_drain_with_weight_gradients():
     # Stage 0 of 2, 4 microbatches: each W waits until the stage would wait for a
     # gradient; the last ones run before the step.

@@ -38,9 +38,10 @@ ATOL = 1e-5
 
 
 def toy_config(run_dir: Path, schedule: str, vertical_sync: bool = False, num_microbatches: int = NUM_MICROBATCHES,
-               split_backward: bool | None = None, **train: object) -> Config:
+               split_backward: bool | None = None, merge_weight_grads: bool = False, **train: object) -> Config:
     cfg = Config()
     cfg.schedule.split_backward = split_backward
+    cfg.schedule.merge_weight_grads = merge_weight_grads
     cfg.data.name = "synthetic_images"
     cfg.data.kwargs = {"channels": 1, "image_size": 4, "num_classes": 4}
     cfg.data.batch_size = BATCH_SIZE
@@ -59,10 +60,10 @@ def toy_config(run_dir: Path, schedule: str, vertical_sync: bool = False, num_mi
 
 
 def pipelined(tmp_path: Path, schedule: str, replicas: list[int], vertical_sync: bool = False, num_microbatches: int = NUM_MICROBATCHES,
-              split_backward: bool | None = None, **train: object):
+              split_backward: bool | None = None, merge_weight_grads: bool = False, **train: object):
     """Run the real pipeline; returns (cfg, manifest, microbatch losses, final weights by original name)."""
     run_dir = tmp_path / "run"
-    cfg = toy_config(run_dir, schedule, vertical_sync, num_microbatches, split_backward, **train)
+    cfg = toy_config(run_dir, schedule, vertical_sync, num_microbatches, split_backward, merge_weight_grads, **train)
     m = num_microbatches
     plan, manifest = write_toy_run(run_dir, cfg, replicas)
     result = run_training(cfg, RunDir(run_dir), plan, manifest)
@@ -180,6 +181,18 @@ def test_unsplit_backward_equals_reference(tmp_path: Path, schedule: str, replic
     cfg, manifest, losses, weights = pipelined(tmp_path, schedule, replicas, split_backward=False)
     assert weight_grads_ran(tmp_path / "run") == 0
     assert_same(losses, weights, *reference(cfg, manifest, replicas, tmp_path / "run" / "stages"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule,replicas,transport", [("1f1b", [1, 1, 1], "socket"), ("gpipe", [2, 1], "gloo")])
+def test_merged_weight_grads_equal_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schedule: str,
+                                             replicas: list[int], transport: str) -> None:
+    """`schedule.merge_weight_grads`: the W's wait for the flush and run as one matmul per layer, the same numbers."""
+    monkeypatch.setenv(TRANSPORT_ENV, transport)
+    cfg, manifest, losses, weights = pipelined(tmp_path, schedule, replicas, merge_weight_grads=True)
+    assert weight_grads_ran(tmp_path / "run") > 0
+    assert_same(losses, weights, *reference(cfg, manifest, replicas, tmp_path / "run" / "stages"))
+    assert_same(losses, weights, *plain_accumulation(cfg, len(replicas)))
 
 
 @pytest.mark.timeout(60)

@@ -37,12 +37,14 @@ def chunk_plan(spec: ScheduleSpec) -> dict:
 
 
 def run_chunked(tmp_path: Path, schedule: str, devices: int, num_microbatches: int, run_name: str = "run",
-                resume: bool = False, clip_grad_norm: float | None = None, **train: object):
+                resume: bool = False, clip_grad_norm: float | None = None, merge_weight_grads: bool = False,
+                **train: object):
     from omegaconf import OmegaConf
 
     run_dir = tmp_path / run_name
     cfg = toy_config(run_dir, schedule, num_microbatches=num_microbatches, **train)
     cfg.schedule.virtual_stages = 2
+    cfg.schedule.merge_weight_grads = merge_weight_grads
     cfg.optim.clip_grad_norm = clip_grad_norm
     spec = ScheduleSpec.from_config(cfg.schedule, [1] * devices, cfg.train.steps)
     if not resume:
@@ -68,6 +70,17 @@ CASES = [  # (schedule, devices, microbatches, transport)
     ("loopedbfs", 4, 2, "gloo"),
     ("zbv", 4, 4, "gloo"),
 ]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule,devices,transport", [("interleaved", 2, "gloo"), ("loopedbfs", 4, "socket")])
+def test_merged_weight_grads_on_virtual_stages_equal_the_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  schedule: str, devices: int, transport: str) -> None:
+    monkeypatch.setenv(TRANSPORT_ENV, transport)
+    cfg, manifest, losses, weights, spec = run_chunked(tmp_path, schedule, devices, 4, merge_weight_grads=True)
+    cfg.schedule.name, cfg.schedule.merge_weight_grads = "1f1b", False  # the reference, over the 2P chunks as stages
+    assert_same(losses, weights, *reference(cfg, manifest, [1] * spec.num_chunks, tmp_path / "run" / "stages"))
+    assert_same(losses, weights, *plain_accumulation(cfg, spec.num_chunks))
 
 
 @pytest.mark.timeout(180)

@@ -80,3 +80,36 @@ def test_a_layer_used_twice_defers_both_uses():
     deferred.apply(0)
     plain(plain(x)).sum().backward()
     torch.testing.assert_close(layer.weight.grad, plain.weight.grad)
+
+
+@pytest.mark.parametrize("precision", [None, torch.bfloat16])
+def test_merged_weight_grads_equal_one_backward_per_microbatch(precision):
+    """merge: the first apply computes every pending microbatch in one matmul per weight (a layer
+    used twice included); the later applies of the run find nothing; the gradients are the same."""
+    plain, merged = net(), net()
+    shared = nn.Linear(8, 8)
+    plain.append(shared), merged.append(copy.deepcopy(shared))
+    deferred = DeferredWeightGrads(merged, merge=True).install()
+    torch.manual_seed(1)
+    xs = [torch.randn(3 + k, 8) for k in range(3)]  # microbatches of different sizes
+
+    def forward(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        h = model[:6](x)
+        return model[6](torch.cat([h, h], dim=1)) + model[6](torch.cat([h, h], dim=1) * 2)  # used twice
+
+    for microbatch_id, x in enumerate(xs):
+        for model in (plain, merged):
+            with torch.autocast("cpu", dtype=precision or torch.bfloat16, enabled=precision is not None):
+                loss = forward(model, x).float().square().mean()
+            with deferred.collecting(microbatch_id) if model is merged else torch.enable_grad():
+                loss.backward()
+    assert set(deferred.pending) == {0, 1, 2}
+    deferred.apply(0)
+    assert deferred.pending == {}
+    first = {name: p.grad.clone() for name, p in merged.named_parameters()}
+    deferred.apply(1), deferred.apply(2)  # nothing left: no change
+    for (name, p), q in zip(plain.named_parameters(), merged.parameters()):
+        assert q.grad is not None and q.grad.dtype == p.dtype, name
+        assert torch.equal(q.grad, first[name]), name
+        tolerance = dict(rtol=1e-6, atol=1e-6) if precision is None else dict(rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(q.grad, p.grad, msg=name, **tolerance)

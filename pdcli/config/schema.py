@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from pdcli.schedule.orders import tokens_of
 from pdcli.schedule.spec import (
     FLUSH_SCHEDULES, FILE, PIPEDREAM, SCHEDULES, rules, switch_problems, virtual_problems,
 )
@@ -177,6 +178,11 @@ class ScheduleConfig:
     virtual_stages: int = 1
     """interleaved/loopedbfs (>= 1), zbv (2): model chunks per device; the plan cuts the model into
     devices x virtual_stages chunks, placed in loops (interleaved, loopedbfs) or a V (zbv)."""
+    merge_weight_grads: bool = False
+    """Split backward on gpipe, 1f1b, interleaved, loopedbfs or a file without W's: every
+    microbatch's weight gradients wait for the flush and run there as one matmul per Linear
+    layer over the minibatch's rows (faster where microbatches are small; holds every
+    microbatch's Linear inputs and output gradients until the flush)."""
 
     @property
     def split_backward_on(self) -> bool:
@@ -410,9 +416,11 @@ def check_values(cfg: Config) -> list[str]:
         )
     problems += _written_schedule_problems(cfg)
     problems += _virtual_stage_problems(cfg)
-    fixes = {"vertical_sync": "set it to false", "split_backward": "set it to null or false"}
+    fixes = {"vertical_sync": "set it to false", "split_backward": "set it to null or false",
+             "merge_weight_grads": "set it to false"}
     for switch, why in switch_problems(cfg.schedule.name, cfg.schedule.vertical_sync,
-                                       bool(cfg.schedule.split_backward)).items():
+                                       bool(cfg.schedule.split_backward) or cfg.schedule.split_backward_on,
+                                       cfg.schedule.merge_weight_grads).items():
         problems.append(f"schedule.{switch}: {why}; {fixes[switch]}")
     if cfg.model.hf is not None and cfg.model.target is not None:
         problems.append("model.hf: set either model.hf or model.target, not both (model.target=null or '~model.hf')")
@@ -458,6 +466,11 @@ def _written_schedule_problems(cfg: Config) -> list[str]:
     if not rules(schedule.name).replicable and plan.replicas is not None and any(r != 1 for r in plan.replicas):
         problems.append(f"plan.replicas: {list(plan.replicas)}, but schedule.name={FILE} runs one device per stage "
                         f"(a line of {schedule.path or 'schedule.orders'} each); leave plan.replicas unset")
+    if schedule.merge_weight_grads and schedule.orders and all(
+            any(token[:1] in "Ww" for token in tokens_of(line)) for line in schedule.orders):
+        problems.append(f"schedule.merge_weight_grads: the lines of {schedule.path or 'schedule.orders'} place "
+                        f"every WeightGrads themselves; leave the W's out of them (pd then places them at the "
+                        f"flush) or set schedule.merge_weight_grads=false")
     if plan.num_stages is not None and plan.num_stages != len(schedule.orders):
         problems.append(f"plan.num_stages: {plan.num_stages} stages, but {schedule.path or 'schedule.orders'} has "
                         f"{len(schedule.orders)} device lines (one per stage); set plan.num_stages="

@@ -177,9 +177,11 @@ class SplitShares:
     """Forward / (forward + backward)."""
     wgrad: float
     """Weight gradients (what WeightGrads runs) / (forward + backward); > 0."""
+    merged: bool = False
+    """The WeightGrads wait for the flush (`schedule.merge_weight_grads`)."""
 
 
-def split_shares(fwd_ms: float, bwd_ms: float, wgrad_ms: float) -> SplitShares | None:
+def split_shares(fwd_ms: float, bwd_ms: float, wgrad_ms: float, merged: bool = False) -> SplitShares | None:
     """The shares of a chain's totals rounded to SHARE_DIGITS; None when no W is left to defer
     (then the flush factor is the closed form)."""
     total_ms = fwd_ms + bwd_ms
@@ -188,17 +190,18 @@ def split_shares(fwd_ms: float, bwd_ms: float, wgrad_ms: float) -> SplitShares |
     wgrad = round(min(max(wgrad_ms, 0.0), bwd_ms) / total_ms, SHARE_DIGITS)
     if wgrad <= 0:
         return None
-    return SplitShares(round(fwd_ms / total_ms, SHARE_DIGITS), wgrad)
+    return SplitShares(round(fwd_ms / total_ms, SHARE_DIGITS), wgrad, merged)
 
 
 @functools.lru_cache(maxsize=None)
 def replayed_bubble_factor(schedule: str, num_microbatches: int, num_stages: int, fwd_share: float,
-                           wgrad_share: float) -> float:
+                           wgrad_share: float, merged: bool = False) -> float:
     """k(S) of a split backward: the schedule replayed on `num_stages` equal stages whose
     microbatch costs fwd_share + (1 - fwd_share) (of which wgrad_share is W); at least 1 (each
     stage runs all its work), which the search's pruning relies on."""
     wgrad_share = min(wgrad_share, 1.0 - fwd_share)  # rounding must not make B - W negative
-    spec = ScheduleSpec.make(stand_in(schedule), num_stages, num_microbatches, REPLAYED_MINIBATCHES, split_backward=True)
+    spec = ScheduleSpec.make(stand_in(schedule), num_stages, num_microbatches, REPLAYED_MINIBATCHES, split_backward=True,
+                             merge_weight_grads=merged)
     cost = StageCost(fwd_ms=fwd_share, bwd_ms=1.0 - fwd_share, wgrad_ms=wgrad_share)
     replay = simulate(spec, [cost] * num_stages)
     return max(1.0, replay.time_per_minibatch_ms / num_microbatches)
@@ -211,7 +214,8 @@ def bubble_factor(schedule: str, num_microbatches: int, num_stages: Any, split: 
         return np.ones(np.shape(num_stages))
     if split is None:
         return (num_microbatches + np.asarray(num_stages, dtype=float) - 1.0) / num_microbatches
-    replay = np.vectorize(lambda s: replayed_bubble_factor(schedule, num_microbatches, int(s), split.fwd, split.wgrad),
+    replay = np.vectorize(lambda s: replayed_bubble_factor(schedule, num_microbatches, int(s), split.fwd, split.wgrad,
+                                                           split.merged),
                           otypes=[float])
     return replay(num_stages)
 

@@ -2,8 +2,8 @@
 
 A diff is `changed` when the stages (boundaries, replicas, ranks, any prediction), the
 pipeline predictions or what the run executes (RUN_INPUTS: the schedule, its microbatches, split
-backward) differ. Differences in other `inputs` alone (e.g. another profile hash that
-gives the same plan) are listed but do not count as a change. `regressed(pct)` is true when
+backward, merged weight gradients) differ. Differences in other `inputs` alone (e.g. another
+profile hash that gives the same plan) are listed but do not count as a change. `regressed(pct)` is true when
 the predicted throughput of B is more than `pct` percent below A's.
 """
 
@@ -21,11 +21,12 @@ from pdcli.profiler.summary import format_bytes
 from pdcli.rundir import canonical_json
 
 STAGE_FIELDS = ("start", "end", "replicas", "ranks")
-RUN_INPUTS = ("schedule", "num_microbatches", "split_backward")
+RUN_INPUTS = ("schedule", "num_microbatches", "split_backward", "merge_weight_grads")
 """Inputs the run executes as the plan says (the configuration search chooses them): a
 difference in one is a change like a moved boundary."""
-RUN_INPUT_DEFAULTS = {"split_backward": False}
-"""What a plan without the key means (plans without a split backward omit it)."""
+RUN_INPUT_DEFAULTS = {"split_backward": False, "merge_weight_grads": False}
+"""What a plan without the key means (plans without a split backward, or without merged weight
+gradients, omit it)."""
 MISSING = "-"
 
 

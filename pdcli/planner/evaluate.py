@@ -147,6 +147,7 @@ def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, e
         options.precision, options.recompute, acts.inputs[start, end],
         split_backward, num_stages, None if acts.copies is None else acts.copies[start, end],
         None if acts.waiting is None else acts.waiting[start, end], space.eager_sends, sync,
+        options.merge_weight_grads,
     )
     return StageMemory(*(float(x) for x in (mem.weights_bytes, mem.stashed_weights_bytes,
                                             mem.activations_bytes, mem.total_bytes,
@@ -184,7 +185,8 @@ def replay(stages: Sequence[StageEval], options: PlanOptions, cores: int | None)
     written = len(options.orders) == num_stages and all(st.replicas == 1 for st in stages)
     spec = ScheduleSpec.make(options.schedule if written else stand_in(options.schedule), num_stages,
                              options.num_microbatches, steps, [s.replicas for s in stages], split_backward=split,
-                             orders=options.orders if written else ())
+                             orders=options.orders if written else (),
+                             merge_weight_grads=split and options.merge_weight_grads)
     costs = replay_stage_costs([st.actions_ms or {} for st in stages], options.num_microbatches)
     return simulate(spec, costs, cores=cores)
 
@@ -312,7 +314,8 @@ def plan_options_of(plan: dict[str, Any]) -> PlanOptions:
         schedule=inputs["schedule"], num_microbatches=int(inputs["num_microbatches"]),
         batch_size=int(inputs["batch_size"]), precision=inputs.get("precision", "fp32"),
         recompute=bool(inputs.get("recompute", False)), split_backward=bool(inputs.get("split_backward", False)),
-        vertical_sync=bool(inputs.get("vertical_sync", False)))
+        vertical_sync=bool(inputs.get("vertical_sync", False)),
+        merge_weight_grads=bool(inputs.get("merge_weight_grads", False)))
 
 
 def evaluate_plan(chain: Chain, plan: dict[str, Any]) -> PlanEval:

@@ -154,7 +154,8 @@ def activation_sets(schedule: str, devices_from: Any, replicas: Any, num_microba
 
 @functools.lru_cache(maxsize=4096)
 def held_points(schedule: str, num_stages: int, num_microbatches: int, stage_id: int,
-                split_backward: bool, eager_sends: bool | None = None) -> tuple[tuple[int, int, int, int], ...]:
+                split_backward: bool, eager_sends: bool | None = None,
+                merge_weight_grads: bool = False) -> tuple[tuple[int, int, int, int], ...]:
     """(microbatches past Forward before their Backward, past Backward before their
     WeightGrads, 1 while a Backward runs, 1 while the stage holds weight gradients) at each
     point of `stage_id`'s action list of a flush schedule, in the runtime's send order
@@ -164,8 +165,10 @@ def held_points(schedule: str, num_stages: int, num_microbatches: int, stage_id:
     As the runtime notes its memory (`pdcli.runtime.executor`): a Backward's point still
     holds its microbatch and the gradients it made; gradients live from the first Backward
     (with a split backward, the first WeightGrads: the Linear layers' weights are most of a
-    stage's) to the OptimizerStep."""
-    spec = ScheduleSpec.make(stand_in(schedule), num_stages, num_microbatches, 1, split_backward=split_backward)
+    stage's) to the OptimizerStep. `merge_weight_grads`: the WeightGrads wait for the flush
+    (`ScheduleSpec.merge_weight_grads`)."""
+    spec = ScheduleSpec.make(stand_in(schedule), num_stages, num_microbatches, 1, split_backward=split_backward,
+                             merge_weight_grads=merge_weight_grads)
     seen: set[tuple[int, int, int, int]] = set()
     for eager in (False, True) if eager_sends is None else (eager_sends,):
         before, waiting, grads = 0, 0, 0
@@ -197,14 +200,15 @@ def _between(p: tuple[int, ...], q: tuple[int, ...], s: tuple[int, ...]) -> bool
 
 
 def _point_counts(schedule: str, num_stages: int, num_microbatches: int, stages_from: Any,
-                  split_backward: bool, eager_sends: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  split_backward: bool, eager_sends: bool | None = None,
+                  merge_weight_grads: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(counts[v, k] = the k-th `held_points` of the v-th distinct stages_from value, padded
     with zeros; index of each stages_from element into v). A `stages_from` past `num_stages`
     (search cells no plan uses) counts as the first stage."""
     stages_from = np.asarray(stages_from)
     values, index = np.unique(stages_from, return_inverse=True)
     tables = [held_points(schedule, num_stages, num_microbatches, max(0, num_stages - int(v)), split_backward,
-                          eager_sends) for v in values]
+                          eager_sends, merge_weight_grads) for v in values]
     counts = np.zeros((len(values), max(len(t) for t in tables), 4))
     for row, table in enumerate(tables):
         counts[row, : len(table)] = table
@@ -219,7 +223,8 @@ def split_sets(schedule: str, num_stages: int, num_microbatches: int, stages_fro
 
 def timeline_peaks(schedule: str, num_stages: int, num_microbatches: int, stages_from: Any,
                    split_backward: bool, held: Any, saved: Any, running: Any, grads: Any,
-                   eager_sends: bool | None = None, static: Any = 0.0) -> tuple[Any, Any]:
+                   eager_sends: bool | None = None, static: Any = 0.0,
+                   merge_weight_grads: bool = False) -> tuple[Any, Any]:
     """(peak activation bytes, `static` + peak activation + gradient bytes) of a
     flush-schedule stage: `held` per microbatch before its Backward, `saved` per microbatch
     waiting for its WeightGrads, `running` more while a Backward runs (a recomputed
@@ -231,7 +236,8 @@ def timeline_peaks(schedule: str, num_stages: int, num_microbatches: int, stages
     points over the four costs' own shape and each element picks its kind's: the search's
     (stages, start, end) arrays are written once, not once per point and term."""
     held, saved, running, grads, static = (np.asarray(c, dtype=float) for c in (held, saved, running, grads, static))
-    counts, index = _point_counts(schedule, num_stages, num_microbatches, stages_from, split_backward, eager_sends)
+    counts, index = _point_counts(schedule, num_stages, num_microbatches, stages_from, split_backward, eager_sends,
+                                  merge_weight_grads)
     kinds, kind_of = np.unique(counts.reshape(len(counts), -1), axis=0, return_inverse=True)
     acts, dynamic = [], []
     for kind in kinds:
@@ -273,14 +279,16 @@ def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, rep
                  optimizer_state_bytes: Any = 0.0, precision: str = "fp32",
                  recompute: bool = False, input_bytes: Any = 0.0, split_backward: bool = False,
                  num_stages: Any = None, copy_bytes: Any = None, waiting_bytes: Any = None,
-                 eager_sends: bool | None = None, vertical_sync: VerticalSync | None = None) -> StageMemory:
+                 eager_sends: bool | None = None, vertical_sync: VerticalSync | None = None,
+                 merge_weight_grads: bool = False) -> StageMemory:
     """A stage's memory. `activation_bytes` and `input_bytes` are per minibatch; with
     `copy_bytes` (the half-width weight copies one forward keeps, `pdcli.profiler.held`)
     they are measured at the run's precision, without it they are fp32 and `precision`
     applies the factor rules above. `waiting_bytes` (per minibatch): what a split backward
     keeps from a Backward to its WeightGrads, when measured. `eager_sends`: the runtime's
     send order (`SplitSpace.eager_sends`; None: the larger peak of either). `vertical_sync`:
-    pipedream with vertical sync (its weight versions depend on stage 0's)."""
+    pipedream with vertical sync (its weight versions depend on stage 0's).
+    `merge_weight_grads`: a split backward's WeightGrads wait for the flush."""
     params = np.asarray(parameter_bytes, dtype=float)
     weights = 2.0 * params
     state = np.asarray(optimizer_state_bytes, dtype=float)
@@ -306,7 +314,7 @@ def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, rep
             saved = np.asarray(waiting_bytes, dtype=float) / num_microbatches
         activations, total = timeline_peaks(schedule, int(num_stages), num_microbatches, stages_from, split_backward,
                                             held, saved if split_backward else 0.0, running, params, eager_sends,
-                                            params + state + stashed)
+                                            params + state + stashed, merge_weight_grads)
         return StageMemory(weights, stashed, activations, total, state)
     sets = activation_sets(schedule, devices_from, replicas, num_microbatches)
     activations = sets * held + (np.maximum(per_microbatch - held, 0.0) if recompute else 0.0)

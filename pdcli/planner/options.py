@@ -77,6 +77,10 @@ class PlanOptions:
     that fill the flush's bubble; the `pd` model replays the schedule for the bubble and holds
     1f1b's microbatches until their W (see planner.costs, planner.memory). The `pipedream`
     model ignores it."""
+    merge_weight_grads: bool = False
+    """`schedule.merge_weight_grads` (with `split_backward`): the WeightGrads wait for the flush
+    and run as one matmul per layer; the replay and the memory model place them there. The
+    search prices them as one microbatch's each (the merged matmul is not measured)."""
     vertical_sync: bool = False
     """`schedule.vertical_sync` (pipedream): a stage holds the weight versions stage 0's
     microbatches pin (see `ScheduleSpec.stash_depth`)."""
@@ -113,6 +117,6 @@ class PlanOptions:
             raise UserError(f"memory_bytes_per_device must be > 0, got {self.memory_bytes_per_device}")
         if self.num_stages is not None and self.num_stages < 1:
             raise UserError(f"num_stages must be >= 1, got {self.num_stages}")
-        problems = switch_problems(self.schedule, self.vertical_sync, self.split_backward)
+        problems = switch_problems(self.schedule, self.vertical_sync, self.split_backward, self.merge_weight_grads)
         if problems:
             raise UserError("; ".join(problems.values()), hint=f"set schedule.{' and '.join(problems)} to false")

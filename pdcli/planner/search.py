@@ -191,7 +191,8 @@ def backward_split(space: SplitSpace, options: PlanOptions) -> SplitShares | Non
     if not options.split_backward or options.schedule not in FLUSH_SCHEDULES or space.num_positions == 0:
         return None
     wgrad_ms = covered_or_zeros(space, space.covered_wgrad_ms)[-1]
-    return split_shares(float(space.covered_fwd_ms[-1]), float(space.covered_bwd_ms[-1]), float(wgrad_ms))
+    return split_shares(float(space.covered_fwd_ms[-1]), float(space.covered_bwd_ms[-1]), float(wgrad_ms),
+                        options.merge_weight_grads)
 
 
 def memory_needs_stage_count(options: PlanOptions, minimize: str) -> bool:
@@ -345,7 +346,8 @@ class PdCosts:
         total = stage_memory(o.schedule, self.params, self.acts.held, r, d, self.stages_from,
                              o.num_microbatches, self.optimizer_state, o.precision, o.recompute,
                              self.acts.inputs, o.split_backward, total_stages, self.acts.copies,
-                             self.acts.waiting, self.eager_sends, self.vertical_sync).total_bytes
+                             self.acts.waiting, self.eager_sends, self.vertical_sync,
+                             o.merge_weight_grads).total_bytes
         total = np.broadcast_to(total, np.broadcast_shapes(np.shape(total), self.valid.shape))
         return LayerCosts(total[None]) if total.ndim == 2 else distinct_layers(total)
 

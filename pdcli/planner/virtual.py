@@ -39,7 +39,8 @@ STAND_INS = {INTERLEAVED: ONE_F_ONE_B, ZBV: ONE_F_ONE_B, LOOPED_BFS: GPIPE}
 def device_spec(options: PlanOptions, num_devices: int, steps: int) -> ScheduleSpec:
     """The schedule of a plan on `num_devices` devices."""
     return ScheduleSpec.make(options.schedule, num_devices, options.num_microbatches, steps,
-                             split_backward=options.split_backward, virtual_stages=options.virtual_stages)
+                             split_backward=options.split_backward, virtual_stages=options.virtual_stages,
+                             merge_weight_grads=options.merge_weight_grads)
 
 
 def chunk_costs(chunks: Sequence[StageEval], num_microbatches: int) -> list[StageCost]:
@@ -191,6 +192,8 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
     }
     if options.split_backward:
         inputs["split_backward"] = True
+    if options.merge_weight_grads:
+        inputs["merge_weight_grads"] = True
     if options.boundaries is not None:
         inputs["boundaries"] = list(options.boundaries)
     if options.profile_sha256:

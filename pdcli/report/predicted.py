@@ -26,7 +26,7 @@ from pdcli.runtime.metrics import CATEGORIES, COMM, COMPUTE, IDLE, action_catego
 from pdcli.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads
 from pdcli.schedule.simulator import Simulation, StageCost, shares_cores, simulate
 from pdcli.schedule.orders import Order
-from pdcli.schedule.spec import FLUSH_SCHEDULES, rules, stand_in
+from pdcli.schedule.spec import FLUSH_SCHEDULES, rules, stand_in, switch_problems
 
 MAX_SIMULATED_STEPS = 200
 """Longer runs are simulated over this many minibatches (per-minibatch values barely change)."""
@@ -142,6 +142,13 @@ def plan_splits_backward(plan: dict[str, Any], schedule: str) -> bool:
     return bool(plan.get("inputs", {}).get("split_backward", False)) and schedule in FLUSH_SCHEDULES
 
 
+def plan_merges_weight_grads(plan: dict[str, Any], schedule: str) -> bool:
+    """Whether the run of `plan` with `schedule` ran its WeightGrads merged at the flush
+    (`inputs.merge_weight_grads`, where `schedule` takes it)."""
+    merge = bool(plan.get("inputs", {}).get("merge_weight_grads", False))
+    return merge and not switch_problems(schedule, False, plan_splits_backward(plan, schedule), merge)
+
+
 def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_steps: int,
             vertical_sync: bool = False, orders: Sequence[Order] = ()) -> Predicted:
     """The plan's numbers for a run of `num_steps` minibatches of `schedule` (a hand-written
@@ -153,7 +160,8 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
     replicas = [int(s["replicas"]) for s in plan_stages]
     spec = ScheduleSpec.make(schedule if orders or rules(schedule).chunked else stand_in(schedule), len(replicas),
                              num_microbatches, steps, replicas, vertical_sync, split_backward=split, orders=orders,
-                             virtual_stages=int(plan.get("inputs", {}).get("virtual_stages", 1)))
+                             virtual_stages=int(plan.get("inputs", {}).get("virtual_stages", 1)),
+                             merge_weight_grads=plan_merges_weight_grads(plan, schedule))
     runtime = runtime_costed(plan)
     replayed = plan["pipeline"].get("replay") or {}
     cores = replayed.get("cores") if runtime else None

@@ -94,6 +94,8 @@ class StageContext:
     eval_ids_from: int | None = None
     """Message ids from this one on are held-out microbatches (`ScheduleSpec.eval_microbatch_id`:
     past every training id); None: the run never evaluates."""
+    merge_weight_grads: bool = False
+    """`schedule.merge_weight_grads`: the flush's WeightGrads run as one matmul per Linear layer."""
 
 
 RecvPlan = list[tuple[str, int, Any, int]]
@@ -207,7 +209,7 @@ class Executor(ActionLoop):
         self.out_grads: dict[int, dict[str, Tensor]] = {}
         self.in_grads: dict[int, dict[str, Tensor]] = {}
         # split backward (WeightGrads in the list): Linear layers leave their weight gradients to W
-        self.deferred = (DeferredWeightGrads(ctx.module).install()
+        self.deferred = (DeferredWeightGrads(ctx.module, merge=ctx.merge_weight_grads).install()
                          if S.WeightGrads in kinds else None)
         self.last_lr: float | None = None
         """The learning rate of the last update."""

@@ -244,9 +244,12 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
     layer runs empty W's (free).
     Not before a RecvGrads that a send follows (stream-ordered lists, see `sends_first`):
     there the W would hold back the next stage's activations.
+    `merge_weight_grads`: every W waits for the optimizer step, chunk by chunk, so that each
+    chunk's W's run back to back (the runtime computes such a run as one matmul per layer).
     """
     out: list[Action] = []
     queued: list[tuple[int, int]] = []  # (microbatch, chunk or -1)
+    merged = spec.merge_weight_grads
 
     def over_the_lag() -> None:
         while len(queued) > spec.weight_grad_lag:
@@ -256,9 +259,9 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
         if not isinstance(action, (SendActivations, SendGrads)):
             over_the_lag()
         if isinstance(action, (OptimizerStep, AllReduceGrads)):
-            out += [_weight_grads(*key) for key in queued]
+            out += [_weight_grads(*key) for key in (sorted(queued, key=lambda k: (k[1], k[0])) if merged else queued)]
             queued = []
-        elif isinstance(action, RecvGrads) and queued and not (
+        elif isinstance(action, RecvGrads) and queued and not merged and not (
                 index + 1 < len(actions) and isinstance(actions[index + 1], (SendActivations, SendGrads))):
             out.append(_weight_grads(*queued.pop(0)))
         out.append(action)
@@ -435,7 +438,8 @@ def _sends_at_their_receives(spec: ScheduleSpec) -> tuple[tuple[Action, ...], ..
     rank's actions as they complete, and each send together with its receive, so that the
     same order is a run with blocking sends, by construction. A send only moves later, past
     nothing it depends on; a message between two chunks of one rank stays where it was (it
-    never waits)."""
+    never waits). With `merge_weight_grads` a rank does not start the flush's W's either while
+    a send waits (every message of the minibatch is received before anyone's W's)."""
     lists = [_lowered(spec, stage, 0, eager_sends=False) for stage in range(spec.num_stages)]
     heads = [0] * spec.num_stages
     out: list[list[Action]] = [[] for _ in lists]
@@ -459,8 +463,9 @@ def _sends_at_their_receives(spec: ScheduleSpec) -> tuple[tuple[Action, ...], ..
                         out[peer].append(send)
                         waiting[peer] -= 1
                         out[rank].append(action)
-                elif isinstance(action, (OptimizerStep, EndEval)) and waiting[rank]:
-                    break
+                elif waiting[rank] and (isinstance(action, (OptimizerStep, EndEval)) or (
+                        spec.merge_weight_grads and isinstance(action, WeightGrads))):
+                    break  # a merged run of W's waits too: it would hold back the peer's last Backwards
                 else:
                     out[rank].append(action)
                 heads[rank] += 1

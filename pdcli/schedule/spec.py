@@ -155,7 +155,8 @@ def stand_in(name: str) -> str:
     return rules(name).stand_in or name
 
 
-def switch_problems(name: str, vertical_sync: bool = False, split_backward: bool = False) -> dict[str, str]:
+def switch_problems(name: str, vertical_sync: bool = False, split_backward: bool = False,
+                    merge_weight_grads: bool = False) -> dict[str, str]:
     """The switches schedule `name` does not take: {switch: why} (empty when all fit). Config
     validation, the planner's options and `ScheduleSpec` all ask this one rule."""
     problems = {}
@@ -164,6 +165,15 @@ def switch_problems(name: str, vertical_sync: bool = False, split_backward: bool
     if split_backward and name not in FLUSH_SCHEDULES:
         problems["split_backward"] = (f"split_backward only applies to {', '.join(FLUSH_SCHEDULES)}, not {name!r} "
                                       f"(it fills the flush's bubble; {name} has none)")
+    if merge_weight_grads:
+        placed = ", ".join(n for n in FLUSH_SCHEDULES if not RULES[n].split_backward)
+        if name in FLUSH_SCHEDULES and RULES[name].split_backward:
+            problems["merge_weight_grads"] = (f"{name}'s own order places its WeightGrads; merge_weight_grads "
+                                              f"is for the schedules whose W's pd places ({placed})")
+        elif name not in FLUSH_SCHEDULES or not split_backward:
+            problems["merge_weight_grads"] = (f"merge_weight_grads merges the WeightGrads of a split backward at "
+                                              f"the flush: {placed} with schedule.split_backward on, not {name!r}"
+                                              f"{'' if name not in FLUSH_SCHEDULES else ' with it off'}")
     return problems
 
 
@@ -232,6 +242,7 @@ class ScheduleSettings(Protocol):
     path: str | None
     orders: list[str] | None
     virtual_stages: int
+    merge_weight_grads: bool
 
     @property
     def split_backward_on(self) -> bool: ...
@@ -272,18 +283,24 @@ class ScheduleSpec:
     """Chunks per device V (`interleaved`, `loopedbfs`, `zbv`): the model is cut into
     num_stages x V chunks, placed as the schedule's `ScheduleRules.placement` says; a process
     (stage) is then a device, and its lists name each action's chunk."""
+    merge_weight_grads: bool = False
+    """split_backward, W's the lowering places: every WeightGrads of a minibatch waits for the
+    flush, where a chunk's run of them computes one matmul per Linear layer over all the
+    minibatch's rows (`pdcli.torchutil.wgrad`); every microbatch's Linear inputs and output
+    gradients are held until then (`weight_grad_lag`)."""
 
     @classmethod
     def make(cls, name: str, num_stages: int, num_microbatches: int, num_steps: int,
              replicas: Sequence[int] | None = None, vertical_sync: bool = False,
              drain_after: Sequence[int] = (), split_backward: bool = False,
              eval_after: Sequence[int] = (), num_eval_microbatches: int = 0,
-             orders: Sequence[Order] = (), virtual_stages: int = 1) -> ScheduleSpec:
+             orders: Sequence[Order] = (), virtual_stages: int = 1, merge_weight_grads: bool = False) -> ScheduleSpec:
         """A spec with `replicas=None` meaning one replica per stage."""
         reps = tuple(replicas) if replicas is not None else (1,) * num_stages
         evals = tuple(eval_after) if num_eval_microbatches else ()
         return cls(name, num_stages, num_microbatches, num_steps, reps, vertical_sync, tuple(drain_after),
-                   split_backward, evals, num_eval_microbatches if evals else 0, tuple(orders), virtual_stages)
+                   split_backward, evals, num_eval_microbatches if evals else 0, tuple(orders), virtual_stages,
+                   merge_weight_grads)
 
     @classmethod
     def from_config(cls, schedule: ScheduleSettings, replicas: Sequence[int], num_steps: int,
@@ -298,7 +315,7 @@ class ScheduleSpec:
                             f"(plan.num_stages={len(orders)})")
         return cls.make(schedule.name, len(replicas), schedule.num_microbatches, num_steps, replicas,
                         schedule.vertical_sync, drain_after, schedule.split_backward_on, eval_after,
-                        num_eval_microbatches, orders, schedule.virtual_stages)
+                        num_eval_microbatches, orders, schedule.virtual_stages, schedule.merge_weight_grads)
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -309,7 +326,8 @@ class ScheduleSpec:
                 problems.append(f"{key} must be >= 1, got {getattr(self, key)}")
         if len(self.replicas) != self.num_stages:
             problems.append(f"replicas has {len(self.replicas)} entries for {self.num_stages} stages")
-        problems += switch_problems(self.name, self.vertical_sync, self.split_backward).values()
+        problems += switch_problems(self.name, self.vertical_sync, self.split_backward,
+                                    self.merge_weight_grads).values()
         if list(self.drain_after) != sorted(set(self.drain_after)) or any(
                 not 0 < t < self.num_steps for t in self.drain_after):
             problems.append(f"drain_after {list(self.drain_after)} must increase strictly inside "
@@ -358,6 +376,9 @@ class ScheduleSpec:
                     f"{list(self.replicas)}; leave plan.replicas unset"]
         if not self.split_backward and any(isinstance(a, WeightGrads) for order in self.orders for a in order):
             return [f"{self.name}: WeightGrads in the orders need split_backward"]
+        if self.merge_weight_grads and not any(self.places_weight_grads(s) for s in range(self.num_stages)):
+            return [f"{self.name}: merge_weight_grads, but the written orders place every WeightGrads themselves "
+                    f"(leave the W's out of the lines, or set schedule.merge_weight_grads=false)"]
         return []
 
     def places_weight_grads(self, stage_id: int) -> bool:
@@ -516,8 +537,9 @@ class ScheduleSpec:
         (plus one taken early before each RecvGrads). S, the number of stages, came out
         best or equal best of per-stage lags 0..S+1 in the simulator for S = 2..4, M = 4..16
         and W = 1/3 or 1/4 of a microbatch's work; it bounds the extra memory to S
-        microbatches' Linear inputs and output gradients."""
-        return self.num_stages
+        microbatches' Linear inputs and output gradients. `merge_weight_grads`: all of a
+        minibatch's (they wait for the flush)."""
+        return self.num_microbatches * self.virtual_stages if self.merge_weight_grads else self.num_stages
 
     def stash_depth(self, stage_id: int) -> StashDepth:
         """Weight versions and activation sets one replica of `stage_id` holds at most."""

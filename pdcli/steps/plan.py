@@ -45,6 +45,7 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
         precision=cfg.train.precision,
         recompute=cfg.train.recompute,
         split_backward=cfg.schedule.split_backward_on,
+        merge_weight_grads=cfg.schedule.merge_weight_grads,
         vertical_sync=cfg.schedule.vertical_sync,
         max_positions=cfg.plan.max_states,
         profile_sha256=profile_sha256,
@@ -177,6 +178,7 @@ def config_of_plan(cfg: Config, plan: dict[str, Any]) -> Config:
     name = str(inputs["schedule"])
     schedule = dataclasses.replace(cfg.schedule, name=name, num_microbatches=int(inputs["num_microbatches"]),
                                    split_backward=bool(inputs.get("split_backward", False)),
+                                   merge_weight_grads=bool(inputs.get("merge_weight_grads", False)),
                                    vertical_sync=cfg.schedule.vertical_sync and name == PIPEDREAM,
                                    virtual_stages=int(inputs.get("virtual_stages", 1)))
     train = dataclasses.replace(cfg.train, recompute=bool(inputs.get("recompute", False)),

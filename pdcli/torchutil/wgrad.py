@@ -16,8 +16,15 @@ gradients are added in the order of the WeightGrads actions, which is microbatch
 autograd would have added them: the numbers are those of an unsplit backward up to the order
 of float additions inside one matmul and its accumulation.
 
+Merged (`schedule.merge_weight_grads`): the lowering puts every W of a minibatch at the flush,
+and the first W of the run computes them all, one `addmm_` per weight over the rows of every
+pending microbatch, concatenated in microbatch order (one matmul of M x the rows instead of M
+small ones, which run well below a matmul's full rate on small microbatches); the other W's of
+the run find nothing pending. The sum is the same up to the order of float additions.
+
 Cost: the inputs `x` of the deferred layers live until W instead of until B, plus one
-output-sized `g` per layer per microbatch waiting for its W.
+output-sized `g` per layer per microbatch waiting for its W; merged, every microbatch's until
+the flush, and while a weight's merged matmul runs, a concatenated copy of its `x` and `g`.
 """
 
 from __future__ import annotations
@@ -90,10 +97,12 @@ class DeferredWeightGrads:
     `apply(mb)` (the WeightGrads action) before the optimizer step.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, merge: bool = False) -> None:
         self.layers = deferrable_layers(module)
         self.pending: dict[int, list[_Pending]] = {}
         self.current: int | None = None
+        self.merge = merge
+        """`apply` computes every pending microbatch at once (the flush's run of W's)."""
 
     def install(self) -> "DeferredWeightGrads":
         """Route the layers' forward through the split-backward function (an instance attribute
@@ -122,20 +131,38 @@ class DeferredWeightGrads:
 
     @torch.no_grad()
     def apply(self, microbatch_id: int) -> None:
-        """W of `microbatch_id`: add its deferred weight gradients to the weights' `.grad`."""
-        for p in self.pending.pop(microbatch_id, []):
-            g2, x2 = p.g.reshape(-1, p.g.shape[-1]), p.x.reshape(-1, p.x.shape[-1])
-            accumulated = p.weight.grad
-            if accumulated is not None and g2.dtype == accumulated.dtype:
-                accumulated.addmm_(g2.t(), x2)  # one pass over the gradient, no weight-sized temporary
-                continue
-            grad = g2.t().mm(x2)
-            if grad.dtype != p.weight.dtype:
-                grad = grad.to(p.weight.dtype)
-            if accumulated is None:
-                p.weight.grad = grad
-            else:
-                accumulated.add_(grad)
+        """W of `microbatch_id`: add its deferred weight gradients to the weights' `.grad`;
+        merged, those of every pending microbatch (nothing when `microbatch_id`'s are done)."""
+        if not self.merge:
+            for p in self.pending.pop(microbatch_id, []):
+                _accumulate(p.weight, p.g.reshape(-1, p.g.shape[-1]), p.x.reshape(-1, p.x.shape[-1]))
+            return
+        if microbatch_id not in self.pending:
+            return
+        by_weight: dict[int, list[_Pending]] = {}
+        for mb in sorted(self.pending):
+            for p in self.pending[mb]:
+                by_weight.setdefault(id(p.weight), []).append(p)
+        self.pending.clear()
+        for pieces in by_weight.values():
+            g2 = torch.cat([p.g.reshape(-1, p.g.shape[-1]) for p in pieces])
+            x2 = torch.cat([p.x.reshape(-1, p.x.shape[-1]) for p in pieces])
+            _accumulate(pieces[0].weight, g2, x2)
+
+
+def _accumulate(weight: Tensor, g2: Tensor, x2: Tensor) -> None:
+    """weight.grad += g2^T x2."""
+    accumulated = weight.grad
+    if accumulated is not None and g2.dtype == accumulated.dtype:
+        accumulated.addmm_(g2.t(), x2)  # one pass over the gradient, no weight-sized temporary
+        return
+    grad = g2.t().mm(x2)
+    if grad.dtype != weight.dtype:
+        grad = grad.to(weight.dtype)
+    if accumulated is None:
+        weight.grad = grad
+    else:
+        accumulated.add_(grad)
 
 
 class _Collecting:

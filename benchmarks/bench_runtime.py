@@ -84,6 +84,8 @@ the limit."""
 SECTIONS = ("small", "large")
 DEFAULT_LARGE_MICROBATCHES = 4
 UNSPLIT = "schedule.split_backward=false"
+MERGED = "schedule.merge_weight_grads=true"
+"""pd's rows with the weight gradients merged at the flush (`schedule.merge_weight_grads`)."""
 TORCH_PREFIX = "torch pipelining "
 PD_PREFIX = "pd train "
 PD_NAME_OF_TORCH = {cls.__name__: name for name, cls in {**TORCH_SCHEDULES, **TORCH_VIRTUAL_SCHEDULES}.items()}
@@ -150,6 +152,8 @@ def variants(shape: BenchShape, timeout_s: float, section: str) -> list[tuple[st
         (f"{PD_PREFIX}1f1b, {m} microbatches", lambda work_dir: pd_row("1f1b", work_dir)),
         (f"{PD_PREFIX}1f1b, {m} microbatches, {UNSPLIT}", lambda work_dir: pd_row("1f1b", work_dir, extra=[UNSPLIT])),
         (f"{PD_PREFIX}gpipe, {m} microbatches", lambda work_dir: pd_row("gpipe", work_dir)),
+        *[(f"{PD_PREFIX}{name}, {m} microbatches, {MERGED}", lambda work_dir, name=name: pd_row(name, work_dir, extra=[MERGED]))
+          for name in ("1f1b", "gpipe")],
     ]
     if section == "small":
         rows.append((f"{PD_PREFIX}pipedream, {ONE_MICROBATCH} microbatch",
@@ -169,8 +173,8 @@ def virtual_rows(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure
     bounds = [0, *cuts, 2 * shape.num_layers + 2]
     split = " ".join(f"[{a}:{b})" for a, b in zip(bounds, bounds[1:]))
 
-    def pd_row(name: str, work_dir: Path) -> tuple[float, str]:
-        result = run_pd_train(shape, name, work_dir, timeout_s, virtual_overrides(shape))
+    def pd_row(name: str, work_dir: Path, extra: Sequence[str] = ()) -> tuple[float, str]:
+        result = run_pd_train(shape, name, work_dir, timeout_s, [*virtual_overrides(shape), *extra])
         differs = "" if result.split == split else " (planner's split, not the baselines')"
         return result.samples_per_s, f"chunks {result.split}{differs}, median of {result.num_logged_steps} steps"
 
@@ -180,6 +184,9 @@ def virtual_rows(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure
                      lambda _, name=name: (run_torch_pipelining(shape, name, timeout_s), chunks)))
         rows.append((f"{PD_PREFIX}{name}, V={VIRTUAL_STAGES}, {m} microbatches",
                      lambda work_dir, name=name: pd_row(name, work_dir)))
+        if name != "zbv":  # zbv's order places its own W's
+            rows.append((f"{PD_PREFIX}{name}, V={VIRTUAL_STAGES}, {m} microbatches, {MERGED}",
+                         lambda work_dir, name=name: pd_row(name, work_dir, [MERGED])))
     return rows
 
 
@@ -228,15 +235,15 @@ def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int, section: s
 
 def counterparts(names: Sequence[str]) -> list[tuple[str, str]]:
     """(pd's row, torch.pipelining's row) for every schedule both measured: the same schedule,
-    split and microbatches (pd's split backward on, as by default)."""
+    split and microbatches (pd's split backward on, as by default; and, where measured, with the
+    weight gradients merged at the flush)."""
     pairs = []
     for torch_name in names:
         if not torch_name.startswith(TORCH_PREFIX):
             continue
         schedule, _, rest = torch_name.removeprefix(TORCH_PREFIX).partition(", ")
         pd_name = f"{PD_PREFIX}{PD_NAME_OF_TORCH[schedule]}, {rest}"
-        if pd_name in names:
-            pairs.append((pd_name, torch_name))
+        pairs += [(name, torch_name) for name in (pd_name, f"{pd_name}, {MERGED}") if name in names]
     return pairs
 
 
@@ -259,18 +266,19 @@ CEILING_STEPS = 8
 """Minibatches each `schedule_ceiling` replay runs (its steady time: the second half)."""
 
 
-def schedule_ceiling(schedule: str, num_microbatches: int, virtual_stages: int = 1) -> float:
+def schedule_ceiling(schedule: str, num_microbatches: int, virtual_stages: int = 1, merged: bool = False) -> float:
     """What pd's lists of `schedule` (split backward, as pd's rows run them) gain over
     torch.pipelining's by their order alone: the replay of the same schedule's lists without a
     split backward (torch's Schedule1F1B, GPipe, Interleaved1F1B and LoopedBFS run the backward
     whole; its ZBVZeroBubble splits it too) over pd's, both on equal chunks (`CEILING_COSTS`)
-    and a pd runtime. A pd / torch ratio above it is the runtimes' difference."""
+    and a pd runtime. A pd / torch ratio above it is the runtimes' difference. `merged`: pd's W's
+    at the flush (each priced as one microbatch's: the order alone, not the merged matmul)."""
     from pdcli.schedule import ScheduleSpec
     from pdcli.schedule.simulator import StageCost, simulate
 
     def replayed_ms(split: bool) -> float:
         spec = ScheduleSpec.make(schedule, NUM_STAGES, num_microbatches, CEILING_STEPS, split_backward=split,
-                                 virtual_stages=virtual_stages)
+                                 virtual_stages=virtual_stages, merge_weight_grads=split and merged)
         costs = {**CEILING_COSTS, "wgrad_ms": CEILING_COSTS["wgrad_ms"] if split else 0.0}
         return simulate(spec, [StageCost(**costs)] * spec.num_chunks).time_per_minibatch_ms
 
@@ -280,11 +288,11 @@ def schedule_ceiling(schedule: str, num_microbatches: int, virtual_stages: int =
 def ceiling_of(pd_name: str) -> float | None:
     """`schedule_ceiling` of a pd row's schedule, microbatches and chunks (None: a row name
     that does not say them)."""
-    found = re.fullmatch(rf"{PD_PREFIX}(\w+), (?:V=(\d+), )?(\d+) microbatches", pd_name)
+    found = re.fullmatch(rf"{PD_PREFIX}(\w+), (?:V=(\d+), )?(\d+) microbatches(, {re.escape(MERGED)})?", pd_name)
     if found is None:
         return None
-    schedule, virtual, microbatches = found.groups()
-    return schedule_ceiling(schedule, int(microbatches), int(virtual or 1))
+    schedule, virtual, microbatches, merged = found.groups()
+    return schedule_ceiling(schedule, int(microbatches), int(virtual or 1), merged is not None)
 
 
 def flush_bound(shape: BenchShape) -> float:

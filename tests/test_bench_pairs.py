@@ -31,6 +31,11 @@ def test_each_torch_schedule_is_paired_with_pds_same_schedule_and_microbatches()
         ("pd train 1f1b, 8 microbatches", "torch pipelining Schedule1F1B, 8 microbatches"),
         ("pd train zbv, V=2, 8 microbatches", "torch pipelining ScheduleZBVZeroBubble, V=2, 8 microbatches"),
     ]  # no pd gpipe row in this list: ScheduleGPipe has no pair
+    merged = "pd train 1f1b, 8 microbatches, schedule.merge_weight_grads=true"
+    assert counterparts([*names, merged])[:2] == [
+        ("pd train 1f1b, 8 microbatches", "torch pipelining Schedule1F1B, 8 microbatches"),
+        (merged, "torch pipelining Schedule1F1B, 8 microbatches"),
+    ]
 
 
 def test_the_paired_median_is_of_the_rounds_ratios_not_of_the_rows_medians() -> None:

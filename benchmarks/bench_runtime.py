@@ -22,7 +22,9 @@ tighter limit of this split on this host (stage 1 also computes its input's grad
 loss, and a microbatch's matmuls are smaller than the full batch's). A flush schedule with
 M microbatches on P stages is further bounded by its bubble, P * M / (M + P - 1) x
 single-thread, unless the backward is split (`pd`'s default for 1f1b and gpipe: the
-Linear weight gradients run in the bubble), which the `split_backward=false` rows turn off.
+Linear weight gradients run in the bubble), which the `split_backward=false` rows turn off;
+the `merge_weight_grads=true` rows move those W's to the flush, one matmul per layer over the
+whole minibatch's rows (1f1b and gpipe in both sections, interleaved and loopedbfs beside torch's).
 
 The single-process rows train on one fixed batch; pd's rows make every minibatch from the
 synthetic data source (about 3 ms of a stage's 80 ms step here), as training does.
@@ -152,8 +154,8 @@ def variants(shape: BenchShape, timeout_s: float, section: str) -> list[tuple[st
         (f"{PD_PREFIX}1f1b, {m} microbatches", lambda work_dir: pd_row("1f1b", work_dir)),
         (f"{PD_PREFIX}1f1b, {m} microbatches, {UNSPLIT}", lambda work_dir: pd_row("1f1b", work_dir, extra=[UNSPLIT])),
         (f"{PD_PREFIX}gpipe, {m} microbatches", lambda work_dir: pd_row("gpipe", work_dir)),
-        *[(f"{PD_PREFIX}{name}, {m} microbatches, {MERGED}", lambda work_dir, name=name: pd_row(name, work_dir, extra=[MERGED]))
-          for name in ("1f1b", "gpipe")],
+        *[(f"{PD_PREFIX}{name}, {m} microbatches, {MERGED}",
+           lambda work_dir, name=name: pd_row(name, work_dir, extra=[MERGED])) for name in ("1f1b", "gpipe")],
     ]
     if section == "small":
         rows.append((f"{PD_PREFIX}pipedream, {ONE_MICROBATCH} microbatch",

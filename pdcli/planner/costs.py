@@ -200,8 +200,8 @@ def replayed_bubble_factor(schedule: str, num_microbatches: int, num_stages: int
     microbatch costs fwd_share + (1 - fwd_share) (of which wgrad_share is W); at least 1 (each
     stage runs all its work), which the search's pruning relies on."""
     wgrad_share = min(wgrad_share, 1.0 - fwd_share)  # rounding must not make B - W negative
-    spec = ScheduleSpec.make(stand_in(schedule), num_stages, num_microbatches, REPLAYED_MINIBATCHES, split_backward=True,
-                             merge_weight_grads=merged)
+    spec = ScheduleSpec.make(stand_in(schedule), num_stages, num_microbatches, REPLAYED_MINIBATCHES,
+                             split_backward=True, merge_weight_grads=merged)
     cost = StageCost(fwd_ms=fwd_share, bwd_ms=1.0 - fwd_share, wgrad_ms=wgrad_share)
     replay = simulate(spec, [cost] * num_stages)
     return max(1.0, replay.time_per_minibatch_ms / num_microbatches)

@@ -3,8 +3,8 @@
 A diff is `changed` when the stages (boundaries, replicas, ranks, any prediction), the
 pipeline predictions or what the run executes (RUN_INPUTS: the schedule, its microbatches, split
 backward, merged weight gradients) differ. Differences in other `inputs` alone (e.g. another
-profile hash that gives the same plan) are listed but do not count as a change. `regressed(pct)` is true when
-the predicted throughput of B is more than `pct` percent below A's.
+profile hash that gives the same plan) are listed but do not count as a change.
+`regressed(pct)` is true when the predicted throughput of B is more than `pct` percent below A's.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from pdcli.profiler.batch_points import chain_at_precision
 from pdcli.profiler.chain import Chain
 from pdcli.schedule import ScheduleSpec
 from pdcli.schedule.spec import (
-    FLUSH_SCHEDULES, GPIPE, INTERLEAVED, LOOPED_BFS, ONE_F_ONE_B, PIPEDREAM, TWO_BW, ZBV, rules, switch_problems, virtual_problems,
+    FLUSH_SCHEDULES, GPIPE, INTERLEAVED, LOOPED_BFS, ONE_F_ONE_B, PIPEDREAM, TWO_BW, ZBV, rules, switch_problems,
+    virtual_problems,
 )
 
 SEARCHED_SCHEDULES = (PIPEDREAM, TWO_BW, ONE_F_ONE_B, GPIPE)

@@ -224,6 +224,20 @@ def test_a_split_backward_is_replayed_with_weight_grads(tmp_path: Path, schedule
     assert f"{schedule} with split backward" in lines[0]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_plan_with_merged_weight_grads_is_replayed_with_them_at_the_flush(schedule: str) -> None:
+    from pdcli.report.predicted import predict
+
+    plan = plan_json(schedule, split=True)
+    plan["inputs"]["merge_weight_grads"] = True
+    costs = stage_costs(plan, schedule, NUM_MICROBATCHES)
+    p = predict(plan, schedule, NUM_MICROBATCHES, NUM_STEPS)
+    merged = simulate(ScheduleSpec.make(schedule, 2, NUM_MICROBATCHES, NUM_STEPS, split_backward=True,
+                                        merge_weight_grads=True), costs)
+    assert p.merge_weight_grads and p.simulated_time_per_minibatch_ms == pytest.approx(merged.time_per_minibatch_ms)
+    assert not predict(plan, "pipedream", NUM_MICROBATCHES, NUM_STEPS).merge_weight_grads  # a run that cannot merge
+
+
 def test_runs_without_weight_grads_keep_the_old_action_table(tmp_path: Path) -> None:
     text = runner.invoke(app, ["report", str(write_run(tmp_path / "run", "1f1b")), "--no-charts"]).stdout
     assert "WeightGrads" not in text and "plan wgrad" not in text and "split backward" not in text

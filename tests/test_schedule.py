@@ -214,6 +214,16 @@ def test_merged_weight_grads_hold_every_microbatch_until_the_flush():
     assert [merged.stash_depth(s).activation_sets for s in range(4)] == [8] * 4
 
 
+def test_a_written_order_keeps_its_own_weight_grads_under_merge():
+    from pdcli.schedule.orders import read_orders
+
+    orders = read_orders(["F0 F1 B0 W0 B1 W1", "F0 B0 F1 B1"], 2, True, "mine.txt")
+    spec = ScheduleSpec.make("file", 2, 2, 1, split_backward=True, orders=orders, merge_weight_grads=True)
+    assert [spec.merges_weight_grads(s) for s in range(2)] == [False, True]
+    assert compute(build_all(spec)[0]) == ["F0", "F1", "B0", "W0", "B1", "W1", "step0"]  # as written
+    assert compute(build_all(spec)[1]) == ["F0", "B0", "F1", "B1", "W0", "W1", "step0"]  # at the flush
+
+
 @pytest.mark.parametrize("name,split,why", [
     ("pipedream", True, "not 'pipedream'"), ("1f1b", False, "with it off"), ("zbv", True, "own order places"),
 ])

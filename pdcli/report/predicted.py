@@ -80,6 +80,8 @@ class Predicted:
     num_simulated_steps: int
     split_backward: bool = False
     """The plan (and so the simulation) splits the backward."""
+    merge_weight_grads: bool = False
+    """... and runs the weight gradients merged at the flush (`plan_merges_weight_grads`)."""
     whole_loop_per_minibatch_ms: float = 0.0
     """The run's whole loop (fill and drain included) per minibatch: the replay's makespan, its
     steps beyond MAX_SIMULATED_STEPS at the steady time."""
@@ -158,10 +160,11 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
     split = plan_splits_backward(plan, schedule)
     plan_stages = device_stages(plan) if rules(schedule).chunked else plan["stages"]
     replicas = [int(s["replicas"]) for s in plan_stages]
+    merged = plan_merges_weight_grads(plan, schedule)
     spec = ScheduleSpec.make(schedule if orders or rules(schedule).chunked else stand_in(schedule), len(replicas),
                              num_microbatches, steps, replicas, vertical_sync, split_backward=split, orders=orders,
                              virtual_stages=int(plan.get("inputs", {}).get("virtual_stages", 1)),
-                             merge_weight_grads=plan_merges_weight_grads(plan, schedule))
+                             merge_weight_grads=merged)
     runtime = runtime_costed(plan)
     replayed = plan["pipeline"].get("replay") or {}
     cores = replayed.get("cores") if runtime else None
@@ -198,7 +201,7 @@ def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_step
         simulated_time_per_minibatch_ms=sim.time_per_minibatch_ms,
         whole_loop_per_minibatch_ms=(sim.makespan_ms + (run_steps - steps) * sim.time_per_minibatch_ms) / run_steps
         * slowdown,
-        num_simulated_steps=steps, split_backward=split, shared_cores=shared,
+        num_simulated_steps=steps, split_backward=split, merge_weight_grads=merged, shared_cores=shared,
     )
 
 

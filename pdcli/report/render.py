@@ -106,7 +106,8 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
     if fmt == MARKDOWN:
         lines.append(f"## pd report: `{run_dir}`\n")
     lines.append(
-        f"{m.schedule}{' with split backward' if p.split_backward or has_weight_grads(c) else ''}, "
+        f"{m.schedule}{' with split backward' if p.split_backward or has_weight_grads(c) else ''}"
+        f"{' (weight gradients merged at the flush)' if p.merge_weight_grads else ''}, "
         f"{len(c.stages)} stages, {m.num_steps} minibatches of {m.batch_size} samples "
         + (f"(this launch, resumed after minibatch {m.first_step}) " if m.first_step else "") +
         f"({m.num_microbatches} microbatches each{PIPEDREAM_NOTE if rules(m.schedule).step_per_microbatch else ''}); "
@@ -215,7 +216,8 @@ def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, 
                           "simulated_time_per_minibatch_ms": p.simulated_time_per_minibatch_ms,
                           "whole_loop_per_minibatch_ms": p.whole_loop_per_minibatch_ms,
                           "throughput_samples_per_s": p.throughput_samples_per_s, "bubble_fraction": p.bubble_fraction,
-                          "split_backward": p.split_backward, "shared_cores": p.shared_cores},
+                          "split_backward": p.split_backward, "merge_weight_grads": p.merge_weight_grads,
+                          "shared_cores": p.shared_cores},
             "measured": {"time_per_minibatch_ms": m.time_per_minibatch_ms,
                          "steady_time_per_minibatch_ms": m.steady_time_per_minibatch_ms,
                          "samples_per_s": m.samples_per_s, "bubble_fraction": pipeline_bubble(s.measured for s in c.stages),

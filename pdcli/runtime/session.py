@@ -270,7 +270,7 @@ def run_session(
             eval_data=evaluation.source, record_eval=tracker.record_eval if tracker and last else None,
             num_chunks=spec.num_chunks if spec.chunked else 0,
             eval_ids_from=spec.total_microbatches if spec.eval_after else None,
-            merge_weight_grads=spec.merge_weight_grads,
+            merge_weight_grads=spec.merges_weight_grads(schedule_stage),
         )
 
     executors = {k: Executor(context(k), chunk_actions(actions, k) if spec.chunked else actions) for k in chunks}

@@ -388,6 +388,11 @@ class ScheduleSpec:
         return self.split_backward and not rules(self.name).split_backward and not any(
             isinstance(a, WeightGrads) for a in own)
 
+    def merges_weight_grads(self, stage_id: int) -> bool:
+        """Whether `stage_id`'s WeightGrads wait for the flush and run merged: `merge_weight_grads`
+        where the lowering places them (a written order's own W's run where they are written)."""
+        return self.merge_weight_grads and self.places_weight_grads(stage_id)
+
     # -- chunks (virtual stages) --
     @property
     def chunked(self) -> bool:

@@ -30,7 +30,8 @@ CLUSTERS = {
     "3x2": Topology.from_levels([{"devices": 3, "bandwidth_bytes_per_s": 1e9},
                                  {"devices": 2, "bandwidth_bytes_per_s": 1e8}]),
 }
-CASES = [("1f1b", True), ("1f1b", False), ("gpipe", False), ("gpipe", True)]
+CASES = [("1f1b", True, False), ("1f1b", False, False), ("gpipe", False, False), ("gpipe", True, False),
+         ("1f1b", True, True)]  # the last: merged weight gradients, searched in one run for every count
 
 
 def random_chain(seed: int, n: int = 12) -> Chain:
@@ -77,16 +78,19 @@ def limits(chain: Chain, topology: Topology, options: PlanOptions) -> list[float
     return [smallest.objective + (free - smallest.objective) * f for f in (0.05, 0.25, 0.6)]
 
 
-@pytest.mark.parametrize("schedule,split", CASES)
+@pytest.mark.parametrize("schedule,split,merge", CASES)
 def test_the_search_under_a_memory_limit_finds_the_straightforward_plans(
-        schedule: str, split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        schedule: str, split: bool, merge: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     checked = slower = replicated = 0
     for seed in range(2):
         chain = random_chain(seed)
         space = SplitSpace.from_chain(chain)
         for name, topology in CLUSTERS.items():
             options = PlanOptions(schedule=schedule, num_microbatches=4, batch_size=8, split_backward=split,
-                                  use_fewer_devices=True)
+                                  use_fewer_devices=True, merge_weight_grads=merge)
+            per_stage_count = split and not merge and schedule == "1f1b"
+            assert search.memory_needs_stage_count(
+                dataclasses.replace(options, memory_bytes_per_device=1.0), "time") == per_stage_count
             for limit in limits(chain, topology, options):
                 limited = dataclasses.replace(options, memory_bytes_per_device=limit)
                 got = pd_search(space, topology, limited, 1.0)

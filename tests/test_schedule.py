@@ -222,6 +222,9 @@ def test_a_written_order_keeps_its_own_weight_grads_under_merge():
     assert [spec.merges_weight_grads(s) for s in range(2)] == [False, True]
     assert compute(build_all(spec)[0]) == ["F0", "F1", "B0", "W0", "B1", "W1", "step0"]  # as written
     assert compute(build_all(spec)[1]) == ["F0", "B0", "F1", "B1", "W0", "W1", "step0"]  # at the flush
+    every = read_orders(["F0 F1 B0 W0 B1 W1", "F0 B0 W0 F1 B1 W1"], 2, True, "mine.txt")
+    with pytest.raises(UserError, match="place every WeightGrads themselves"):
+        ScheduleSpec.make("file", 2, 2, 1, split_backward=True, orders=every, merge_weight_grads=True)
 
 
 @pytest.mark.parametrize("name,split,why", [

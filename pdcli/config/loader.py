@@ -22,7 +22,7 @@ from pdcli.config.validate import validate_tree
 from pdcli.errors import ConfigError, UserError
 from pdcli.schedule.handwritten import check_lines
 from pdcli.schedule.orders import device_lines
-from pdcli.schedule.spec import PIPEDREAM, SCHEDULES, rules
+from pdcli.schedule.spec import PIPEDREAM, SCHEDULES, rules, written_merge_problem
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 COMMAND_LINE = "command line"
@@ -280,12 +280,13 @@ def _read_schedule_file(config: Config, recipe: Path | None) -> UserError | None
             return UserError(f"schedule.path: cannot read {found} ({e})")
     if schedule.orders is None or schedule.num_microbatches < 1:
         return None  # check_values names what is missing
+    source = schedule.path or "schedule.orders"
     try:
-        check_lines(schedule.orders, schedule.num_microbatches, schedule.split_backward_on,
-                    schedule.path or "schedule.orders")
+        orders = check_lines(schedule.orders, schedule.num_microbatches, schedule.split_backward_on, source)
     except UserError as e:
         return e
-    return None
+    merge_problem = written_merge_problem(orders, source) if schedule.merge_weight_grads else None
+    return UserError(f"schedule.merge_weight_grads: {merge_problem}") if merge_problem else None
 
 
 CUT_KEYS = ("plan.split_points", "plan.boundaries")

@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from pdcli.schedule.orders import tokens_of
 from pdcli.schedule.spec import (
     FLUSH_SCHEDULES, FILE, PIPEDREAM, SCHEDULES, rules, switch_problems, virtual_problems,
 )
@@ -451,7 +450,8 @@ def _virtual_stage_problems(cfg: Config) -> list[str]:
 
 def _written_schedule_problems(cfg: Config) -> list[str]:
     """A hand-written schedule (`schedule.name: file`) has its lines, one device per stage and a
-    line per stage (the lines themselves are checked as the loader reads them)."""
+    line per stage (the lines themselves, and what they leave a merge to do, are checked as the loader
+    reads them)."""
     schedule, plan = cfg.schedule, cfg.plan
     if schedule.name not in SCHEDULES or not rules(schedule.name).hand_written:
         return []
@@ -466,11 +466,6 @@ def _written_schedule_problems(cfg: Config) -> list[str]:
     if not rules(schedule.name).replicable and plan.replicas is not None and any(r != 1 for r in plan.replicas):
         problems.append(f"plan.replicas: {list(plan.replicas)}, but schedule.name={FILE} runs one device per stage "
                         f"(a line of {schedule.path or 'schedule.orders'} each); leave plan.replicas unset")
-    if schedule.merge_weight_grads and schedule.orders and all(
-            any(token[:1] in "Ww" for token in tokens_of(line)) for line in schedule.orders):
-        problems.append(f"schedule.merge_weight_grads: the lines of {schedule.path or 'schedule.orders'} place "
-                        f"every WeightGrads themselves; leave the W's out of them (pd then places them at the "
-                        f"flush) or set schedule.merge_weight_grads=false")
     if plan.num_stages is not None and plan.num_stages != len(schedule.orders):
         problems.append(f"plan.num_stages: {plan.num_stages} stages, but {schedule.path or 'schedule.orders'} has "
                         f"{len(schedule.orders)} device lines (one per stage); set plan.num_stages="

@@ -27,8 +27,8 @@ from pdcli.profiler.batch_points import chain_at_precision
 from pdcli.profiler.chain import Chain
 from pdcli.schedule import ScheduleSpec
 from pdcli.schedule.spec import (
-    FLUSH_SCHEDULES, GPIPE, INTERLEAVED, LOOPED_BFS, ONE_F_ONE_B, PIPEDREAM, TWO_BW, ZBV, rules, switch_problems,
-    virtual_problems,
+    FLUSH_SCHEDULES, GPIPE, INTERLEAVED, LOOPED_BFS, ONE_F_ONE_B, PIPEDREAM, TWO_BW, ZBV, rules,
+    takes_merged_weight_grads, virtual_problems,
 )
 
 SEARCHED_SCHEDULES = (PIPEDREAM, TWO_BW, ONE_F_ONE_B, GPIPE)
@@ -179,7 +179,7 @@ def _point(config: Configuration, plan: Plan) -> Point:
 def config_options(base: PlanOptions, config: Configuration) -> PlanOptions:
     """`base` with what `config` chooses (vertical sync only where pipedream runs, merged weight
     gradients only where the configuration places its W's)."""
-    merge = base.merge_weight_grads and not switch_problems(config.schedule, False, config.split_backward, True)
+    merge = base.merge_weight_grads and takes_merged_weight_grads(config.schedule, config.split_backward)
     return dataclasses.replace(base, schedule=config.schedule, num_microbatches=config.num_microbatches,
                                split_backward=config.split_backward, recompute=config.recompute,
                                virtual_stages=config.virtual_stages, precision=config.precision,

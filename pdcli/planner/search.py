@@ -197,11 +197,12 @@ def backward_split(space: SplitSpace, options: PlanOptions) -> SplitShares | Non
 
 def memory_needs_stage_count(options: PlanOptions, minimize: str) -> bool:
     """1f1b with a split backward under a memory limit (or the memory search): a stage's memory
-    depends on the pipeline's stage count, so the search runs once per count."""
+    depends on the pipeline's stage count, so the search runs once per count (not with merged
+    weight gradients: every stage then holds every microbatch until the flush)."""
     memory_counts = minimize == "memory" or options.memory_bytes_per_device is not None
     # 1f1b holds its in-flight microbatches until their WeightGrads, a lag of the stage count
     # (`ScheduleSpec.weight_grad_lag`); gpipe holds all of them anyway
-    lag_counts = rules(options.schedule).in_flight == "devices_upto_all"
+    lag_counts = rules(options.schedule).in_flight == "devices_upto_all" and not options.merge_weight_grads
     return options.split_backward and lag_counts and options.num_stages is None and memory_counts
 
 

@@ -26,7 +26,7 @@ from pdcli.runtime.metrics import CATEGORIES, COMM, COMPUTE, IDLE, action_catego
 from pdcli.schedule import Backward, Forward, OptimizerStep, ScheduleSpec, WeightGrads
 from pdcli.schedule.simulator import Simulation, StageCost, shares_cores, simulate
 from pdcli.schedule.orders import Order
-from pdcli.schedule.spec import FLUSH_SCHEDULES, rules, stand_in, switch_problems
+from pdcli.schedule.spec import FLUSH_SCHEDULES, rules, stand_in, takes_merged_weight_grads
 
 MAX_SIMULATED_STEPS = 200
 """Longer runs are simulated over this many minibatches (per-minibatch values barely change)."""
@@ -148,7 +148,7 @@ def plan_merges_weight_grads(plan: dict[str, Any], schedule: str) -> bool:
     """Whether the run of `plan` with `schedule` ran its WeightGrads merged at the flush
     (`inputs.merge_weight_grads`, where `schedule` takes it)."""
     merge = bool(plan.get("inputs", {}).get("merge_weight_grads", False))
-    return merge and not switch_problems(schedule, False, plan_splits_backward(plan, schedule), merge)
+    return merge and takes_merged_weight_grads(schedule, plan_splits_backward(plan, schedule))
 
 
 def predict(plan: dict[str, Any], schedule: str, num_microbatches: int, num_steps: int,

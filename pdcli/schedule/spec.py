@@ -177,6 +177,20 @@ def switch_problems(name: str, vertical_sync: bool = False, split_backward: bool
     return problems
 
 
+def takes_merged_weight_grads(name: str, split_backward: bool) -> bool:
+    """Whether schedule `name` with `split_backward` takes `merge_weight_grads` (`switch_problems`)."""
+    return not switch_problems(name, False, split_backward, True)
+
+
+def written_merge_problem(orders: Sequence[Order], source: str) -> str | None:
+    """Why `merge_weight_grads` does not go with these written orders: every line places its own
+    WeightGrads, so pd places none to merge (None when some line leaves them to pd)."""
+    if orders and all(any(isinstance(a, WeightGrads) for a in order) for order in orders):
+        return (f"the lines of {source} place every WeightGrads themselves; leave the W's out of them (pd then "
+                f"places them at the flush) or set schedule.merge_weight_grads=false")
+    return None
+
+
 def virtual_problems(name: str, virtual_stages: int, split_backward: bool, num_microbatches: int,
                      num_devices: int | None = None) -> dict[str, str]:
     """What schedule `name` does not take of virtual stages, split backward and (with the
@@ -376,9 +390,9 @@ class ScheduleSpec:
                     f"{list(self.replicas)}; leave plan.replicas unset"]
         if not self.split_backward and any(isinstance(a, WeightGrads) for order in self.orders for a in order):
             return [f"{self.name}: WeightGrads in the orders need split_backward"]
-        if self.merge_weight_grads and not any(self.places_weight_grads(s) for s in range(self.num_stages)):
-            return [f"{self.name}: merge_weight_grads, but the written orders place every WeightGrads themselves "
-                    f"(leave the W's out of the lines, or set schedule.merge_weight_grads=false)"]
+        merge_problem = written_merge_problem(self.orders, "the written orders") if self.merge_weight_grads else None
+        if merge_problem:
+            return [f"{self.name}: merge_weight_grads, but {merge_problem}"]
         return []
 
     def places_weight_grads(self, stage_id: int) -> bool:

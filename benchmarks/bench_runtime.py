@@ -36,10 +36,10 @@ synthetic data source (about 3 ms of a stage's 80 ms step here), as training doe
 Every row's samples/s is the median over its timed steps of batch / step time (pd logs it per
 minibatch; the baselines time each step), and with `--rounds R` the median over R rounds run
 one after the other (every other round in reverse order). pd's rows beside torch.pipelining's
-counterpart (same schedule, split and microbatches) also get a paired ratio: pd / torch of
-each round, the two measured minutes apart at most, and their median, which the host's slow
-spells (lasting minutes, moving single rounds by 25% here) move far less than a ratio of the
-rows' medians. Prints a table per section, writes `runs/benchmarks/runtime.json`.
+counterpart (same schedule, split and microbatches) run back to back in every round
+(`beside_counterparts`) and get a paired ratio: pd / torch of each round, the two measured
+seconds apart, and their median, which the host's slow spells (lasting minutes, moving single
+rounds by 25% here) move far less than a ratio of the rows' medians. Prints a table per section, writes `runs/benchmarks/runtime.json`.
 Numbers are printed, never asserted: on a shared host they move with the other load (see
 `load before`).
 """
@@ -197,8 +197,8 @@ def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int, section: s
     host's other load spread over all variants instead of hitting one. A pd variant keeps
     its run directory over rounds: profile, plan and stages are made once and reused.
     `only`: the variants whose name contains one of these (all when empty)."""
-    table = [(name, measure) for name, measure in variants(shape, timeout_s, section)
-             if not only or any(part in name for part in only)]
+    table = beside_counterparts([(name, measure) for name, measure in variants(shape, timeout_s, section)
+                                 if not only or any(part in name for part in only)])
     values: dict[str, list[float | None]] = {name: [] for name, _ in table}
     notes: dict[str, str] = {}
     wall_s: dict[str, float] = {name: 0.0 for name, _ in table}
@@ -233,6 +233,24 @@ def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int, section: s
         )
         for name, _ in table
     ]
+
+
+def beside_counterparts(table: Sequence[tuple[str, Measure]]) -> list[tuple[str, Measure]]:
+    """`table` with each torch.pipelining row and its pd counterparts (`counterparts`) run back
+    to back, seconds apart: the group at its first pd row's place, pd's rows first (in the
+    reversed rounds torch's); the other rows keep their order."""
+    names = [name for name, _ in table]
+    group_of: dict[str, str] = {}  # row -> its torch row
+    for pd_name, torch_name in counterparts(names):
+        group_of[pd_name] = group_of[torch_name] = torch_name
+    rank = {name: (name == group_of.get(name), i) for i, name in enumerate(names)}  # torch's row last
+    out: list[tuple[str, Measure]] = []
+    for name, measure in table:
+        if name not in group_of:
+            out.append((name, measure))
+        elif not any(group_of.get(done) == group_of[name] for done, _ in out):
+            out += sorted((row for row in table if group_of.get(row[0]) == group_of[name]), key=lambda r: rank[r[0]])
+    return out
 
 
 def counterparts(names: Sequence[str]) -> list[tuple[str, str]]:

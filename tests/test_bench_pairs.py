@@ -38,6 +38,21 @@ def test_each_torch_schedule_is_paired_with_pds_same_schedule_and_microbatches()
     ]
 
 
+def test_each_pair_runs_back_to_back() -> None:
+    from bench_runtime import beside_counterparts, variants
+    from _bench_common import BenchShape
+
+    table = beside_counterparts(variants(BenchShape(), 1.0, "small"))
+    names = [name for name, _ in table]
+    assert sorted(names) == sorted(name for name, _ in variants(BenchShape(), 1.0, "small"))  # moved, none lost
+    pairs = counterparts(names)
+    assert len({torch_name for _, torch_name in pairs}) == 5  # 1F1B, GPipe, Interleaved, LoopedBFS, ZBV
+    for torch_name in {torch_name for _, torch_name in pairs}:
+        group = sorted([names.index(pd_name) for pd_name, t in pairs if t == torch_name] + [names.index(torch_name)])
+        assert group == list(range(group[0], group[0] + len(group))), (torch_name, group)  # adjacent
+        assert names.index(torch_name) == group[-1]  # after its pd rows (the reversed rounds: before)
+
+
 def test_the_paired_median_is_of_the_rounds_ratios_not_of_the_rows_medians() -> None:
     # a slow spell in round 2 hits both: the rows' medians say 1.1x, the rounds 1.2x, 1.2x, 1.1x
     rows = [Row("pd train 1f1b, 4 microbatches", 1100.0, per_round_samples_per_s=(1200.0, 600.0, 1100.0)),

@@ -397,3 +397,60 @@ def test_a_precision_the_profile_did_not_measure_is_not_searched() -> None:
     measured = dataclasses.replace(chain(), meta={**chain().meta, PRECISION_META: precision_time_json(
         {4: {"fp32": 1.0, "bf16": 2.0}})})
     assert config_space(cfg, measured).precisions == ("fp32", "bf16")
+
+
+def test_merged_weight_grads_are_priced_at_the_minibatchs_rate() -> None:
+    """With `merge_weight_grads` a minibatch's W's run as one matmul over its rows: the planner
+    prices them at the rate `meta.batch_points` measured at the minibatch's rows, not at the
+    microbatch's (the linear scale where the profile has no such point)."""
+    from pdcli.profiler.batch_points import chain_of_run, with_merged_weight_grads
+
+    def with_wgrad(c: Chain) -> Chain:
+        nodes = tuple(dataclasses.replace(n, wgrad_ms=n.bwd_ms / 2) for n in c.nodes)
+        meta = dict(c.meta)
+        if BATCH_POINTS_META in meta:  # the points' W's: half their backward too
+            meta[BATCH_POINTS_META] = {**meta[BATCH_POINTS_META],
+                                       "wgrad_ms": [[b / 2 for b in row] for row in meta[BATCH_POINTS_META]["bwd_ms"]]}
+        return dataclasses.replace(c, nodes=nodes, meta=meta)
+
+    linear, fast_big = with_wgrad(chain()), with_wgrad(chain(points={32: 0.6}))  # 32 rows at 0.6 of 4 x 8 rows' time
+    assert with_merged_weight_grads(linear, chain_at_rows(linear, 32)) is linear
+    merged = with_merged_weight_grads(fast_big, chain_at_rows(fast_big, 32))
+    for node, was in zip(merged.nodes, fast_big.nodes):
+        assert node.wgrad_ms == pytest.approx(was.wgrad_ms * 0.6)
+        assert node.fwd_ms == was.fwd_ms  # the Backward's input gradients unchanged, its W's cheaper
+        assert node.bwd_ms - node.wgrad_ms == pytest.approx(was.bwd_ms - was.wgrad_ms)
+    assert chain_of_run(fast_big, 8, "fp32", 32).nodes == merged.nodes
+    assert chain_of_run(fast_big, 8, "fp32").nodes == fast_big.nodes
+    # the search prices a configuration that merges with it, and only such a one
+    space = ConfigSpace(("1f1b",), (4,), (True,))
+    base = PlanOptions(batch_size=32, schedule="1f1b", split_backward=True, use_fewer_devices=True)
+
+    def time_of(c: Chain, merge: bool) -> float:
+        options = dataclasses.replace(base, merge_weight_grads=merge)
+        return search_configuration(lambda rows: chain_at_rows(c, rows), Topology.flat(2, 1e9), options,
+                                    space).chosen.time_per_minibatch_ms
+
+    assert time_of(fast_big, False) == pytest.approx(time_of(linear, False))  # 8-row microbatches: the same
+    assert time_of(fast_big, True) < time_of(linear, True) - 0.1
+
+
+def test_pd_profile_measures_the_minibatch_a_merge_runs_and_pd_plan_prices_it(tmp_path: Path) -> None:
+    from pdcli.profiler.batch_points import with_merged_weight_grads
+    from pdcli.steps.plan import make_plan
+
+    items = [f"run.root={tmp_path}", "profile.repeats=1", "profile.warmup=0", "profile.runtime_probe=false",
+             "schedule.name=1f1b", "schedule.merge_weight_grads=true"]
+    result = CliRunner().invoke(app, ["profile", QUICKSTART, *items])
+    assert result.exit_code == 0, result.output
+    cfg = load_config(QUICKSTART, items).config
+    profiled = Chain.from_json(json.loads((tmp_path / "quickstart/profile.json").read_text()))
+    assert profiled.meta["batch_size"] == cfg.microbatch_size
+    assert profiled.meta[BATCH_POINTS_META]["rows"] == [cfg.data.batch_size]  # the merged matmul's rows
+    plain = dataclasses.replace(profiled, meta={k: v for k, v in profiled.meta.items() if k != BATCH_POINTS_META})
+    at_minibatch = chain_at_rows(profiled, cfg.data.batch_size)
+    assert [n.wgrad_ms for n in at_minibatch.nodes] != [n.wgrad_ms for n in plain.nodes]
+    # the plan of the profile is the plan of its chain with the W's at the minibatch's rate
+    priced = with_merged_weight_grads(plain, dataclasses.replace(at_minibatch, meta=plain.meta))
+    assert make_plan(profiled, cfg, None)["stages"] == make_plan(priced, cfg, None)["stages"]
+    assert make_plan(profiled, cfg, None)["stages"] != make_plan(plain, cfg, None)["stages"]

@@ -23,7 +23,7 @@ from pdcli.planner.plan import Plan, round_float
 from pdcli.planner.search import shared_programs
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
-from pdcli.profiler.batch_points import chain_at_precision
+from pdcli.profiler.batch_points import chain_at_precision, with_merged_weight_grads
 from pdcli.profiler.chain import Chain
 from pdcli.schedule import ScheduleSpec
 from pdcli.schedule.spec import (
@@ -194,7 +194,7 @@ def search_points(chain_at: Callable[[int], Chain], topology: Topology, base: Pl
     the devices): `chain_at(rows)` is the profile priced at a microbatch of `rows` samples."""
     configs = space.configurations()
     found: dict[int, Point] = {}
-    chains: dict[tuple[int, str], tuple[Chain, SplitSpace]] = {}
+    chains: dict[tuple[int, str, bool], tuple[Chain, SplitSpace]] = {}
     # those of one precision and recompute run one after another, by microbatch size, sharing the
     # programs that price alike (`pdcli.planner.search.shared_programs`); the points keep the order
     order = sorted(range(len(configs)), key=lambda k: (
@@ -203,15 +203,19 @@ def search_points(chain_at: Callable[[int], Chain], topology: Topology, base: Pl
         for k in order:
             config = configs[k]
             rows = base.batch_size // config.num_microbatches
-            key = (rows, config.precision)
-            if key not in chains:
-                chain = chain_at_precision(chain_at(rows), config.precision, rows)
-                # a profile without batch points prices every microbatch size alike: one space
-                same = [pair for pair in chains.values() if pair[0] is chain]
-                chains[key] = same[0] if same else (chain, SplitSpace.from_chain(chain))
             try:
+                options = config_options(base, config)
+                key = (rows, config.precision, options.merge_weight_grads)
+                if key not in chains:
+                    chain = chain_at(rows)
+                    if options.merge_weight_grads:  # its W's at the minibatch's rate
+                        chain = with_merged_weight_grads(chain, chain_at(base.batch_size))
+                    chain = chain_at_precision(chain, config.precision, rows)
+                    # a profile without batch points prices every microbatch size alike: one space
+                    same = [pair for pair in chains.values() if pair[0] is chain]
+                    chains[key] = same[0] if same else (chain, SplitSpace.from_chain(chain))
                 chain, split_space = chains[key]
-                found[k] = _point(config, plan_chain(chain, topology, config_options(base, config), split_space))
+                found[k] = _point(config, plan_chain(chain, topology, options, split_space))
             except UserError:
                 pass
     return [found[k] for k in sorted(found)], len(configs) - len(found)

@@ -87,13 +87,17 @@ def pipeline_probe_minibatches(cfg: Config) -> int:
 
 def batch_point_rows(cfg: Config) -> list[int]:
     """Microbatch sizes measured besides the profiled one (`meta.batch_points`): those a search
-    over `schedule.num_microbatches` (`plan.search`) needs to interpolate every count it tries."""
+    over `schedule.num_microbatches` (`plan.search`) needs to interpolate every count it tries,
+    and with `schedule.merge_weight_grads` the minibatch's (the merged weight gradients' rate)."""
+    merged = [cfg.data.batch_size] if cfg.schedule.merge_weight_grads and \
+        cfg.data.batch_size != profile_batch_size(cfg) else []
     if "schedule.num_microbatches" not in cfg.plan.search:
-        return []
+        return merged
     from pdcli.planner.pareto import auto_microbatches
     from pdcli.profiler.batch_points import point_rows
 
-    return point_rows(cfg.data.batch_size, auto_microbatches(cfg.data.batch_size), profile_batch_size(cfg))
+    rows = point_rows(cfg.data.batch_size, auto_microbatches(cfg.data.batch_size), profile_batch_size(cfg))
+    return sorted({*rows, *merged})
 
 
 def precision_time_ratios(model: torch.nn.Module, batches: dict[int, BatchLike], loss_fn: LossFn,

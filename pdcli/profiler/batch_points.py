@@ -67,6 +67,30 @@ def chain_at_rows(chain: Chain, rows: int) -> Chain:
     return dataclasses.replace(chain, nodes=tuple(nodes))
 
 
+def with_merged_weight_grads(priced: Chain, at_minibatch: Chain) -> Chain:
+    """`priced` (a chain priced for its microbatches) with each position's weight gradients at
+    the rate of `at_minibatch` (the same profile priced at the minibatch's rows): what a run with
+    `schedule.merge_weight_grads` pays, one matmul per layer over every microbatch's rows at the
+    flush, as the planner counts it (M of these W's). A position's `bwd_ms` holds its `wgrad_ms`
+    (the split Backward is their difference), so it moves with it."""
+    if at_minibatch is priced:  # one price for every size (no `meta.batch_points`)
+        return priced
+    nodes = tuple(dataclasses.replace(node, wgrad_ms=merged.wgrad_ms,
+                                      bwd_ms=node.bwd_ms - node.wgrad_ms + merged.wgrad_ms)
+                  for node, merged in zip(priced.nodes, at_minibatch.nodes, strict=True))
+    return dataclasses.replace(priced, nodes=nodes)
+
+
+def chain_of_run(chain: Chain, rows: int, precision: str, minibatch_rows: int | None = None) -> Chain:
+    """`chain` priced as the planner prices a run of microbatches of `rows` at `precision`;
+    `minibatch_rows` (its weight gradients merged at the flush): their W's at that many rows'
+    rate (`with_merged_weight_grads`)."""
+    priced = chain_at_rows(chain, rows)
+    if minibatch_rows is not None:
+        priced = with_merged_weight_grads(priced, chain_at_rows(chain, minibatch_rows))
+    return chain_at_precision(priced, precision, rows)
+
+
 def precision_time_json(factors: dict[int, dict[str, float]]) -> dict[str, Any]:
     """`meta.precision_time` from each measured microbatch size's factors (rows -> precision -> factor)."""
     rows = sorted(factors)

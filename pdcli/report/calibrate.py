@@ -39,7 +39,7 @@ from pdcli.planner.costs import replica_allreduce_ms
 from pdcli.planner.runtime_costs import Affine, ModeCosts, RuntimeCosts, steady, steady_mean, weight_mode
 from pdcli.planner.runtime_fit import KINDS, StagePoints
 from pdcli.planner.space import SplitSpace
-from pdcli.profiler.batch_points import chain_at_precision, chain_at_rows
+from pdcli.profiler.batch_points import chain_of_run
 from pdcli.profiler.chain import Chain
 from pdcli.report.build import read_trained_plan
 from pdcli.report.compare import ReplanCommands
@@ -47,6 +47,7 @@ from pdcli.report.measured import (
     COMPUTE, SUMMARY_FILE, TRACE_FILE, TRAIN_DIR, RankTrace, Span, evaluated_after, read_trace, steady_completions,
     steady_time_per_minibatch_ms,
 )
+from pdcli.report.predicted import plan_merges_weight_grads
 from pdcli.runtime.metrics import action_category
 
 MAX_LATENCY_MS = 50.0
@@ -167,6 +168,18 @@ def refit_allreduce(points: Sequence[tuple[float, int, float]], base: Affine | N
     return Affine(base.scale * factor, base.fixed_ms * factor)
 
 
+def chain_of_plan(chain: Chain, plan: dict[str, Any]) -> Chain:
+    """The profile priced as the planner priced the run of `plan`: its microbatch's rows
+    (`meta.batch_points`), its precision (`meta.precision_time`) and, merged at the flush, its
+    weight gradients at the minibatch's rows; so that a refit is of the costs beyond those and a
+    plan of another configuration reads it alike."""
+    inputs = plan["inputs"]
+    batch_size = int(inputs["batch_size"])
+    merged = batch_size if plan_merges_weight_grads(plan, str(inputs["schedule"])) else None
+    return chain_of_run(chain, batch_size // int(inputs["num_microbatches"]), str(inputs.get("precision", "fp32")),
+                        merged)
+
+
 def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple[RuntimeCosts, dict[str, Any]]:
     """`base` refitted to the run in `run_dir` (trained from a plan of `chain`), and what was measured."""
     plan = read_trained_plan(run_dir, ReplanCommands(str(run_dir)))
@@ -179,11 +192,7 @@ def calibrate_from_run(run_dir: Path, chain: Chain, base: RuntimeCosts) -> tuple
     if not traces:
         raise UserError(f"{run_dir / TRAIN_DIR / TRACE_FILE}: no trace to calibrate from",
                         hint=f"train the run first: `pd train {run_dir / 'config.yaml'}`")
-    # the profile priced as the planner priced the run's configuration: its microbatch's rows
-    # (`meta.batch_points`) and its precision (`meta.precision_time`), so that the refit is of
-    # the costs beyond those and a plan of another configuration reads it alike
-    rows = int(inputs["batch_size"]) // m
-    chain = base.priced(chain_at_precision(chain_at_rows(chain, rows), precision, rows))
+    chain = base.priced(chain_of_plan(chain, plan))
     space = SplitSpace.from_chain(chain)  # the positions' times with `base`'s factors
     if plan["stages"][-1]["end"] != space.num_positions:
         raise UserError(f"{run_dir}: its plan covers {plan['stages'][-1]['end']} positions, the profile has "
@@ -318,8 +327,7 @@ def run_and_replay(run_dir: Path, chain: Chain, runtime: RuntimeCosts) -> RunAnd
     if target_ms is None:
         return None
     inputs = plan["inputs"]
-    rows = int(inputs["batch_size"]) // int(inputs["num_microbatches"])
-    priced = chain_at_precision(chain_at_rows(chain, rows), str(inputs.get("precision", "fp32")), rows)
+    priced = chain_of_plan(chain, plan)
     alone = replace(runtime, shared_slowdown=1.0, shared_cpu_scale=1.0)
     compute_ms = plan_compute_ms(plan, list(traces.values()))
     stages = summary.get("stages", ())

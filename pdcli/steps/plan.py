@@ -107,6 +107,10 @@ def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str
     if cfg.plan.search:
         return search_plan(chain, cfg, profile_sha256, topology).to_json()
     options = plan_options(cfg, profile_sha256)
+    if options.merge_weight_grads:  # the merged W's at the minibatch's rate, where the profile measured it
+        from pdcli.profiler.batch_points import chain_at_rows, with_merged_weight_grads
+
+        chain = with_merged_weight_grads(chain, chain_at_rows(chain, cfg.data.batch_size))
     plan = plan_chain(chain, topology, options)
     if options.orders and len(plan.stages) != len(options.orders):
         raise UserError(f"{cfg.schedule.path or 'schedule.orders'} has {len(options.orders)} device lines, but the plan "

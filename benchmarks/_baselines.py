@@ -93,15 +93,16 @@ def run_stage_bound(shape: BenchShape, timeout_s: float) -> tuple[float, list[fl
     return shape.batch_size / (max(stage_ms) / 1e3), stage_ms
 
 
-def run_torch_pipelining(shape: BenchShape, schedule_name: str, timeout_s: float) -> float:
+def run_torch_pipelining(shape: BenchShape, schedule_name: str, timeout_s: float, pd_heap: bool = True) -> float:
     """samples/s of torch.distributed.pipelining (`1f1b`, `gpipe`, or with VIRTUAL_STAGES chunks per
-    rank `interleaved`, `loopedbfs`, `zbv`), 2 gloo ranks of 1 thread."""
+    rank `interleaved`, `loopedbfs`, `zbv`), 2 gloo ranks of 1 thread, on pd's heap or (`pd_heap=False`)
+    glibc's defaults (`thread_env`)."""
     if schedule_name not in {**TORCH_SCHEDULES, **TORCH_VIRTUAL_SCHEDULES}:
         raise ValueError(f"schedule {schedule_name!r} is not one of {', '.join([*TORCH_SCHEDULES, *TORCH_VIRTUAL_SCHEDULES])}")
     result = run_child(
         python_argv(Path(__file__), PIPELINING, shape.to_json(), schedule_name, str(timeout_s * GLOO_TIMEOUT_FRACTION)),
         timeout_s,
-        env=thread_env(PIPELINING_THREADS_PER_RANK),
+        env=thread_env(PIPELINING_THREADS_PER_RANK, pd_heap),
     )
     return float(result["samples_per_s"])
 

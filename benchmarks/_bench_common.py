@@ -117,11 +117,12 @@ def fixed_batch(shape: BenchShape) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def thread_env(num_threads: int) -> dict[str, str]:
+def thread_env(num_threads: int, pd_heap: bool = True) -> dict[str, str]:
     """Environment for a child that must use `num_threads` threads from its first import, on the
     heap pd's workers run on (`huge_page_env`: glibc's heap on transparent huge pages where the
-    kernel's mode is `madvise`), so no row wins by its heap."""
-    env = huge_page_env(os.environ) or dict(os.environ)
+    kernel's mode is `madvise`), so no row wins by its heap; `pd_heap=False`: the environment as
+    it is (glibc's defaults, as a program started by hand runs)."""
+    env = (huge_page_env(os.environ) if pd_heap else None) or dict(os.environ)
     env["OMP_NUM_THREADS"] = str(num_threads)
     env["MKL_NUM_THREADS"] = str(num_threads)
     return env

@@ -37,7 +37,8 @@ Every row's samples/s is the median over its timed steps of batch / step time (p
 minibatch; the baselines time each step), and with `--rounds R` the median over R rounds run
 one after the other (every other round in reverse order). pd's rows beside torch.pipelining's
 counterpart (same schedule, split and microbatches) run back to back in every round
-(`beside_counterparts`) and get a paired ratio: pd / torch of each round, the two measured
+(`beside_counterparts`; each torch row twice, on pd's heap and on glibc's defaults,
+`TORCH_HEAPS`) and get a paired ratio: pd / torch of each round, the two measured
 seconds apart, and their median, which the host's slow spells (lasting minutes, moving single
 rounds by 25% here) move far less than a ratio of the rows' medians. Prints a table per section, writes `runs/benchmarks/runtime.json`.
 Numbers are printed, never asserted: on a shared host they move with the other load (see
@@ -89,6 +90,11 @@ UNSPLIT = "schedule.split_backward=false"
 MERGED = "schedule.merge_weight_grads=true"
 """pd's rows with the weight gradients merged at the flush (`schedule.merge_weight_grads`)."""
 TORCH_PREFIX = "torch pipelining "
+SHIPPED_HEAP = ", glibc's default heap"
+TORCH_HEAPS = ((True, ""), (False, SHIPPED_HEAP))
+"""Each torch.pipelining row twice: on pd's heap (`thread_env`: what pd's workers run on, so the
+ratio is of the two runtimes alone) and with glibc's defaults (torch.pipelining as a user starts
+it; pd puts its own workers on huge pages itself)."""
 PD_PREFIX = "pd train "
 PD_NAME_OF_TORCH = {cls.__name__: name for name, cls in {**TORCH_SCHEDULES, **TORCH_VIRTUAL_SCHEDULES}.items()}
 """torch.pipelining's schedule class name -> pd's `schedule.name` for the same schedule."""
@@ -147,9 +153,10 @@ def variants(shape: BenchShape, timeout_s: float, section: str) -> list[tuple[st
     rows += [
         (f"single process, 1 thread, {m} microbatches", lambda _: (run_single(shape, 1, timeout_s, m), MICROBATCHED_NOTE)),
         (f"bound: each stage alone, at once, 1 thread each, {m} microbatches", bound_row),
-        *[(f"{TORCH_PREFIX}{cls.__name__}, {m} microbatches",
-           lambda _, name=name: (run_torch_pipelining(shape, name, timeout_s), baseline_split))
-          for name, cls in TORCH_SCHEDULES.items()],
+        *[(f"{TORCH_PREFIX}{cls.__name__}, {m} microbatches{suffix}",
+           lambda _, name=name, pd_heap=pd_heap: (run_torch_pipelining(shape, name, timeout_s, pd_heap),
+                                                   baseline_split))
+          for name, cls in TORCH_SCHEDULES.items() for pd_heap, suffix in TORCH_HEAPS],
         (f"{PD_PREFIX}pipedream, {m} microbatches", lambda work_dir: pd_row("pipedream", work_dir)),
         (f"{PD_PREFIX}1f1b, {m} microbatches", lambda work_dir: pd_row("1f1b", work_dir)),
         (f"{PD_PREFIX}1f1b, {m} microbatches, {UNSPLIT}", lambda work_dir: pd_row("1f1b", work_dir, extra=[UNSPLIT])),
@@ -182,8 +189,9 @@ def virtual_rows(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure
 
     rows: list[tuple[str, Measure]] = []
     for name, cls in TORCH_VIRTUAL_SCHEDULES.items():  # pd's virtual-stage schedules beside torch's
-        rows.append((f"{TORCH_PREFIX}{cls.__name__}, V={VIRTUAL_STAGES}, {m} microbatches",
-                     lambda _, name=name: (run_torch_pipelining(shape, name, timeout_s), chunks)))
+        rows += [(f"{TORCH_PREFIX}{cls.__name__}, V={VIRTUAL_STAGES}, {m} microbatches{suffix}",
+                  lambda _, name=name, pd_heap=pd_heap: (run_torch_pipelining(shape, name, timeout_s, pd_heap), chunks))
+                 for pd_heap, suffix in TORCH_HEAPS]
         rows.append((f"{PD_PREFIX}{name}, V={VIRTUAL_STAGES}, {m} microbatches",
                      lambda work_dir, name=name: pd_row(name, work_dir)))
         if name != "zbv":  # zbv's order places its own W's
@@ -240,10 +248,10 @@ def beside_counterparts(table: Sequence[tuple[str, Measure]]) -> list[tuple[str,
     to back, seconds apart: the group at its first pd row's place, pd's rows first (in the
     reversed rounds torch's); the other rows keep their order."""
     names = [name for name, _ in table]
-    group_of: dict[str, str] = {}  # row -> its torch row
+    group_of: dict[str, str] = {}  # row -> its group: the torch rows of one schedule and their pd rows
     for pd_name, torch_name in counterparts(names):
-        group_of[pd_name] = group_of[torch_name] = torch_name
-    rank = {name: (name == group_of.get(name), i) for i, name in enumerate(names)}  # torch's row last
+        group_of[pd_name] = group_of[torch_name] = group_of.get(pd_name, torch_name)
+    rank = {name: (name.startswith(TORCH_PREFIX), i) for i, name in enumerate(names)}  # torch's rows last
     out: list[tuple[str, Measure]] = []
     for name, measure in table:
         if name not in group_of:
@@ -262,7 +270,7 @@ def counterparts(names: Sequence[str]) -> list[tuple[str, str]]:
         if not torch_name.startswith(TORCH_PREFIX):
             continue
         schedule, _, rest = torch_name.removeprefix(TORCH_PREFIX).partition(", ")
-        pd_name = f"{PD_PREFIX}{PD_NAME_OF_TORCH[schedule]}, {rest}"
+        pd_name = f"{PD_PREFIX}{PD_NAME_OF_TORCH[schedule]}, {rest.removesuffix(SHIPPED_HEAP)}"
         pairs += [(name, torch_name) for name in (pd_name, f"{pd_name}, {MERGED}") if name in names]
     return pairs
 

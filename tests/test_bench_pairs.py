@@ -31,6 +31,8 @@ def test_each_torch_schedule_is_paired_with_pds_same_schedule_and_microbatches()
         ("pd train 1f1b, 8 microbatches", "torch pipelining Schedule1F1B, 8 microbatches"),
         ("pd train zbv, V=2, 8 microbatches", "torch pipelining ScheduleZBVZeroBubble, V=2, 8 microbatches"),
     ]  # no pd gpipe row in this list: ScheduleGPipe has no pair
+    shipped = "torch pipelining Schedule1F1B, 8 microbatches, glibc's default heap"  # torch as a user starts it
+    assert ("pd train 1f1b, 8 microbatches", shipped) in counterparts([*names, shipped])
     merged = "pd train 1f1b, 8 microbatches, schedule.merge_weight_grads=true"
     assert counterparts([*names, merged])[:2] == [
         ("pd train 1f1b, 8 microbatches", "torch pipelining Schedule1F1B, 8 microbatches"),
@@ -39,18 +41,21 @@ def test_each_torch_schedule_is_paired_with_pds_same_schedule_and_microbatches()
 
 
 def test_each_pair_runs_back_to_back() -> None:
-    from bench_runtime import beside_counterparts, variants
+    from bench_runtime import SHIPPED_HEAP, beside_counterparts, variants
     from _bench_common import BenchShape
 
     table = beside_counterparts(variants(BenchShape(), 1.0, "small"))
     names = [name for name, _ in table]
     assert sorted(names) == sorted(name for name, _ in variants(BenchShape(), 1.0, "small"))  # moved, none lost
     pairs = counterparts(names)
-    assert len({torch_name for _, torch_name in pairs}) == 5  # 1F1B, GPipe, Interleaved, LoopedBFS, ZBV
-    for torch_name in {torch_name for _, torch_name in pairs}:
-        group = sorted([names.index(pd_name) for pd_name, t in pairs if t == torch_name] + [names.index(torch_name)])
+    torch_rows = {torch_name for _, torch_name in pairs}
+    assert len(torch_rows) == 10  # 1F1B, GPipe, Interleaved, LoopedBFS, ZBV, on either heap
+    for torch_name in torch_rows:
+        schedule = torch_name.removesuffix(SHIPPED_HEAP)
+        group = sorted({names.index(n) for p, t in pairs if t.removesuffix(SHIPPED_HEAP) == schedule for n in (p, t)})
         assert group == list(range(group[0], group[0] + len(group))), (torch_name, group)  # adjacent
-        assert names.index(torch_name) == group[-1]  # after its pd rows (the reversed rounds: before)
+        assert all(names[k].startswith("torch") for k in group[-2:])  # after pd's rows (reversed rounds: before)
+        assert not any(names[k].startswith("torch") for k in group[:-2])
 
 
 def test_the_paired_median_is_of_the_rounds_ratios_not_of_the_rows_medians() -> None:
@@ -90,5 +95,6 @@ def test_baseline_children_run_on_the_heap_pd_workers_run_on(monkeypatch: pytest
         assert TUNABLES_ENV not in env  # not glibc, or the kernel's THP mode is not madvise
     else:
         assert env[TUNABLES_ENV] == HEAP_HUGE_PAGES
+    assert TUNABLES_ENV not in thread_env(1, pd_heap=False)  # torch.pipelining as a user starts it
     monkeypatch.setenv("PD_TUNE_ALLOCATOR", "0")
     assert TUNABLES_ENV not in thread_env(1)

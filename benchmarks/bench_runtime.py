@@ -38,9 +38,10 @@ minibatch; the baselines time each step), and with `--rounds R` the median over 
 one after the other (every other round in reverse order). pd's rows beside torch.pipelining's
 counterpart (same schedule, split and microbatches) run back to back in every round
 (`beside_counterparts`; each torch row twice, on pd's heap and on glibc's defaults,
-`TORCH_HEAPS`) and get a paired ratio: pd / torch of each round, the two measured
-seconds apart, and their median, which the host's slow spells (lasting minutes, moving single
-rounds by 25% here) move far less than a ratio of the rows' medians. Prints a table per section, writes `runs/benchmarks/runtime.json`.
+`TORCH_HEAPS`) and get a paired ratio: pd / torch of each round, the two measured seconds
+apart, and their median, which the host's slow spells (lasting minutes, moving single rounds by
+25% here) move far less than a ratio of the rows' medians. Prints a table per section, writes
+`runs/benchmarks/runtime.json`.
 Numbers are printed, never asserted: on a shared host they move with the other load (see
 `load before`).
 """
@@ -190,7 +191,8 @@ def virtual_rows(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure
     rows: list[tuple[str, Measure]] = []
     for name, cls in TORCH_VIRTUAL_SCHEDULES.items():  # pd's virtual-stage schedules beside torch's
         rows += [(f"{TORCH_PREFIX}{cls.__name__}, V={VIRTUAL_STAGES}, {m} microbatches{suffix}",
-                  lambda _, name=name, pd_heap=pd_heap: (run_torch_pipelining(shape, name, timeout_s, pd_heap), chunks))
+                  lambda _, name=name, pd_heap=pd_heap: (run_torch_pipelining(shape, name, timeout_s, pd_heap),
+                                                         chunks))
                  for pd_heap, suffix in TORCH_HEAPS]
         rows.append((f"{PD_PREFIX}{name}, V={VIRTUAL_STAGES}, {m} microbatches",
                      lambda work_dir, name=name: pd_row(name, work_dir)))

@@ -438,8 +438,8 @@ def _sends_at_their_receives(spec: ScheduleSpec) -> tuple[tuple[Action, ...], ..
     rank's actions as they complete, and each send together with its receive, so that the
     same order is a run with blocking sends, by construction. A send only moves later, past
     nothing it depends on; a message between two chunks of one rank stays where it was (it
-    never waits). With `merge_weight_grads` a rank does not start the flush's W's either while
-    a send waits (every message of the minibatch is received before anyone's W's)."""
+    never waits). A rank whose W's run merged (`ScheduleSpec.merges_weight_grads`) does not
+    start the flush's W's either while a send waits (every message of the minibatch is received before anyone's W's)."""
     lists = [_lowered(spec, stage, 0, eager_sends=False) for stage in range(spec.num_stages)]
     heads = [0] * spec.num_stages
     out: list[list[Action]] = [[] for _ in lists]
@@ -464,7 +464,7 @@ def _sends_at_their_receives(spec: ScheduleSpec) -> tuple[tuple[Action, ...], ..
                         waiting[peer] -= 1
                         out[rank].append(action)
                 elif waiting[rank] and (isinstance(action, (OptimizerStep, EndEval)) or (
-                        spec.merge_weight_grads and isinstance(action, WeightGrads))):
+                        spec.merges_weight_grads(rank) and isinstance(action, WeightGrads))):
                     break  # a merged run of W's waits too: it would hold back the peer's last Backwards
                 else:
                     out[rank].append(action)

@@ -56,6 +56,7 @@ def test_a_header_no_receive_can_take_is_refused_before_anything_is_allocated(
     receiver = SocketTransport({0: _Peer(0, b, {"activation": 48})}, timeout_s=5)
     good = torch.arange(48, dtype=torch.uint8)
     a.sendall(HEADER.pack(4, 48) + bytes(good.numpy()))  # an activation message, not posted yet: the manifest's size
+    _filed(receiver.peers[0], 4)
     got = torch.empty(48, dtype=torch.uint8)
     receiver.irecv(got, 0, tag=4).wait()
     assert torch.equal(got, good) and allocated == [48]
@@ -63,6 +64,27 @@ def test_a_header_no_receive_can_take_is_refused_before_anything_is_allocated(
     with pytest.raises(BadMessageError, match=r"^refused: .*" + re.escape(refusal)):
         receiver.irecv(torch.empty(48, dtype=torch.uint8), 0, tag=10).wait()
     assert allocated == [48]  # nothing for the refused header
+    a.close()
+    receiver.close()
+
+
+def _filed(peer: _Peer, tag: int) -> None:
+    """Wait (5 s at most) until the reader has filed a message for `tag`."""
+    with peer.cond:
+        assert peer.cond.wait_for(lambda: tag in peer.inbox, timeout=5)
+
+
+def test_a_message_for_a_posted_receive_is_read_into_its_buffer(allocated: list[int]) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    receiver = SocketTransport({0: _Peer(0, b, {"activation": 48})}, timeout_s=5)
+    got = torch.zeros(12, dtype=torch.float32)  # the receive's buffer, of any dtype: its bytes are filled
+    pending = receiver.irecv(got, 0, tag=4)
+    sent = torch.arange(12, dtype=torch.float32)
+    a.sendall(HEADER.pack(4, 48) + bytes(sent.view(torch.uint8).numpy()))
+    _filed(receiver.peers[0], 4)
+    assert receiver.peers[0].inbox[4].data_ptr() == got.data_ptr() and allocated == []  # no buffer of its own
+    pending.wait()
+    assert torch.equal(got, sent)
     a.close()
     receiver.close()
 
@@ -82,18 +104,18 @@ def test_a_posted_receive_fixes_the_size_of_its_message(allocated: list[int]) ->
 
 def test_without_manifest_sizes_a_message_waits_unread_for_its_receive(allocated: list[int]) -> None:
     """A peer made without `expected_bytes` (e.g. the profiler's ping-pong) reads a header's
-    payload only once a receive for its tag is posted, into a buffer of the posted size."""
+    payload only once a receive for its tag is posted, into the posted buffer."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     receiver = SocketTransport({0: _Peer(0, b)}, timeout_s=5)
     a.sendall(HEADER.pack(5, 3) + b"abc")
     assert allocated == [] and not receiver.peers[0].inbox  # no receive says how much to accept yet
     got = torch.empty(3, dtype=torch.uint8)
     receiver.irecv(got, 0, tag=5).wait()
-    assert bytes(got.numpy()) == b"abc" and allocated == [3]
+    assert bytes(got.numpy()) == b"abc" and allocated == []
     a.sendall(HEADER.pack(7, 1 << 50))
     with pytest.raises(BadMessageError, match=r"of 1125899906842624 bytes; the receive posted for it fixes 3 bytes"):
         receiver.irecv(torch.empty(3, dtype=torch.uint8), 0, tag=7).wait()
-    assert allocated == [3]
+    assert allocated == []
     a.close()
     receiver.close()
 

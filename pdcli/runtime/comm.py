@@ -11,6 +11,8 @@ the executor only calls `isend`, `irecv` and `Pending.wait`.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -73,7 +75,7 @@ class TensorSpec:
 
     @property
     def num_bytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @staticmethod
     def from_manifest(entry: dict) -> "TensorSpec":
@@ -98,36 +100,51 @@ class MessageLayout:
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.specs)
 
-    @property
+    @functools.cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each spec's bytes start in the message."""
+        return tuple(itertools.accumulate((s.num_bytes for s in self.specs[:-1]), initial=0))
+
+    @functools.cached_property
     def num_bytes(self) -> int:
         return sum(s.num_bytes for s in self.specs)
 
     def empty(self, device: torch.device) -> Tensor:
         return torch.empty(self.num_bytes, dtype=torch.uint8, device=device)
 
+    def _part(self, flat: Tensor, index: int) -> Tensor:
+        """The bytes of spec `index` in `flat` (all of it for a one-tensor message)."""
+        if len(self.specs) == 1:
+            return flat
+        offset = self.offsets[index]
+        return flat[offset : offset + self.specs[index].num_bytes]
+
     def pack(self, tensors: dict[str, Tensor], device: torch.device) -> Tensor:
-        """One flat uint8 buffer holding `tensors[name]` for every spec (cast to the spec dtype)."""
+        """One flat uint8 buffer holding `tensors[name]` for every spec (cast to the spec dtype).
+
+        Each tensor is copied (and cast, and moved) in one `copy_` into its place, seen with
+        the spec's dtype and shape: a message is sent right after a matmul has left the
+        caches cold, where every tensor operation costs several microseconds."""
         flat = self.empty(device)
-        offset = 0
-        for spec in self.specs:
+        for index, spec in enumerate(self.specs):
             t = tensors[spec.name].detach()
-            if tuple(t.shape) != spec.shape:
+            if t.shape != spec.shape:
                 raise ValueError(f"tensor {spec.name!r}: shape {tuple(t.shape)} != manifest shape {spec.shape}")
-            raw = t.to(device=device, dtype=spec.dtype).contiguous().reshape(-1).view(torch.uint8)
-            flat[offset : offset + spec.num_bytes].copy_(raw)
-            offset += spec.num_bytes
+            part = self._part(flat, index)
+            if self.offsets[index] % spec.dtype.itemsize == 0:
+                part.view(spec.dtype).view(spec.shape).copy_(t)
+            else:  # a dtype view needs an aligned start (mixed dtypes in one message)
+                part.copy_(t.to(device=device, dtype=spec.dtype).contiguous().view(-1).view(torch.uint8))
         return flat
 
     def unpack(self, flat: Tensor) -> dict[str, Tensor]:
         """Views into `flat`, one per spec, with the manifest shape and dtype."""
         out: dict[str, Tensor] = {}
-        offset = 0
-        for spec in self.specs:
-            raw = flat[offset : offset + spec.num_bytes]
-            if offset % torch.empty((), dtype=spec.dtype).element_size():
+        for index, spec in enumerate(self.specs):
+            raw = self._part(flat, index)
+            if self.offsets[index] % spec.dtype.itemsize:
                 raw = raw.clone()  # a dtype view needs an aligned start (mixed dtypes in one message)
-            out[spec.name] = raw.view(spec.dtype).reshape(spec.shape)
-            offset += spec.num_bytes
+            out[spec.name] = raw.view(spec.dtype).view(spec.shape)
         return out
 
 

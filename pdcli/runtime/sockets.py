@@ -249,8 +249,9 @@ class _Peer:
         self.expected_bytes = None if expected_bytes is None else {
             kind: frozenset([n]) if isinstance(n, int) else frozenset(n) for kind, n in expected_bytes.items()}
         """Message kind -> the sizes its messages may have (several: virtual stages, one per chunk)."""
-        self.posted: dict[int, int] = {}
-        """Tag -> bytes of the receive posted for it and not yet taken."""
+        self.posted: dict[int, Tensor] = {}
+        """Tag -> the buffer of the receive posted for it and not yet taken: its size is the
+        size the message must have, and a message that arrives after it is read straight into it."""
         self.refused = False
         self.inbox: dict[int, Tensor] = {}
         self.cond = threading.Condition()
@@ -301,7 +302,6 @@ class _Peer:
         instead of 0.15 ms on the 2-stage quickstart)."""
         if self.send_error is not None:
             raise PeerClosedError(self.send_error)
-        sent = _Sent(keep_alive)
         if self.writing.acquire(blocking=False):
             try:
                 if self.queued == 0:
@@ -309,25 +309,25 @@ class _Peer:
                         parts = self._send_now(parts)
                     except OSError as e:
                         self.send_error = f"{self.name}: send failed ({e}; that worker probably died)"
-                        sent.done(self.send_error)
-                        return sent
+                        return _Sent.finished(self.send_error)
                     if not parts:
-                        sent.done(None)
-                        return sent
+                        return _Sent.finished(None)
+                sent = _Sent(keep_alive)
                 self.queued += 1
                 self.outbox.put((parts, sent))
             finally:
                 self.writing.release()
             return sent
+        sent = _Sent(keep_alive)
         with self.writing:  # the writer thread is writing: queue behind it
             self.queued += 1
             self.outbox.put((parts, sent))
         return sent
 
-    def post(self, tag: int, nbytes: int) -> None:
-        """A receive of `nbytes` is posted for `tag`: the size its message must have."""
+    def post(self, tag: int, buf: Tensor) -> None:
+        """A receive into `buf` (contiguous bytes) is posted for `tag`: its size is the size the message must have."""
         with self.cond:
-            self.posted[tag] = nbytes
+            self.posted[tag] = buf
             self.cond.notify_all()
 
     def _refusal(self, tag: int, nbytes: int) -> str | None:
@@ -342,7 +342,7 @@ class _Peer:
                     raise PeerClosedError("closing while a message waited for its receive")
                 self.cond.wait()
             if tag in self.posted:
-                expected, by = self.posted[tag], "the receive posted for it"
+                expected, by = self.posted[tag].numel(), "the receive posted for it"
             else:
                 assert self.expected_bytes is not None
                 if kind is None or kind not in self.expected_bytes:
@@ -368,7 +368,10 @@ class _Peer:
                 refusal = self._refusal(tag, nbytes)
                 if refusal is not None:
                     break
-                payload = _payload(nbytes)
+                with self.cond:
+                    posted = self.posted.get(tag)
+                # a posted receive's own buffer (its size checked above), else a new one of the size checked
+                payload = posted if posted is not None else _payload(nbytes)
                 if nbytes:
                     _recv_exact(self.sock, memoryview(payload.numpy()))
                 with self.cond:
@@ -406,30 +409,44 @@ class _Peer:
 class _Sent:
     """A queued send: complete once the writer thread has handed all its bytes to the kernel."""
 
-    def __init__(self, keep_alive: Tensor) -> None:
-        self.buf: Tensor | None = keep_alive  # the bytes must live until they are sent
-        self.event = threading.Event()
+    def __init__(self, keep_alive: Tensor | None, queued: bool = True) -> None:
+        self.buf = keep_alive  # the bytes must live until they are sent
+        self.event = threading.Event() if queued else None
+        """None: complete from the start (`finished`)."""
         self.error: str | None = None
+
+    @staticmethod
+    def finished(error: str | None) -> "_Sent":
+        """A send the calling thread completed itself (written whole, or failed)."""
+        sent = _Sent(None, queued=False)
+        sent.error = error
+        return sent
 
     def done(self, error: str | None) -> None:
         self.error, self.buf = error, None
+        assert self.event is not None, "a finished send is never queued"
         self.event.set()
 
     def wait(self) -> None:
-        self.event.wait()  # the writer always finishes an item: sent, or failed at once
+        if self.event is not None:
+            self.event.wait()  # the writer always finishes an item: sent, or failed at once
         if self.error is not None:
             raise PeerClosedError(self.error)
 
     def is_completed(self) -> bool:
-        return self.event.is_set()
+        return self.event is None or self.event.is_set()
 
 
 class _Recv:
+    """A posted receive into `buf` (the receive's bytes)."""
+
     def __init__(self, peer: _Peer, buf: Tensor, tag: int, timeout_s: float) -> None:
         self.peer, self.buf, self.tag, self.timeout_s = peer, buf, tag, timeout_s
 
     def wait(self) -> None:
         data = self.peer.take(self.tag, self.timeout_s)
+        if data is self.buf:
+            return  # read straight into the posted buffer
         if data.numel() != self.buf.numel():
             raise ValueError(f"message from rank {self.peer.rank}: {data.numel()} bytes, expected {self.buf.numel()}")
         self.buf.copy_(data)
@@ -512,8 +529,9 @@ class SocketTransport:
 
     def irecv(self, buf: Tensor, src_rank: int, tag: int) -> _Recv:
         peer = self._peer(src_rank)
-        peer.post(tag, buf.numel() * buf.element_size())
-        return _Recv(peer, buf, tag, self.timeout_s)
+        raw = buf.view(-1).view(torch.uint8)  # the bytes the reader fills: `buf` must be contiguous
+        peer.post(tag, raw)
+        return _Recv(peer, raw, tag, self.timeout_s)
 
     def close(self) -> None:
         for peer in self.peers.values():

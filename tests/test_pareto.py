@@ -46,7 +46,7 @@ def search(c: Chain, space: ConfigSpace = ALL, devices: int = 2, **kw: object): 
     base = PlanOptions(batch_size=32, use_fewer_devices=True, **{k: v for k, v in kw.items()
                                                                  if k == "memory_bytes_per_device"})
     rest = {k: v for k, v in kw.items() if k != "memory_bytes_per_device"}
-    return search_configuration(lambda rows: chain_at_rows(c, rows), Topology.flat(devices, 1e9), base, space,
+    return search_configuration(c, Topology.flat(devices, 1e9), base, space,
                                 **rest)  # type: ignore[arg-type]
 
 
@@ -257,12 +257,12 @@ def test_the_chosen_configuration_is_planned_as_pd_plan_plans_it_alone() -> None
     c = runtime_chain(RUNTIME, n=12)
     space, topology = ConfigSpace(("pipedream", "1f1b", "2bw"), (2, 4), (True,)), Topology.flat(4, 1e9)
     base = PlanOptions(batch_size=64)
-    outcome = search_configuration(lambda rows: chain_at_rows(c, rows), topology, base, space)
+    outcome = search_configuration(c, topology, base, space)
     cfg = outcome.chosen.config
     alone = plan_chain(c, topology, dataclasses.replace(
         base, schedule=cfg.schedule, num_microbatches=cfg.num_microbatches, split_backward=cfg.split_backward))
     assert outcome.chosen.time_per_minibatch_ms == pytest.approx(alone.time_per_minibatch_ms)
-    unrefined = search_configuration(lambda rows: chain_at_rows(c, rows), topology,
+    unrefined = search_configuration(c, topology,
                                      dataclasses.replace(base, refine=False), space)
     assert outcome.chosen.time_per_minibatch_ms < unrefined.chosen.time_per_minibatch_ms  # the refinement counted
     assert [(s.start, s.end, s.replicas) for s in outcome.chosen.plan.stages] == [
@@ -292,6 +292,31 @@ def test_precision_is_searched_when_auto_and_priced_by_the_measured_step() -> No
     assert by["bf16"].time_per_minibatch_ms > by["fp32"].time_per_minibatch_ms
     assert by["bf16"].peak_bytes < by["fp32"].peak_bytes
     assert by["bf16"].plan.inputs["precision"] == "bf16" and outcome.chosen.config.precision == "fp32"
+
+
+def test_pd_plan_prices_a_run_as_the_search_and_calibration_do() -> None:
+    """One pricing of the profile for a run (`chain_of_run`): without a search, `pd plan` prices a
+    bf16 run by the profile's measured factor, as the configuration search does, and calibration
+    reads the plan's run priced the same."""
+    from pdcli.profiler.batch_points import PRECISION_META, chain_at_precision, precision_time_json
+    from pdcli.report.calibrate import chain_of_plan
+    from pdcli.steps.plan import make_plan
+
+    cfg = load_config(QUICKSTART, ["train.precision=bf16"]).config
+    rows = cfg.microbatch_size
+    plain = chain(rows=rows)
+    c = dataclasses.replace(plain, meta={**plain.meta, PRECISION_META: precision_time_json({rows: {"fp32": 1.0,
+                                                                                                   "bf16": 1.5}})})
+    priced = chain_at_precision(c, "bf16", rows)
+    assert priced.nodes[0].fwd_ms == pytest.approx(1.5 * plain.nodes[0].fwd_ms)
+    plan = make_plan(c, cfg, None)
+
+    def time_of(p: dict) -> float:
+        return float(p["pipeline"]["time_per_minibatch_ms"])
+
+    assert time_of(plan) == time_of(make_plan(dataclasses.replace(priced, meta=plain.meta), cfg, None))
+    assert time_of(plan) > time_of(make_plan(plain, cfg, None))
+    assert chain_of_plan(c, plan).nodes == priced.nodes
 
 
 def test_the_precision_factor_is_priced_at_the_configurations_microbatch_size() -> None:
@@ -428,7 +453,7 @@ def test_merged_weight_grads_are_priced_at_the_minibatchs_rate() -> None:
 
     def time_of(c: Chain, merge: bool) -> float:
         options = dataclasses.replace(base, merge_weight_grads=merge)
-        return search_configuration(lambda rows: chain_at_rows(c, rows), Topology.flat(2, 1e9), options,
+        return search_configuration(c, Topology.flat(2, 1e9), options,
                                     space).chosen.time_per_minibatch_ms
 
     assert time_of(fast_big, False) == pytest.approx(time_of(linear, False))  # 8-row microbatches: the same

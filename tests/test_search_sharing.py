@@ -9,7 +9,6 @@ import dataclasses
 import json
 import random
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -46,13 +45,13 @@ def random_chain(seed: int, n: int = 14, wgrad: bool = False, points: bool = Fal
     return Chain(nodes=tuple(nodes), cut_bytes=cuts, meta=meta)
 
 
-def planned_alone(chain_at: Callable[[int], Chain], topology: Topology, base: PlanOptions,
+def planned_alone(profiled: Chain, topology: Topology, base: PlanOptions,
                   space: ConfigSpace) -> list[Point]:
     """Every configuration planned on its own, in the space's order (what the search shares)."""
     points = []
     for config in space.configurations():
         rows = base.batch_size // config.num_microbatches
-        chain = chain_at_precision(chain_at(rows), config.precision, rows)
+        chain = chain_at_precision(chain_at_rows(profiled, rows), config.precision, rows)
         try:
             points.append(_point(config, plan_chain(chain, topology, config_options(base, config))))
         except UserError:
@@ -74,11 +73,11 @@ def test_the_shared_search_finds_the_points_of_each_configuration_planned_alone(
         if case == "two_levels" else Topology.flat(6, 1e9)
     base = PlanOptions(batch_size=12, use_fewer_devices=True)
     if case == "memory_limit":  # binding: some configurations fit, some not
-        free = planned_alone(lambda rows: chain_at_rows(c, rows), topology, base, SPACE)
+        free = planned_alone(c, topology, base, SPACE)
         peaks = sorted(p.peak_bytes for p in free)
         base = dataclasses.replace(base, memory_bytes_per_device=peaks[len(peaks) // 3])
-    shared, refused = search_points(lambda rows: chain_at_rows(c, rows), topology, base, SPACE)
-    alone = planned_alone(lambda rows: chain_at_rows(c, rows), topology, base, SPACE)
+    shared, refused = search_points(c, topology, base, SPACE)
+    alone = planned_alone(c, topology, base, SPACE)
     same_points(shared, alone)
     assert refused == len(SPACE.configurations()) - len(alone)
     assert len({p.time_per_minibatch_ms for p in shared}) > 10  # the configurations do differ
@@ -94,8 +93,8 @@ def test_a_held_out_pipedream_profile_on_16_devices_gives_the_same_points() -> N
     c = graph_to_chain(load_graph(SHARED / "vgg16/graph.txt"))
     space = ConfigSpace(("pipedream", "2bw", "1f1b", "gpipe"), (1, 4, 16, 32), (True, False), (False, True))
     base, topology = PlanOptions(batch_size=32), Topology.flat(16, 1e10)
-    shared, _ = search_points(lambda rows: chain_at_rows(c, rows), topology, base, space)
-    same_points(shared, planned_alone(lambda rows: chain_at_rows(c, rows), topology, base, space))
+    shared, _ = search_points(c, topology, base, space)
+    same_points(shared, planned_alone(c, topology, base, space))
 
 
 def test_a_split_backward_with_nothing_to_defer_finds_the_best_stage_count() -> None:

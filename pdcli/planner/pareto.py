@@ -2,8 +2,8 @@
 minibatch jointly with the partition, and the Pareto front of time, memory and staleness.
 
 Every configuration of a `ConfigSpace` is planned by `plan_chain` (the partition and
-replication search, with the chain priced at that configuration's microbatch size by
-`chain_at`), then scored on three objectives, all minimized: time per minibatch, peak memory
+replication search, with the profile priced for that configuration's run by `chain_of_run`:
+its microbatch's rows, its precision, its merged weight gradients), then scored on three objectives, all minimized: time per minibatch, peak memory
 of a device, and staleness (how many optimizer steps older than the latest the weights a
 minibatch runs on can be, `ScheduleSpec.update_delay`). Each configuration is represented by its
 fastest partition (the one `plan_chain` picks). A configuration that fits nowhere in memory is left out;
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from pdcli.errors import UserError
 from pdcli.planner.make import plan_chain
@@ -23,7 +23,7 @@ from pdcli.planner.plan import Plan, round_float
 from pdcli.planner.search import shared_programs
 from pdcli.planner.space import SplitSpace
 from pdcli.planner.topology import Topology
-from pdcli.profiler.batch_points import chain_at_precision, with_merged_weight_grads
+from pdcli.profiler.batch_points import chain_of_run
 from pdcli.profiler.chain import Chain
 from pdcli.schedule import ScheduleSpec
 from pdcli.schedule.spec import (
@@ -187,11 +187,11 @@ def config_options(base: PlanOptions, config: Configuration) -> PlanOptions:
                                merge_weight_grads=merge)
 
 
-def search_points(chain_at: Callable[[int], Chain], topology: Topology, base: PlanOptions,
+def search_points(chain: Chain, topology: Topology, base: PlanOptions,
                   space: ConfigSpace) -> tuple[list[Point], int]:
     """(every configuration of `space` that has a plan, how many have none: nothing fits in
     memory, or the schedule's rules refuse it, e.g. interleaved's microbatches not a multiple of
-    the devices): `chain_at(rows)` is the profile priced at a microbatch of `rows` samples."""
+    the devices); each priced from the profile `chain` by `chain_of_run`."""
     configs = space.configurations()
     found: dict[int, Point] = {}
     chains: dict[tuple[int, str, bool], tuple[Chain, SplitSpace]] = {}
@@ -207,15 +207,13 @@ def search_points(chain_at: Callable[[int], Chain], topology: Topology, base: Pl
                 options = config_options(base, config)
                 key = (rows, config.precision, options.merge_weight_grads)
                 if key not in chains:
-                    chain = chain_at(rows)
-                    if options.merge_weight_grads:  # its W's at the minibatch's rate
-                        chain = with_merged_weight_grads(chain, chain_at(base.batch_size))
-                    chain = chain_at_precision(chain, config.precision, rows)
+                    priced = chain_of_run(chain, rows, config.precision,
+                                          base.batch_size if options.merge_weight_grads else None)
                     # a profile without batch points prices every microbatch size alike: one space
-                    same = [pair for pair in chains.values() if pair[0] is chain]
-                    chains[key] = same[0] if same else (chain, SplitSpace.from_chain(chain))
-                chain, split_space = chains[key]
-                found[k] = _point(config, plan_chain(chain, topology, options, split_space))
+                    same = [pair for pair in chains.values() if pair[0] is priced]
+                    chains[key] = same[0] if same else (priced, SplitSpace.from_chain(priced))
+                priced, split_space = chains[key]
+                found[k] = _point(config, plan_chain(priced, topology, options, split_space))
             except UserError:
                 pass
     return [found[k] for k in sorted(found)], len(configs) - len(found)
@@ -237,16 +235,16 @@ class SearchOutcome:
                 "chosen": self.front.index(self.chosen)}
 
 
-def search_configuration(chain_at: Callable[[int], Chain], topology: Topology, base: PlanOptions,
+def search_configuration(chain: Chain, topology: Topology, base: PlanOptions,
                          space: ConfigSpace, objective: str = "throughput",
                          max_staleness: int | None = None) -> SearchOutcome:
-    """The front of `space` and the point `objective` chooses within `max_staleness`; a
+    """The front of `space` (priced from the profile `chain`) and the point `objective` chooses within `max_staleness`; a
     UserError naming the limit when nothing fits. Every configuration is priced without the
     replay's refinement (`PlanOptions.refine`), the chosen one is then planned with it."""
     unrefined = dataclasses.replace(base, refine=False)
-    points, refused = search_points(chain_at, topology, unrefined, space)
+    points, refused = search_points(chain, topology, unrefined, space)
     if not points:
-        raise _nothing_fits(chain_at, topology, unrefined, space)
+        raise _nothing_fits(chain, topology, unrefined, space)
     allowed = [p for p in points if max_staleness is None or p.staleness <= max_staleness]
     if not allowed:
         least = min(p.staleness for p in points)
@@ -257,7 +255,7 @@ def search_configuration(chain_at: Callable[[int], Chain], topology: Topology, b
     chosen = choose(front, objective, max_staleness)
     assert chosen is not None
     if base.refine:  # the chosen configuration planned as `pd plan` would plan it alone
-        refined, _ = search_points(chain_at, topology, base, dataclasses.replace(
+        refined, _ = search_points(chain, topology, base, dataclasses.replace(
             space, schedules=(chosen.config.schedule,), microbatches=(chosen.config.num_microbatches,),
             split_backward=(chosen.config.split_backward,), recompute=(chosen.config.recompute,),
             precisions=(chosen.config.precision,)))
@@ -272,12 +270,12 @@ def searched_plan(outcome: SearchOutcome, batch_size: int, objective: str, max_s
     return dataclasses.replace(outcome.chosen.plan, search=outcome.to_json(batch_size, objective, max_staleness))
 
 
-def _nothing_fits(chain_at: Callable[[int], Chain], topology: Topology, base: PlanOptions,
+def _nothing_fits(chain: Chain, topology: Topology, base: PlanOptions,
                   space: ConfigSpace) -> UserError:
     limit = base.memory_bytes_per_device
     if limit is None:
         return UserError(f"no configuration of {space.to_json()} has a plan for {topology.num_devices} devices")
-    free, _ = search_points(chain_at, topology, dataclasses.replace(base, memory_bytes_per_device=None), space)
+    free, _ = search_points(chain, topology, dataclasses.replace(base, memory_bytes_per_device=None), space)
     smallest = ""
     if free:
         best = min(free, key=lambda p: p.peak_bytes)

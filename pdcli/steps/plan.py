@@ -106,12 +106,13 @@ def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str
     topology = Topology.from_levels(cfg.cluster.levels)
     if cfg.plan.search:
         return search_plan(chain, cfg, profile_sha256, topology).to_json()
-    options = plan_options(cfg, profile_sha256)
-    if options.merge_weight_grads:  # the merged W's at the minibatch's rate, where the profile measured it
-        from pdcli.profiler.batch_points import chain_at_rows, with_merged_weight_grads
+    from pdcli.profiler.batch_points import chain_of_run
 
-        chain = with_merged_weight_grads(chain, chain_at_rows(chain, cfg.data.batch_size))
-    plan = plan_chain(chain, topology, options)
+    options = plan_options(cfg, profile_sha256)
+    batch_size = cfg.data.batch_size
+    priced = chain_of_run(chain, batch_size // cfg.schedule.num_microbatches, cfg.train.precision,
+                          batch_size if options.merge_weight_grads else None)
+    plan = plan_chain(priced, topology, options)
     if options.orders and len(plan.stages) != len(options.orders):
         raise UserError(f"{cfg.schedule.path or 'schedule.orders'} has {len(options.orders)} device lines, but the plan "
                         f"has {len(plan.stages)} stages", hint=f"plan {len(options.orders)} stages "
@@ -164,9 +165,8 @@ def config_space(cfg: Config, chain: Chain) -> Any:
 def search_plan(chain: Chain, cfg: Config, profile_sha256: str | None, topology: Any) -> Any:
     """The Pareto search over `config_space(cfg)` (`pdcli.planner.pareto`): the chosen plan."""
     from pdcli.planner.pareto import search_configuration, searched_plan
-    from pdcli.profiler.batch_points import chain_at_rows
 
-    outcome = search_configuration(lambda rows: chain_at_rows(chain, rows), topology,
+    outcome = search_configuration(chain, topology,
                                    plan_options(cfg, profile_sha256), config_space(cfg, chain),
                                    cfg.plan.objective, cfg.plan.max_staleness)
     return searched_plan(outcome, cfg.data.batch_size, cfg.plan.objective, cfg.plan.max_staleness)

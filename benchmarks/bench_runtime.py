@@ -255,10 +255,12 @@ def beside_counterparts(table: Sequence[tuple[str, Measure]]) -> list[tuple[str,
         group_of[pd_name] = group_of[torch_name] = group_of.get(pd_name, torch_name)
     rank = {name: (name.startswith(TORCH_PREFIX), i) for i, name in enumerate(names)}  # torch's rows last
     out: list[tuple[str, Measure]] = []
+    placed: set[str] = set()  # the groups already in `out`
     for name, measure in table:
         if name not in group_of:
             out.append((name, measure))
-        elif not any(group_of.get(done) == group_of[name] for done, _ in out):
+        elif group_of[name] not in placed:
+            placed.add(group_of[name])
             out += sorted((row for row in table if group_of.get(row[0]) == group_of[name]), key=lambda r: rank[r[0]])
     return out
 

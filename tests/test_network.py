@@ -89,6 +89,34 @@ def test_a_message_for_a_posted_receive_is_read_into_its_buffer(allocated: list[
     receiver.close()
 
 
+def test_a_receive_posted_after_its_message_was_checked_keeps_the_stream_framed(allocated: list[int]) -> None:
+    """A receive of another size posted between the header's check (by the manifest's sizes) and
+    the read of its bytes: the bytes go to a buffer of the checked size, the stream stays framed
+    and that receive refuses the message."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    peer = _Peer(0, b, {"activation": [48, 64]})
+    receiver = SocketTransport({0: peer}, timeout_s=5)
+    checked = peer._refusal
+    late: list = []
+
+    def check_then_post(tag: int, nbytes: int) -> str | None:
+        refusal = checked(tag, nbytes)
+        if tag == 4:
+            late.append(receiver.irecv(torch.empty(64, dtype=torch.uint8), 0, tag=4))
+        return refusal
+
+    peer._refusal = check_then_post  # type: ignore[method-assign]
+    a.sendall(HEADER.pack(4, 48) + bytes(48) + HEADER.pack(6, 64) + bytes(range(64)))
+    _filed(peer, 4)
+    with pytest.raises(ValueError, match="48 bytes, expected 64"):
+        late[0].wait()
+    got = torch.empty(64, dtype=torch.uint8)
+    receiver.irecv(got, 0, tag=6).wait()  # the next message is read whole: the stream is still framed
+    assert bytes(got.numpy()) == bytes(range(64)) and allocated == [48, 64]
+    a.close()
+    receiver.close()
+
+
 def test_a_posted_receive_fixes_the_size_of_its_message(allocated: list[int]) -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     receiver = SocketTransport({0: _Peer(0, b, {"gradient": 2})}, timeout_s=5)

@@ -370,8 +370,9 @@ class _Peer:
                     break
                 with self.cond:
                     posted = self.posted.get(tag)
-                # a posted receive's own buffer (its size checked above), else a new one of the size checked
-                payload = posted if posted is not None else _payload(nbytes)
+                # a posted receive's own buffer, if it has the size checked above (a receive posted
+                # since the check may not: its wait then refuses the message), else a new one
+                payload = posted if posted is not None and posted.numel() == nbytes else _payload(nbytes)
                 if nbytes:
                     _recv_exact(self.sock, memoryview(payload.numpy()))
                 with self.cond:

@@ -3,9 +3,10 @@ minibatch jointly with the partition, and the Pareto front of time, memory and s
 
 Every configuration of a `ConfigSpace` is planned by `plan_chain` (the partition and
 replication search, with the profile priced for that configuration's run by `chain_of_run`:
-its microbatch's rows, its precision, its merged weight gradients), then scored on three objectives, all minimized: time per minibatch, peak memory
-of a device, and staleness (how many optimizer steps older than the latest the weights a
-minibatch runs on can be, `ScheduleSpec.update_delay`). Each configuration is represented by its
+its microbatch's rows, its precision, its merged weight gradients), then scored on three
+objectives, all minimized: time per minibatch, peak memory of a device, and staleness (how
+many optimizer steps older than the latest the weights a minibatch runs on can be,
+`ScheduleSpec.update_delay`). Each configuration is represented by its
 fastest partition (the one `plan_chain` picks). A configuration that fits nowhere in memory is left out;
 when none fits, the error names the limit to raise and the smallest peak that would do.
 """
@@ -238,8 +239,8 @@ class SearchOutcome:
 def search_configuration(chain: Chain, topology: Topology, base: PlanOptions,
                          space: ConfigSpace, objective: str = "throughput",
                          max_staleness: int | None = None) -> SearchOutcome:
-    """The front of `space` (priced from the profile `chain`) and the point `objective` chooses within `max_staleness`; a
-    UserError naming the limit when nothing fits. Every configuration is priced without the
+    """The front of `space` (priced from the profile `chain`) and the point `objective` chooses
+    within `max_staleness`; a UserError naming the limit when nothing fits. Every configuration is priced without the
     replay's refinement (`PlanOptions.refine`), the chosen one is then planned with it."""
     unrefined = dataclasses.replace(base, refine=False)
     points, refused = search_points(chain, topology, unrefined, space)

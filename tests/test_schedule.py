@@ -162,25 +162,42 @@ def test_split_backward_checks_for_every_flush_shape_both_transports():
     assert checked > 300
 
 
-def assert_weight_grads_at_the_flush(actions) -> int:
-    """Every WeightGrads sits in a run right before its minibatch's OptimizerStep (or the
-    AllReduceGrads before it), one per Backward, ordered by chunk, then microbatch; returns the runs."""
-    runs, run = 0, []
-    backwards = 0
-    for a in actions:
+def assert_merged_weight_grads(actions) -> tuple[int, int]:
+    """Every WeightGrads sits in a run of whole chunks (all of the chunk's Backwards of the
+    minibatch done, one W each), ordered by chunk, then microbatch; a run stands right before
+    its minibatch's OptimizerStep (or the AllReduceGrads before it), or right before a
+    RecvGrads that no send of the minibatch follows. Returns (runs at the flush, runs before)."""
+    at_flush, early = 0, 0
+    run: list[tuple[int, int]] = []
+    backwarded: dict[int, list[int]] = {}  # chunk -> microbatches backwarded this minibatch
+    graded: set[int] = set()  # chunks whose run has passed
+    for index, a in enumerate(actions):
         if isinstance(a, WeightGrads):
             run.append((-1 if a.chunk is None else a.chunk, a.microbatch_id))
             continue
         if run:
-            assert isinstance(a, (OptimizerStep, AllReduceGrads)), f"{a} after the W's"
-            assert run == sorted(run) and len(run) == backwards, run
-            runs, run, backwards = runs + 1, [], 0
+            assert run == sorted(run), run
+            chunks = {c for c, _ in run}
+            assert run == sorted((c, mb) for c in chunks for mb in backwarded.get(c, [])), run  # whole chunks
+            graded |= chunks
+            if isinstance(a, (OptimizerStep, AllReduceGrads)):
+                at_flush += 1
+            else:
+                assert isinstance(a, RecvGrads), f"{a} after the W's"
+                rest = actions[index:]
+                end = next(i for i, b in enumerate(rest) if isinstance(b, (OptimizerStep, AllReduceGrads)))
+                assert not any(isinstance(b, (SendActivations, SendGrads)) for b in rest[:end]), "a send after W's"
+                assert not any(isinstance(b, Backward) and (-1 if b.chunk is None else b.chunk) in chunks
+                               for b in rest[:end]), run
+                early += 1
+            run = []
         if isinstance(a, Backward):
-            backwards += 1
+            backwarded.setdefault(-1 if a.chunk is None else a.chunk, []).append(a.microbatch_id)
         if isinstance(a, OptimizerStep):
-            assert backwards == 0 or not runs
+            assert not backwarded or set(backwarded) == graded, (backwarded, graded)
+            backwarded, graded = {}, set()
     assert not run
-    return runs
+    return at_flush, early
 
 
 def test_merged_weight_grads_wait_for_the_flush_on_every_flush_shape_both_transports():
@@ -197,7 +214,7 @@ def test_merged_weight_grads_wait_for_the_flush_on_every_flush_shape_both_transp
                 assert [a for a in with_merge if not isinstance(a, WeightGrads)] == \
                     [a for a in without if not isinstance(a, WeightGrads)]
                 assert sorted(map(str, with_merge)) == sorted(map(str, without))
-                assert assert_weight_grads_at_the_flush(with_merge) == spec.num_steps
+                assert assert_merged_weight_grads(with_merge) == (spec.num_steps, 0)  # one chunk: at the flush
             for mode in ([SendMode.EAGER] if eager or max(spec.replicas) > 1 else list(SendMode)):
                 report = check_schedules(lists, merged, mode)
                 stages = [stage for stage, r in enumerate(spec.replicas) for _ in range(r)]

@@ -244,8 +244,13 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
     layer runs empty W's (free).
     Not before a RecvGrads that a send follows (stream-ordered lists, see `sends_first`):
     there the W would hold back the next stage's activations.
-    `merge_weight_grads`: every W waits for the optimizer step, chunk by chunk, so that each
-    chunk's W's run back to back (the runtime computes such a run as one matmul per layer).
+    `merge_weight_grads`: a chunk's W's run back to back, after its minibatch's last Backward
+    (the runtime computes such a run as one matmul per layer): before the optimizer step,
+    chunk by chunk, or earlier, right before a RecvGrads the rank's last send of the minibatch
+    has passed. From there on no other rank waits for this one, so a run there fills the drain
+    and delays nothing but the rank's own Backwards, which then end no later than with the run
+    at the flush. (In the loop placement, device 0 has its chunk S's run there while it waits
+    for chunk 0's gradients.)
     """
     out: list[Action] = []
     queued: list[tuple[int, int]] = []  # (microbatch, chunk or -1)
@@ -255,12 +260,18 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
         while len(queued) > spec.weight_grad_lag:
             out.append(_weight_grads(*queued.pop(0)))
 
+    done_sending = _past_last_send(actions) if merged else {}
+
     for index, action in enumerate(actions):
         if not isinstance(action, (SendActivations, SendGrads)):
             over_the_lag()
         if isinstance(action, (OptimizerStep, AllReduceGrads)):
             out += [_weight_grads(*key) for key in (sorted(queued, key=lambda k: (k[1], k[0])) if merged else queued)]
             queued = []
+        elif isinstance(action, RecvGrads) and index in done_sending:
+            backwarded = {chunk for _, chunk in queued} - done_sending[index]
+            out += [_weight_grads(*key) for key in sorted(queued, key=lambda k: (k[1], k[0])) if key[1] in backwarded]
+            queued = [key for key in queued if key[1] not in backwarded]
         elif isinstance(action, RecvGrads) and queued and not merged and not (
                 index + 1 < len(actions) and isinstance(actions[index + 1], (SendActivations, SendGrads))):
             out.append(_weight_grads(*queued.pop(0)))
@@ -303,6 +314,25 @@ def _prefetch_loads(spec: ScheduleSpec, stage_id: int, actions: Sequence[Action]
             out.append(before[index])
         if index not in moved:
             out.append(action)
+    return out
+
+
+def _past_last_send(actions: Sequence[Action]) -> dict[int, set[int]]:
+    """The RecvGrads that come after the last send of their minibatch (the actions up to its
+    optimizer step or all-reduce), each with the chunks (-1: none named) that still backward
+    after it in that minibatch."""
+    out: dict[int, set[int]] = {}
+    sends_ahead, backwards_ahead = False, set[int]()
+    for index in range(len(actions) - 1, -1, -1):
+        action = actions[index]
+        if isinstance(action, (OptimizerStep, AllReduceGrads)):
+            sends_ahead, backwards_ahead = False, set()
+        elif isinstance(action, (SendActivations, SendGrads)):
+            sends_ahead = True
+        elif isinstance(action, Backward):
+            backwards_ahead.add(-1 if action.chunk is None else action.chunk)
+        elif isinstance(action, RecvGrads) and not sends_ahead:
+            out[index] = set(backwards_ahead)
     return out
 
 

@@ -16,7 +16,8 @@ gradients are added in the order of the WeightGrads actions, which is microbatch
 autograd would have added them: the numbers are those of an unsplit backward up to the order
 of float additions inside one matmul and its accumulation.
 
-Merged (`schedule.merge_weight_grads`): the lowering puts every W of a minibatch at the flush,
+Merged (`schedule.merge_weight_grads`): the lowering puts each chunk's W's of a minibatch in one
+run after its last Backward (at the flush, or where the device waits and no peer waits for it),
 and the first W of the run computes them all, one `addmm_` per weight over the rows of every
 pending microbatch, concatenated in microbatch order (one matmul of M x the rows instead of M
 small ones, which run well below a matmul's full rate on small microbatches); the other W's of

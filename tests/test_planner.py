@@ -526,7 +526,7 @@ def test_merged_weight_grads_are_replayed_at_the_flush_and_held_until_it() -> No
     merged = plan_chain(chain, Topology.flat(2), PlanOptions(**base, merge_weight_grads=True))
     obj = merged.to_json()
     assert obj["inputs"].pop("merge_weight_grads") is True and obj["inputs"] == lagged.to_json()["inputs"]
-    assert "weight gradients merged at the flush" in render_plan(merged.to_json(), chain)
+    assert "weight gradients merged per chunk" in render_plan(merged.to_json(), chain)
     # the same work per stage (the merged matmul is priced as M microbatches' W's), placed at the flush
     assert [s.predicted["stage_time_ms"] for s in merged.stages] == [s.predicted["stage_time_ms"] for s in lagged.stages]
     spec = ScheduleSpec.make("1f1b", 2, m, 8, split_backward=True, merge_weight_grads=True)

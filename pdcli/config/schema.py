@@ -178,10 +178,11 @@ class ScheduleConfig:
     """interleaved/loopedbfs (>= 1), zbv (2): model chunks per device; the plan cuts the model into
     devices x virtual_stages chunks, placed in loops (interleaved, loopedbfs) or a V (zbv)."""
     merge_weight_grads: bool = False
-    """Split backward on gpipe, 1f1b, interleaved, loopedbfs or a file without W's: every
-    microbatch's weight gradients wait for the flush and run there as one matmul per Linear
-    layer over the minibatch's rows (faster where microbatches are small; holds every
-    microbatch's Linear inputs and output gradients until the flush)."""
+    """Split backward on gpipe, 1f1b, interleaved, loopedbfs or a file without W's: a chunk's
+    weight gradients wait for its minibatch's last Backward and run as one matmul per Linear
+    layer over the minibatch's rows, at the flush or where the device waits and no peer waits
+    for it (faster where microbatches are small; holds every microbatch's Linear inputs and
+    output gradients until then)."""
 
     @property
     def split_backward_on(self) -> bool:

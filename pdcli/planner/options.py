@@ -78,9 +78,10 @@ class PlanOptions:
     1f1b's microbatches until their W (see planner.costs, planner.memory). The `pipedream`
     model ignores it."""
     merge_weight_grads: bool = False
-    """`schedule.merge_weight_grads` (with `split_backward`): the WeightGrads wait for the flush
-    and run as one matmul per layer; the replay and the memory model place them there. The
-    search prices them as one microbatch's each (the merged matmul is not measured)."""
+    """`schedule.merge_weight_grads` (with `split_backward`): a chunk's WeightGrads wait for its
+    minibatch's last Backward and run as one matmul per layer (`pdcli.schedule.lower` places
+    them; the replay and the memory model take its lists), priced at the minibatch's rows where
+    the profile measured them (`pdcli.profiler.batch_points`)."""
     vertical_sync: bool = False
     """`schedule.vertical_sync` (pipedream): a stage holds the weight versions stage 0's
     microbatches pin (see `ScheduleSpec.stash_depth`)."""

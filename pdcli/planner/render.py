@@ -112,7 +112,7 @@ def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "te
     table = tabulate(rows, headers=headers, tablefmt=TABLE_STYLE[fmt], floatfmt=".4g", missingval="-")
     inputs = plan_json.get("inputs", {})
     split = " with split backward" if inputs.get("split_backward") else ""
-    split += " (weight gradients merged at the flush)" if split and inputs.get("merge_weight_grads") else ""
+    split += " (weight gradients merged per chunk)" if split and inputs.get("merge_weight_grads") else ""
     virtual = int(inputs.get("virtual_stages", 1))
     shape = (f"{len(rows)} stages" if virtual == 1 else  # virtual stages: each stage is a chunk
              f"{len(rows)} stages (chunks, {virtual} per device on {len(rows) // virtual} devices)")

@@ -83,7 +83,7 @@ def with_merged_weight_grads(priced: Chain, at_minibatch: Chain) -> Chain:
 
 def chain_of_run(chain: Chain, rows: int, precision: str, minibatch_rows: int | None = None) -> Chain:
     """`chain` priced as the planner prices a run of microbatches of `rows` at `precision`;
-    `minibatch_rows` (its weight gradients merged at the flush): their W's at that many rows'
+    `minibatch_rows` (its weight gradients merged per chunk): their W's at that many rows'
     rate (`with_merged_weight_grads`)."""
     priced = chain_at_rows(chain, rows)
     if minibatch_rows is not None:

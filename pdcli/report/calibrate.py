@@ -170,7 +170,7 @@ def refit_allreduce(points: Sequence[tuple[float, int, float]], base: Affine | N
 
 def chain_of_plan(chain: Chain, plan: dict[str, Any]) -> Chain:
     """The profile priced as the planner priced the run of `plan`: its microbatch's rows
-    (`meta.batch_points`), its precision (`meta.precision_time`) and, merged at the flush, its
+    (`meta.batch_points`), its precision (`meta.precision_time`) and, merged per chunk, its
     weight gradients at the minibatch's rows; so that a refit is of the costs beyond those and a
     plan of another configuration reads it alike."""
     inputs = plan["inputs"]

@@ -81,7 +81,7 @@ class Predicted:
     split_backward: bool = False
     """The plan (and so the simulation) splits the backward."""
     merge_weight_grads: bool = False
-    """... and runs the weight gradients merged at the flush (`plan_merges_weight_grads`)."""
+    """... and runs the weight gradients merged per chunk (`plan_merges_weight_grads`)."""
     whole_loop_per_minibatch_ms: float = 0.0
     """The run's whole loop (fill and drain included) per minibatch: the replay's makespan, its
     steps beyond MAX_SIMULATED_STEPS at the steady time."""
@@ -145,7 +145,7 @@ def plan_splits_backward(plan: dict[str, Any], schedule: str) -> bool:
 
 
 def plan_merges_weight_grads(plan: dict[str, Any], schedule: str) -> bool:
-    """Whether the run of `plan` with `schedule` ran its WeightGrads merged at the flush
+    """Whether the run of `plan` with `schedule` ran its WeightGrads merged per chunk
     (`inputs.merge_weight_grads`, where `schedule` takes it)."""
     merge = bool(plan.get("inputs", {}).get("merge_weight_grads", False))
     return merge and takes_merged_weight_grads(schedule, plan_splits_backward(plan, schedule))

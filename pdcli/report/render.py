@@ -107,7 +107,7 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
         lines.append(f"## pd report: `{run_dir}`\n")
     lines.append(
         f"{m.schedule}{' with split backward' if p.split_backward or has_weight_grads(c) else ''}"
-        f"{' (weight gradients merged at the flush)' if p.merge_weight_grads else ''}, "
+        f"{' (weight gradients merged per chunk)' if p.merge_weight_grads else ''}, "
         f"{len(c.stages)} stages, {m.num_steps} minibatches of {m.batch_size} samples "
         + (f"(this launch, resumed after minibatch {m.first_step}) " if m.first_step else "") +
         f"({m.num_microbatches} microbatches each{PIPEDREAM_NOTE if rules(m.schedule).step_per_microbatch else ''}); "

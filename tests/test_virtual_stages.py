@@ -14,7 +14,8 @@ import pytest
 from pdcli.errors import UserError
 from pdcli.schedule import ScheduleSpec, action_text, build_all, build_for, parse_action
 from pdcli.schedule.actions import (
-    Backward, Forward, LoadMicrobatch, RecvActivations, RecvGrads, SendActivations, SendGrads, WeightGrads,
+    AllReduceGrads, Backward, Forward, LoadMicrobatch, OptimizerStep, RecvActivations, RecvGrads, SendActivations,
+    SendGrads, WeightGrads,
 )
 from pdcli.schedule.checker import ScheduleError, SendMode, check_schedules
 from pdcli.schedule.simulator import StageCost, simulate
@@ -120,7 +121,7 @@ def _weight_grads_at_the_flush(actions):
         if isinstance(a, WeightGrads):
             waiting.append(a)
             continue
-        if type(a).__name__ in ("OptimizerStep", "AllReduceGrads") and waiting:
+        if isinstance(a, (OptimizerStep, AllReduceGrads)) and waiting:
             out += sorted(waiting, key=lambda w: (w.chunk, w.microbatch_id))
             waiting = []
         out.append(a)

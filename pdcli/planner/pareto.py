@@ -240,8 +240,9 @@ def search_configuration(chain: Chain, topology: Topology, base: PlanOptions,
                          space: ConfigSpace, objective: str = "throughput",
                          max_staleness: int | None = None) -> SearchOutcome:
     """The front of `space` (priced from the profile `chain`) and the point `objective` chooses
-    within `max_staleness`; a UserError naming the limit when nothing fits. Every configuration is priced without the
-    replay's refinement (`PlanOptions.refine`), the chosen one is then planned with it."""
+    within `max_staleness`; a UserError naming the limit when nothing fits. Every configuration
+    is priced without the replay's refinement (`PlanOptions.refine`), the chosen one is then
+    planned with it."""
     unrefined = dataclasses.replace(base, refine=False)
     points, refused = search_points(chain, topology, unrefined, space)
     if not points:

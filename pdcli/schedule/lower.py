@@ -266,11 +266,11 @@ def _add_weight_grads(spec: ScheduleSpec, actions: Sequence[Action]) -> list[Act
         if not isinstance(action, (SendActivations, SendGrads)):
             over_the_lag()
         if isinstance(action, (OptimizerStep, AllReduceGrads)):
-            out += [_weight_grads(*key) for key in (sorted(queued, key=lambda k: (k[1], k[0])) if merged else queued)]
+            out += [_weight_grads(*key) for key in (sorted(queued, key=_by_chunk) if merged else queued)]
             queued = []
         elif isinstance(action, RecvGrads) and index in done_sending:
             backwarded = {chunk for _, chunk in queued} - done_sending[index]
-            out += [_weight_grads(*key) for key in sorted(queued, key=lambda k: (k[1], k[0])) if key[1] in backwarded]
+            out += [_weight_grads(*key) for key in sorted(queued, key=_by_chunk) if key[1] in backwarded]
             queued = [key for key in queued if key[1] not in backwarded]
         elif isinstance(action, RecvGrads) and queued and not merged and not (
                 index + 1 < len(actions) and isinstance(actions[index + 1], (SendActivations, SendGrads))):
@@ -334,6 +334,11 @@ def _past_last_send(actions: Sequence[Action]) -> dict[int, set[int]]:
         elif isinstance(action, RecvGrads) and not sends_ahead:
             out[index] = set(backwards_ahead)
     return out
+
+
+def _by_chunk(key: tuple[int, int]) -> tuple[int, int]:
+    """The order of a merged run of queued (microbatch, chunk) W's: by chunk, then microbatch."""
+    return key[1], key[0]
 
 
 def _weight_grads(microbatch_id: int, chunk: int) -> WeightGrads:

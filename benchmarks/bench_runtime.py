@@ -23,8 +23,9 @@ loss, and a microbatch's matmuls are smaller than the full batch's). A flush sch
 M microbatches on P stages is further bounded by its bubble, P * M / (M + P - 1) x
 single-thread, unless the backward is split (`pd`'s default for 1f1b and gpipe: the
 Linear weight gradients run in the bubble), which the `split_backward=false` rows turn off;
-the `merge_weight_grads=true` rows move those W's to the flush, one matmul per layer over the
-whole minibatch's rows (1f1b and gpipe in both sections, interleaved and loopedbfs beside torch's).
+the `merge_weight_grads=true` rows merge each chunk's W's, one matmul per layer over the whole
+minibatch's rows (1f1b and gpipe in both sections, interleaved beside torch's); loopedbfs merges
+them by default, and its `merge_weight_grads=false` row does not.
 
 The single-process rows train on one fixed batch; pd's rows make every minibatch from the
 synthetic data source (about 3 ms of a stage's 80 ms step here), as training does.
@@ -72,6 +73,7 @@ from _bench_common import (  # noqa: E402
 )
 from _pd_train import run_pd_train, virtual_overrides  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
+from pdcli.schedule.spec import rules  # noqa: E402
 
 DEFAULT_OUT = Path("runs") / "benchmarks" / "runtime.json"
 REFERENCE = "single process, 1 thread"
@@ -88,8 +90,9 @@ the limit."""
 SECTIONS = ("small", "large")
 DEFAULT_LARGE_MICROBATCHES = 4
 UNSPLIT = "schedule.split_backward=false"
-MERGED = "schedule.merge_weight_grads=true"
-"""pd's rows with the weight gradients merged at the flush (`schedule.merge_weight_grads`)."""
+MERGED, UNMERGED = "schedule.merge_weight_grads=true", "schedule.merge_weight_grads=false"
+"""pd's rows with the weight gradients merged per chunk (`schedule.merge_weight_grads`), or not,
+where the schedule's default is the other (`other_merge`)."""
 TORCH_PREFIX = "torch pipelining "
 SHIPPED_HEAP = ", glibc's default heap"
 TORCH_HEAPS = ((True, ""), (False, SHIPPED_HEAP))
@@ -197,9 +200,16 @@ def virtual_rows(shape: BenchShape, timeout_s: float) -> list[tuple[str, Measure
         rows.append((f"{PD_PREFIX}{name}, V={VIRTUAL_STAGES}, {m} microbatches",
                      lambda work_dir, name=name: pd_row(name, work_dir)))
         if name != "zbv":  # zbv's order places its own W's
-            rows.append((f"{PD_PREFIX}{name}, V={VIRTUAL_STAGES}, {m} microbatches, {MERGED}",
-                         lambda work_dir, name=name: pd_row(name, work_dir, [MERGED])))
+            other = other_merge(name)
+            rows.append((f"{PD_PREFIX}{name}, V={VIRTUAL_STAGES}, {m} microbatches, {other}",
+                         lambda work_dir, name=name, other=other: pd_row(name, work_dir, [other])))
     return rows
+
+
+def other_merge(schedule: str) -> str:
+    """The override of pd's second row of `schedule`: its weight gradients merged per chunk, or
+    for a schedule that merges them by default (loopedbfs), not."""
+    return UNMERGED if rules(schedule).merges_weight_grads else MERGED
 
 
 def measure_all(shape: BenchShape, timeout_s: float, num_rounds: int, section: str, only: Sequence[str] = ()) -> list[Row]:
@@ -268,14 +278,15 @@ def beside_counterparts(table: Sequence[tuple[str, Measure]]) -> list[tuple[str,
 def counterparts(names: Sequence[str]) -> list[tuple[str, str]]:
     """(pd's row, torch.pipelining's row) for every schedule both measured: the same schedule,
     split and microbatches (pd's split backward on, as by default; and, where measured, with the
-    weight gradients merged at the flush)."""
+    weight gradients merged per chunk or not, the other of the schedule's default)."""
     pairs = []
     for torch_name in names:
         if not torch_name.startswith(TORCH_PREFIX):
             continue
         schedule, _, rest = torch_name.removeprefix(TORCH_PREFIX).partition(", ")
         pd_name = f"{PD_PREFIX}{PD_NAME_OF_TORCH[schedule]}, {rest.removesuffix(SHIPPED_HEAP)}"
-        pairs += [(name, torch_name) for name in (pd_name, f"{pd_name}, {MERGED}") if name in names]
+        pairs += [(name, torch_name) for name in (pd_name, f"{pd_name}, {MERGED}", f"{pd_name}, {UNMERGED}")
+                  if name in names]
     return pairs
 
 
@@ -304,7 +315,7 @@ def schedule_ceiling(schedule: str, num_microbatches: int, virtual_stages: int =
     split backward (torch's Schedule1F1B, GPipe, Interleaved1F1B and LoopedBFS run the backward
     whole; its ZBVZeroBubble splits it too) over pd's, both on equal chunks (`CEILING_COSTS`)
     and a pd runtime. A pd / torch ratio above it is the runtimes' difference. `merged`: pd's W's
-    at the flush (each priced as one microbatch's: the order alone, not the merged matmul)."""
+    merged per chunk (each priced as one microbatch's: the order alone, not the merged matmul)."""
     from pdcli.schedule import ScheduleSpec
     from pdcli.schedule.simulator import StageCost, simulate
 
@@ -320,11 +331,13 @@ def schedule_ceiling(schedule: str, num_microbatches: int, virtual_stages: int =
 def ceiling_of(pd_name: str) -> float | None:
     """`schedule_ceiling` of a pd row's schedule, microbatches and chunks (None: a row name
     that does not say them)."""
-    found = re.fullmatch(rf"{PD_PREFIX}(\w+), (?:V=(\d+), )?(\d+) microbatches(, {re.escape(MERGED)})?", pd_name)
+    found = re.fullmatch(rf"{PD_PREFIX}(\w+), (?:V=(\d+), )?(\d+) microbatches(?:, schedule\.merge_weight_grads=(\w+))?",
+                         pd_name)
     if found is None:
         return None
-    schedule, virtual, microbatches, merged = found.groups()
-    return schedule_ceiling(schedule, int(microbatches), int(virtual or 1), merged is not None)
+    schedule, virtual, microbatches, merge = found.groups()
+    merged = rules(schedule).merges_weight_grads if merge is None else merge == "true"
+    return schedule_ceiling(schedule, int(microbatches), int(virtual or 1), merged)
 
 
 def flush_bound(shape: BenchShape) -> float:

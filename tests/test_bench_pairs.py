@@ -85,6 +85,33 @@ def test_the_orders_ceiling_is_what_pds_lists_gain_by_their_order_alone() -> Non
     assert ceiling_of("pd train 1f1b, 4 microbatches, schedule.split_backward=false") is None
 
 
+
+def test_the_ceiling_of_a_row_replays_its_weight_gradients_merged_as_the_row_runs_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """loopedbfs merges its W's by default: its plain row is replayed merged, its second row not."""
+    import bench_runtime
+
+    monkeypatch.setattr(bench_runtime, "schedule_ceiling", lambda *args: args)
+    assert bench_runtime.ceiling_of("pd train loopedbfs, V=2, 8 microbatches") == ("loopedbfs", 8, 2, True)
+    assert bench_runtime.ceiling_of("pd train loopedbfs, V=2, 8 microbatches, schedule.merge_weight_grads=false") == \
+        ("loopedbfs", 8, 2, False)
+    assert bench_runtime.ceiling_of("pd train interleaved, V=2, 8 microbatches") == ("interleaved", 8, 2, False)
+    assert bench_runtime.ceiling_of("pd train 1f1b, 4 microbatches, schedule.merge_weight_grads=true") == \
+        ("1f1b", 4, 1, True)
+
+
+def test_each_schedules_second_pd_row_takes_the_other_merging_of_its_weight_gradients() -> None:
+    from bench_runtime import MERGED, UNMERGED, variants
+    from _bench_common import BenchShape
+
+    names = [name for name, _ in variants(BenchShape(), 1.0, "small")]
+    looped = "pd train loopedbfs, V=2, 8 microbatches"
+    assert f"{looped}, {UNMERGED}" in names and f"{looped}, {MERGED}" not in names
+    assert "pd train interleaved, V=2, 8 microbatches, " + MERGED in names
+    torch_looped = "torch pipelining ScheduleLoopedBFS, V=2, 8 microbatches"
+    assert (f"{looped}, {UNMERGED}", torch_looped) in counterparts(names)
+
+
 def test_baseline_children_run_on_the_heap_pd_workers_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
     from pdcli.torchutil.allocator import HEAP_HUGE_PAGES, TUNABLES_ENV, huge_page_env
     monkeypatch.delenv(TUNABLES_ENV, raising=False)

@@ -322,3 +322,32 @@ def test_a_weight_tied_between_chunks_is_refused_before_any_worker() -> None:
     for name in CHUNKED:
         with pytest.raises(UserError, match=f"{name} cannot train a weight tied between stages .*chunks"):
             check_schedule(manifest, name)
+
+
+def test_loopedbfs_merges_its_weight_gradients_unless_told_otherwise() -> None:
+    """`schedule.merge_weight_grads: null`: on for loopedbfs with a split backward, off for every
+    other schedule; an explicit value wins. The config, the planner's options, the search's
+    configurations and the chunks' stand-in pricing all resolve it the same way."""
+    from pdcli.config.schema import ScheduleConfig
+    from pdcli.planner import PlanOptions, Topology
+    from pdcli.planner.pareto import Configuration, config_options
+    from pdcli.planner.virtual import chunk_pricing
+    from pdcli.schedule.spec import FLUSH_SCHEDULES, SCHEDULES
+
+    merged = {name for name in SCHEDULES if ScheduleConfig(name=name, virtual_stages=2).merge_weight_grads_on}
+    assert merged == {LOOPED_BFS}
+    assert not ScheduleConfig(name=LOOPED_BFS, split_backward=False).merge_weight_grads_on
+    assert not ScheduleConfig(name=LOOPED_BFS, merge_weight_grads=False).merge_weight_grads_on
+    assert ScheduleConfig(name="1f1b", merge_weight_grads=True).merge_weight_grads_on
+    spec = ScheduleSpec.from_config(ScheduleConfig(name=LOOPED_BFS, num_microbatches=4, virtual_stages=2), [1, 1], 2)
+    assert spec.merge_weight_grads and all(spec.merges_weight_grads(stage) for stage in range(2))
+
+    base = PlanOptions(batch_size=32, schedule=LOOPED_BFS, split_backward=True, virtual_stages=2)
+    assert base.merges_weight_grads and not dataclasses.replace(base, split_backward=False).merges_weight_grads
+    searched = {name: config_options(base, Configuration(name, 4, True)).merges_weight_grads
+                for name in FLUSH_SCHEDULES if name != "file"}
+    assert searched == {name: name == LOOPED_BFS for name in searched}
+    told = dataclasses.replace(base, merge_weight_grads=False)
+    assert not config_options(told, Configuration(LOOPED_BFS, 4, True)).merges_weight_grads
+    _, stand_in = chunk_pricing(Topology.flat(2, 1e9), base, 4)  # priced as gpipe chunks, merged as loopedbfs runs
+    assert stand_in.schedule == "gpipe" and stand_in.merges_weight_grads

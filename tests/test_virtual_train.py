@@ -37,7 +37,7 @@ def chunk_plan(spec: ScheduleSpec) -> dict:
 
 
 def run_chunked(tmp_path: Path, schedule: str, devices: int, num_microbatches: int, run_name: str = "run",
-                resume: bool = False, clip_grad_norm: float | None = None, merge_weight_grads: bool = False,
+                resume: bool = False, clip_grad_norm: float | None = None, merge_weight_grads: bool | None = None,
                 **train: object):
     from omegaconf import OmegaConf
 
@@ -73,11 +73,15 @@ CASES = [  # (schedule, devices, microbatches, transport)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("schedule,devices,transport", [("interleaved", 2, "gloo"), ("loopedbfs", 4, "socket")])
-def test_merged_weight_grads_on_virtual_stages_equal_the_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                  schedule: str, devices: int, transport: str) -> None:
+@pytest.mark.parametrize("schedule,devices,transport,merge", [("interleaved", 2, "gloo", True),
+                                                              ("loopedbfs", 4, "socket", False)])
+def test_the_other_weight_grad_merging_on_virtual_stages_equals_the_reference(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schedule: str, devices: int, transport: str, merge: bool) -> None:
+    """Merged W's on interleaved, per-microbatch W's on loopedbfs (each schedule's default runs in
+    `test_virtual_stages_equal_the_reference`)."""
     monkeypatch.setenv(TRANSPORT_ENV, transport)
-    cfg, manifest, losses, weights, spec = run_chunked(tmp_path, schedule, devices, 4, merge_weight_grads=True)
+    cfg, manifest, losses, weights, spec = run_chunked(tmp_path, schedule, devices, 4, merge_weight_grads=merge)
+    assert spec.merge_weight_grads is merge
     cfg.schedule.name, cfg.schedule.merge_weight_grads = "1f1b", False  # the reference, over the 2P chunks as stages
     assert_same(losses, weights, *reference(cfg, manifest, [1] * spec.num_chunks, tmp_path / "run" / "stages"))
     assert_same(losses, weights, *plain_accumulation(cfg, spec.num_chunks))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from pdcli.schedule.spec import (
-    FLUSH_SCHEDULES, FILE, PIPEDREAM, SCHEDULES, rules, switch_problems, virtual_problems,
+    FLUSH_SCHEDULES, FILE, PIPEDREAM, SCHEDULES, merges_weight_grads, rules, switch_problems, virtual_problems,
 )
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -177,18 +177,24 @@ class ScheduleConfig:
     virtual_stages: int = 1
     """interleaved/loopedbfs (>= 1), zbv (2): model chunks per device; the plan cuts the model into
     devices x virtual_stages chunks, placed in loops (interleaved, loopedbfs) or a V (zbv)."""
-    merge_weight_grads: bool = False
+    merge_weight_grads: Optional[bool] = None
     """Split backward on gpipe, 1f1b, interleaved, loopedbfs or a file without W's: a chunk's
     weight gradients wait for its minibatch's last Backward and run as one matmul per Linear
     layer over the minibatch's rows, at the flush or where the device waits and no peer waits
     for it (faster where microbatches are small; holds every microbatch's Linear inputs and
-    output gradients until then)."""
+    output gradients until then); null = on for loopedbfs (split), off for the others."""
 
     @property
     def split_backward_on(self) -> bool:
         """Whether the run splits backward: `split_backward`, or by default for gpipe and 1f1b."""
         flush = self.name in FLUSH_SCHEDULES
         return flush if self.split_backward is None else bool(self.split_backward) and flush
+
+    @property
+    def merge_weight_grads_on(self) -> bool:
+        """Whether the run merges its weight gradients: `merge_weight_grads`, or by default for
+        loopedbfs with a split backward (`pdcli.schedule.spec.merges_weight_grads`)."""
+        return merges_weight_grads(self.name, self.split_backward_on, self.merge_weight_grads)
 
 
 @dataclass
@@ -420,7 +426,7 @@ def check_values(cfg: Config) -> list[str]:
              "merge_weight_grads": "set it to false"}
     for switch, why in switch_problems(cfg.schedule.name, cfg.schedule.vertical_sync,
                                        bool(cfg.schedule.split_backward) or cfg.schedule.split_backward_on,
-                                       cfg.schedule.merge_weight_grads).items():
+                                       bool(cfg.schedule.merge_weight_grads)).items():
         problems.append(f"schedule.{switch}: {why}; {fixes[switch]}")
     if cfg.model.hf is not None and cfg.model.target is not None:
         problems.append("model.hf: set either model.hf or model.target, not both (model.target=null or '~model.hf')")

@@ -147,7 +147,7 @@ def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, e
         options.precision, options.recompute, acts.inputs[start, end],
         split_backward, num_stages, None if acts.copies is None else acts.copies[start, end],
         None if acts.waiting is None else acts.waiting[start, end], space.eager_sends, sync,
-        options.merge_weight_grads,
+        options.merges_weight_grads,
     )
     return StageMemory(*(float(x) for x in (mem.weights_bytes, mem.stashed_weights_bytes,
                                             mem.activations_bytes, mem.total_bytes,
@@ -186,7 +186,7 @@ def replay(stages: Sequence[StageEval], options: PlanOptions, cores: int | None)
     spec = ScheduleSpec.make(options.schedule if written else stand_in(options.schedule), num_stages,
                              options.num_microbatches, steps, [s.replicas for s in stages], split_backward=split,
                              orders=options.orders if written else (),
-                             merge_weight_grads=split and options.merge_weight_grads)
+                             merge_weight_grads=split and options.merges_weight_grads)
     costs = replay_stage_costs([st.actions_ms or {} for st in stages], options.num_microbatches)
     return simulate(spec, costs, cores=cores)
 

@@ -233,7 +233,7 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
         inputs["recompute"] = options.recompute
     if options.split_backward:  # plans without it stay as they were; `pd report` reads it
         inputs["split_backward"] = True
-    if options.merge_weight_grads:
+    if options.merges_weight_grads:
         inputs["merge_weight_grads"] = True
     if options.vertical_sync:  # the same
         inputs["vertical_sync"] = True

@@ -8,7 +8,7 @@ from pdcli.config.schema import COST_MODELS, PRECISIONS
 from pdcli.errors import UserError
 from pdcli.planner.steer import SplitPoint
 from pdcli.schedule.orders import Order
-from pdcli.schedule.spec import PIPEDREAM, SCHEDULES, switch_problems
+from pdcli.schedule.spec import PIPEDREAM, SCHEDULES, merges_weight_grads, switch_problems
 
 COST_PD = "pd"
 COST_PIPEDREAM = "pipedream"
@@ -77,11 +77,12 @@ class PlanOptions:
     that fill the flush's bubble; the `pd` model replays the schedule for the bubble and holds
     1f1b's microbatches until their W (see planner.costs, planner.memory). The `pipedream`
     model ignores it."""
-    merge_weight_grads: bool = False
+    merge_weight_grads: bool | None = None
     """`schedule.merge_weight_grads` (with `split_backward`): a chunk's WeightGrads wait for its
     minibatch's last Backward and run as one matmul per layer (`pdcli.schedule.lower` places
     them; the replay and the memory model take its lists), priced at the minibatch's rows where
-    the profile measured them (`pdcli.profiler.batch_points`)."""
+    the profile measured them (`pdcli.profiler.batch_points`); None = the schedule's default
+    (`merges_weight_grads`)."""
     vertical_sync: bool = False
     """`schedule.vertical_sync` (pipedream): a stage holds the weight versions stage 0's
     microbatches pin (see `ScheduleSpec.stash_depth`)."""
@@ -118,6 +119,13 @@ class PlanOptions:
             raise UserError(f"memory_bytes_per_device must be > 0, got {self.memory_bytes_per_device}")
         if self.num_stages is not None and self.num_stages < 1:
             raise UserError(f"num_stages must be >= 1, got {self.num_stages}")
-        problems = switch_problems(self.schedule, self.vertical_sync, self.split_backward, self.merge_weight_grads)
+        problems = switch_problems(self.schedule, self.vertical_sync, self.split_backward,
+                                   bool(self.merge_weight_grads))
         if problems:
             raise UserError("; ".join(problems.values()), hint=f"set schedule.{' and '.join(problems)} to false")
+
+    @property
+    def merges_weight_grads(self) -> bool:
+        """Whether the plan's run merges its weight gradients (`merge_weight_grads`, else the
+        schedule's default with this `split_backward`)."""
+        return merges_weight_grads(self.schedule, self.split_backward, self.merge_weight_grads)

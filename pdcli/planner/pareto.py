@@ -179,7 +179,7 @@ def _point(config: Configuration, plan: Plan) -> Point:
 
 def config_options(base: PlanOptions, config: Configuration) -> PlanOptions:
     """`base` with what `config` chooses (vertical sync only where pipedream runs, merged weight
-    gradients only where the configuration places its W's)."""
+    gradients only where the configuration places its W's; left unset, each schedule's default)."""
     merge = base.merge_weight_grads and takes_merged_weight_grads(config.schedule, config.split_backward)
     return dataclasses.replace(base, schedule=config.schedule, num_microbatches=config.num_microbatches,
                                split_backward=config.split_backward, recompute=config.recompute,
@@ -206,10 +206,10 @@ def search_points(chain: Chain, topology: Topology, base: PlanOptions,
             rows = base.batch_size // config.num_microbatches
             try:
                 options = config_options(base, config)
-                key = (rows, config.precision, options.merge_weight_grads)
+                key = (rows, config.precision, options.merges_weight_grads)
                 if key not in chains:
                     priced = chain_of_run(chain, rows, config.precision,
-                                          base.batch_size if options.merge_weight_grads else None)
+                                          base.batch_size if options.merges_weight_grads else None)
                     # a profile without batch points prices every microbatch size alike: one space
                     same = [pair for pair in chains.values() if pair[0] is priced]
                     chains[key] = same[0] if same else (priced, SplitSpace.from_chain(priced))

@@ -192,7 +192,7 @@ def backward_split(space: SplitSpace, options: PlanOptions) -> SplitShares | Non
         return None
     wgrad_ms = covered_or_zeros(space, space.covered_wgrad_ms)[-1]
     return split_shares(float(space.covered_fwd_ms[-1]), float(space.covered_bwd_ms[-1]), float(wgrad_ms),
-                        options.merge_weight_grads)
+                        options.merges_weight_grads)
 
 
 def memory_needs_stage_count(options: PlanOptions, minimize: str) -> bool:
@@ -202,7 +202,7 @@ def memory_needs_stage_count(options: PlanOptions, minimize: str) -> bool:
     memory_counts = minimize == "memory" or options.memory_bytes_per_device is not None
     # 1f1b holds its in-flight microbatches until their WeightGrads, a lag of the stage count
     # (`ScheduleSpec.weight_grad_lag`); gpipe holds all of them anyway
-    lag_counts = rules(options.schedule).in_flight == "devices_upto_all" and not options.merge_weight_grads
+    lag_counts = rules(options.schedule).in_flight == "devices_upto_all" and not options.merges_weight_grads
     return options.split_backward and lag_counts and options.num_stages is None and memory_counts
 
 
@@ -348,7 +348,7 @@ class PdCosts:
                              o.num_microbatches, self.optimizer_state, o.precision, o.recompute,
                              self.acts.inputs, o.split_backward, total_stages, self.acts.copies,
                              self.acts.waiting, self.eager_sends, self.vertical_sync,
-                             o.merge_weight_grads).total_bytes
+                             o.merges_weight_grads).total_bytes
         total = np.broadcast_to(total, np.broadcast_shapes(np.shape(total), self.valid.shape))
         return LayerCosts(total[None]) if total.ndim == 2 else distinct_layers(total)
 

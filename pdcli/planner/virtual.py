@@ -40,7 +40,7 @@ def device_spec(options: PlanOptions, num_devices: int, steps: int) -> ScheduleS
     """The schedule of a plan on `num_devices` devices."""
     return ScheduleSpec.make(options.schedule, num_devices, options.num_microbatches, steps,
                              split_backward=options.split_backward, virtual_stages=options.virtual_stages,
-                             merge_weight_grads=options.merge_weight_grads)
+                             merge_weight_grads=options.merges_weight_grads)
 
 
 def chunk_costs(chunks: Sequence[StageEval], num_microbatches: int) -> list[StageCost]:
@@ -78,7 +78,8 @@ def chunk_pricing(topology: Topology, options: PlanOptions, num_chunks: int) -> 
     devices of the cluster's innermost bandwidth, under the schedule's one-chunk stand-in."""
     chunk_topology = Topology.flat(num_chunks, topology.levels[0].bandwidth_bytes_per_s)
     stand_in = dataclasses.replace(options, schedule=STAND_INS[options.schedule], num_stages=num_chunks, straight=True,
-                                   memory_bytes_per_device=None, use_fewer_devices=False, virtual_stages=1)
+                                   memory_bytes_per_device=None, use_fewer_devices=False, virtual_stages=1,
+                                   merge_weight_grads=options.merges_weight_grads)  # the schedule's, not the stand-in's
     return chunk_topology, stand_in
 
 
@@ -192,7 +193,7 @@ def _assemble(chain: Chain, space: SplitSpace, topology: Topology, options: Plan
     }
     if options.split_backward:
         inputs["split_backward"] = True
-    if options.merge_weight_grads:
+    if options.merges_weight_grads:
         inputs["merge_weight_grads"] = True
     if options.boundaries is not None:
         inputs["boundaries"] = list(options.boundaries)

@@ -88,9 +88,12 @@ def pipeline_probe_minibatches(cfg: Config) -> int:
 def batch_point_rows(cfg: Config) -> list[int]:
     """Microbatch sizes measured besides the profiled one (`meta.batch_points`): those a search
     over `schedule.num_microbatches` (`plan.search`) needs to interpolate every count it tries,
-    and with `schedule.merge_weight_grads` the minibatch's (the merged weight gradients' rate)."""
-    merged = [cfg.data.batch_size] if cfg.schedule.merge_weight_grads and \
-        cfg.data.batch_size != profile_batch_size(cfg) else []
+    and with merged weight gradients the minibatch's (their rate): where the run merges them
+    (`ScheduleConfig.merge_weight_grads_on`), or a search over `schedule.name` may pick a schedule
+    that merges them by default."""
+    schedule = cfg.schedule
+    merging = schedule.merge_weight_grads_on or (schedule.merge_weight_grads is None and "schedule.name" in cfg.plan.search)
+    merged = [cfg.data.batch_size] if merging and cfg.data.batch_size != profile_batch_size(cfg) else []
     if "schedule.num_microbatches" not in cfg.plan.search:
         return merged
     from pdcli.planner.pareto import auto_microbatches

@@ -105,6 +105,11 @@ class ScheduleRules:
     """True: the schedule's order needs a split backward (zbv's B and W); None: either."""
     microbatches_per_device: bool = False
     """num_microbatches must be a multiple of the devices (Megatron's interleaved order)."""
+    merges_weight_grads: bool = False
+    """A split backward's WeightGrads run merged per chunk unless `schedule.merge_weight_grads`
+    says otherwise (`merges_weight_grads`): loopedbfs, whose device backwards all of a chunk's
+    microbatches back to back and holds all of them anyway. Its per-microbatch W's would sit
+    between those Backwards and hold back the gradients the previous device waits for."""
 
     @property
     def chunked(self) -> bool:
@@ -133,7 +138,7 @@ RULES: dict[str, ScheduleRules] = {
                                replicable=False, placement=LOOP, virtual_stages=(1, None),
                                microbatches_per_device=True),
     LOOPED_BFS: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="all",
-                              replicable=False, placement=LOOP, virtual_stages=(1, None)),
+                              replicable=False, placement=LOOP, virtual_stages=(1, None), merges_weight_grads=True),
     ZBV: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="devices_upto_all",
                        replicable=False, placement=V_SHAPE, virtual_stages=(2, 2), split_backward=True),
 }
@@ -180,6 +185,15 @@ def switch_problems(name: str, vertical_sync: bool = False, split_backward: bool
 def takes_merged_weight_grads(name: str, split_backward: bool) -> bool:
     """Whether schedule `name` with `split_backward` takes `merge_weight_grads` (`switch_problems`)."""
     return not switch_problems(name, False, split_backward, True)
+
+
+def merges_weight_grads(name: str, split_backward: bool, setting: bool | None) -> bool:
+    """Whether a run of schedule `name` merges its weight gradients: `setting`
+    (`schedule.merge_weight_grads`), or where that is null, the schedule's default
+    (`ScheduleRules.merges_weight_grads`) where it takes them (a split backward pd places)."""
+    if setting is not None:
+        return setting
+    return rules(name).merges_weight_grads and takes_merged_weight_grads(name, split_backward)
 
 
 def written_merge_problem(orders: Sequence[Order], source: str) -> str | None:
@@ -256,10 +270,11 @@ class ScheduleSettings(Protocol):
     path: str | None
     orders: list[str] | None
     virtual_stages: int
-    merge_weight_grads: bool
 
     @property
     def split_backward_on(self) -> bool: ...
+    @property
+    def merge_weight_grads_on(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -329,7 +344,7 @@ class ScheduleSpec:
                             f"(plan.num_stages={len(orders)})")
         return cls.make(schedule.name, len(replicas), schedule.num_microbatches, num_steps, replicas,
                         schedule.vertical_sync, drain_after, schedule.split_backward_on, eval_after,
-                        num_eval_microbatches, orders, schedule.virtual_stages, schedule.merge_weight_grads)
+                        num_eval_microbatches, orders, schedule.virtual_stages, schedule.merge_weight_grads_on)
 
     def __post_init__(self) -> None:
         problems: list[str] = []

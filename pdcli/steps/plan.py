@@ -110,7 +110,7 @@ def make_plan(chain: Chain, cfg: Config, profile_sha256: str | None) -> dict[str
 
     options = plan_options(cfg, profile_sha256)
     priced = chain_of_run(chain, cfg.microbatch_size, cfg.train.precision,
-                          cfg.data.batch_size if options.merge_weight_grads else None)
+                          cfg.data.batch_size if options.merges_weight_grads else None)
     plan = plan_chain(priced, topology, options)
     if options.orders and len(plan.stages) != len(options.orders):
         raise UserError(f"{cfg.schedule.path or 'schedule.orders'} has {len(options.orders)} device lines, but the plan "

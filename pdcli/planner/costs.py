@@ -178,7 +178,7 @@ class SplitShares:
     wgrad: float
     """Weight gradients (what WeightGrads runs) / (forward + backward); > 0."""
     merged: bool = False
-    """The WeightGrads wait for the flush (`schedule.merge_weight_grads`)."""
+    """The WeightGrads run merged per chunk (`schedule.merge_weight_grads`)."""
 
 
 def split_shares(fwd_ms: float, bwd_ms: float, wgrad_ms: float, merged: bool = False) -> SplitShares | None:

@@ -165,8 +165,8 @@ def held_points(schedule: str, num_stages: int, num_microbatches: int, stage_id:
     As the runtime notes its memory (`pdcli.runtime.executor`): a Backward's point still
     holds its microbatch and the gradients it made; gradients live from the first Backward
     (with a split backward, the first WeightGrads: the Linear layers' weights are most of a
-    stage's) to the OptimizerStep. `merge_weight_grads`: the WeightGrads wait for the flush
-    (`ScheduleSpec.merge_weight_grads`)."""
+    stage's) to the OptimizerStep. `merge_weight_grads`: the WeightGrads run merged per chunk,
+    where the lowering puts them (`ScheduleSpec.merge_weight_grads`)."""
     spec = ScheduleSpec.make(stand_in(schedule), num_stages, num_microbatches, 1, split_backward=split_backward,
                              merge_weight_grads=merge_weight_grads)
     seen: set[tuple[int, int, int, int]] = set()
@@ -288,7 +288,8 @@ def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, rep
     keeps from a Backward to its WeightGrads, when measured. `eager_sends`: the runtime's
     send order (`SplitSpace.eager_sends`; None: the larger peak of either). `vertical_sync`:
     pipedream with vertical sync (its weight versions depend on stage 0's).
-    `merge_weight_grads`: a split backward's WeightGrads wait for the flush."""
+    `merge_weight_grads`: a split backward's WeightGrads wait for their chunk's last Backward
+    and run merged."""
     params = np.asarray(parameter_bytes, dtype=float)
     weights = 2.0 * params
     state = np.asarray(optimizer_state_bytes, dtype=float)

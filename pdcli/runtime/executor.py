@@ -95,7 +95,7 @@ class StageContext:
     """Message ids from this one on are held-out microbatches (`ScheduleSpec.eval_microbatch_id`:
     past every training id); None: the run never evaluates."""
     merge_weight_grads: bool = False
-    """`schedule.merge_weight_grads`: the flush's WeightGrads run as one matmul per Linear layer."""
+    """`schedule.merge_weight_grads` (resolved): a chunk's run of WeightGrads computes one matmul per Linear layer."""
 
 
 RecvPlan = list[tuple[str, int, Any, int]]

@@ -418,7 +418,7 @@ class ScheduleSpec:
             isinstance(a, WeightGrads) for a in own)
 
     def merges_weight_grads(self, stage_id: int) -> bool:
-        """Whether `stage_id`'s WeightGrads wait for the flush and run merged: `merge_weight_grads`
+        """Whether `stage_id`'s WeightGrads run merged per chunk: `merge_weight_grads`
         where the lowering places them (a written order's own W's run where they are written)."""
         return self.merge_weight_grads and self.places_weight_grads(stage_id)
 

@@ -331,12 +331,12 @@ def schedule_ceiling(schedule: str, num_microbatches: int, virtual_stages: int =
 def ceiling_of(pd_name: str) -> float | None:
     """`schedule_ceiling` of a pd row's schedule, microbatches and chunks (None: a row name
     that does not say them)."""
-    found = re.fullmatch(rf"{PD_PREFIX}(\w+), (?:V=(\d+), )?(\d+) microbatches(?:, schedule\.merge_weight_grads=(\w+))?",
-                         pd_name)
+    merges = "|".join(map(re.escape, (MERGED, UNMERGED)))
+    found = re.fullmatch(rf"{PD_PREFIX}(\w+), (?:V=(\d+), )?(\d+) microbatches(?:, ({merges}))?", pd_name)
     if found is None:
         return None
     schedule, virtual, microbatches, merge = found.groups()
-    merged = rules(schedule).merges_weight_grads if merge is None else merge == "true"
+    merged = rules(schedule).merges_weight_grads if merge is None else merge == MERGED
     return schedule_ceiling(schedule, int(microbatches), int(virtual or 1), merged)
 
 

@@ -85,7 +85,6 @@ def test_the_orders_ceiling_is_what_pds_lists_gain_by_their_order_alone() -> Non
     assert ceiling_of("pd train 1f1b, 4 microbatches, schedule.split_backward=false") is None
 
 
-
 def test_the_ceiling_of_a_row_replays_its_weight_gradients_merged_as_the_row_runs_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """loopedbfs merges its W's by default: its plain row is replayed merged, its second row not."""

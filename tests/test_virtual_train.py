@@ -76,7 +76,8 @@ CASES = [  # (schedule, devices, microbatches, transport)
 @pytest.mark.parametrize("schedule,devices,transport,merge", [("interleaved", 2, "gloo", True),
                                                               ("loopedbfs", 4, "socket", False)])
 def test_the_other_weight_grad_merging_on_virtual_stages_equals_the_reference(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schedule: str, devices: int, transport: str, merge: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schedule: str, devices: int, transport: str,
+        merge: bool) -> None:
     """Merged W's on interleaved, per-microbatch W's on loopedbfs (each schedule's default runs in
     `test_virtual_stages_equal_the_reference`)."""
     monkeypatch.setenv(TRANSPORT_ENV, transport)

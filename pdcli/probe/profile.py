@@ -92,7 +92,8 @@ def batch_point_rows(cfg: Config) -> list[int]:
     (`ScheduleConfig.merge_weight_grads_on`), or a search over `schedule.name` may pick a schedule
     that merges them by default."""
     schedule = cfg.schedule
-    merging = schedule.merge_weight_grads_on or (schedule.merge_weight_grads is None and "schedule.name" in cfg.plan.search)
+    merging = schedule.merge_weight_grads_on or (
+        schedule.merge_weight_grads is None and "schedule.name" in cfg.plan.search)
     merged = [cfg.data.batch_size] if merging and cfg.data.batch_size != profile_batch_size(cfg) else []
     if "schedule.num_microbatches" not in cfg.plan.search:
         return merged

@@ -138,7 +138,8 @@ RULES: dict[str, ScheduleRules] = {
                                replicable=False, placement=LOOP, virtual_stages=(1, None),
                                microbatches_per_device=True),
     LOOPED_BFS: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="all",
-                              replicable=False, placement=LOOP, virtual_stages=(1, None), merges_weight_grads=True),
+                              replicable=False, placement=LOOP, virtual_stages=(1, None),
+                              merges_weight_grads=True),
     ZBV: ScheduleRules(flush=True, step_per_microbatch=False, weight_buffers=1, in_flight="devices_upto_all",
                        replicable=False, placement=V_SHAPE, virtual_stages=(2, 2), split_backward=True),
 }

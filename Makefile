@@ -1,9 +1,10 @@
-# Two entry points: `make run` (quickstart) and `make test`. Both create .venv on first use.
+# Entry points: `make run` (quickstart), `make test` (what CI runs) and `make check` (the quick loop).
+# All create .venv on first use.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test check bench clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +22,11 @@ run: setup
 test: setup
 	$(BIN)/mypy
 	$(BIN)/pytest -q
+
+# mypy and the fast tier: every test not marked slow (under 90 s on 2 cores).
+check: setup
+	$(BIN)/mypy
+	$(BIN)/pytest -q -m "not slow"
 
 bench: setup
 	$(BIN)/python benchmarks/bench_planner.py

@@ -75,6 +75,7 @@ CHILD = ("from pdcli.torchutil.allocator import heap_on_huge_pages, restart_on_h
          "print(heap_on_huge_pages())\n")
 
 
+@pytest.mark.slow
 @needs_madvise
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("switch", ["on", "off"])

@@ -104,6 +104,7 @@ def test_a_receive_is_priced_by_what_it_ran_after_its_message_was_sent_not_by_it
     assert [(s.microbatch, s.chunk) for s in spans] == [(6, None), (7, 1), (None, None)]
 
 
+@pytest.mark.slow
 def test_calibrate_needs_a_run_directory(tmp_path: Path) -> None:
     result = runner.invoke(app, ["plan", RECIPE, f"run.root={tmp_path}", "profile.repeats=2", "profile.probe_minibatches=4",
                                  "--calibrate", str(tmp_path / "missing")])

@@ -26,6 +26,7 @@ def root(tmp_path: Path) -> str:
     return f"run.root={tmp_path}"
 
 
+@pytest.mark.slow
 def test_profile_then_reuse_then_force(root: str, tmp_path: Path) -> None:
     first = invoke("profile", QUICKSTART, root, "profile.repeats=2")
     assert first.exit_code == 0, first.output
@@ -40,6 +41,7 @@ def test_profile_then_reuse_then_force(root: str, tmp_path: Path) -> None:
     assert json.loads(as_json.stdout)["version"] == 1
 
 
+@pytest.mark.slow
 def test_profile_exports_pipedream_graph_that_plans_alike(root: str, tmp_path: Path) -> None:
     graph = tmp_path / "graph.txt"
     result = invoke("profile", QUICKSTART, root, "profile.repeats=2", "--export-graph", str(graph))
@@ -62,6 +64,7 @@ def test_profile_exports_pipedream_graph_that_plans_alike(root: str, tmp_path: P
     assert ratio == pytest.approx(1.0, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_hand_edited_artifact_is_refused(root: str, tmp_path: Path) -> None:
     assert invoke("plan", QUICKSTART, root).exit_code == 0
     plan = tmp_path / "quickstart/plan.json"
@@ -112,6 +115,7 @@ def test_plan_pipedream_profile_directly(shared_profiles: Path, tmp_path: Path) 
     assert got == pytest.approx(optimum_ms, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_plan_memory_follows_train_precision_and_recompute(root: str, tmp_path: Path) -> None:
     plans = {}
     for name, extra in {"fp32": (), "bf16": ("train.precision=bf16",), "recompute": ("train.recompute=true",)}.items():
@@ -134,6 +138,7 @@ def test_plan_memory_follows_train_precision_and_recompute(root: str, tmp_path: 
     assert plans["recompute"]["inputs"]["recompute"] is True and plans["bf16"]["inputs"]["precision"] == "bf16"
 
 
+@pytest.mark.slow
 def test_infeasible_plans_are_user_errors(root: str) -> None:
     too_many = invoke("plan", QUICKSTART, root, "plan.num_stages=50", "--gpus", "64")
     assert too_many.exit_code == 2 and "50" in too_many.output

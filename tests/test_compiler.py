@@ -307,6 +307,7 @@ def test_bad_boundaries_are_user_errors(bad: str, tmp_path: Path) -> None:
         compile_stages(model, (torch.randn(3, 6),), boundaries, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_generated_files_import_and_run_in_a_fresh_interpreter(tmp_path: Path) -> None:
     model = TwoInputs()

@@ -139,6 +139,7 @@ def test_digits_split_is_fixed_and_disjoint() -> None:
     assert all(0.0 <= v <= 1.0 for v in source("digits", batch_size=32).batch(0).inputs[0].flatten().tolist())
 
 
+@pytest.mark.slow
 def test_digits_are_scikit_learns_read_without_importing_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -90,6 +90,7 @@ def test_a_rank_whose_wait_failed_waits_for_a_stuck_peer_to_report_first(tmp_pat
     stuck.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_peer_that_falls_silent_while_a_rank_waits_for_it_is_killed_as_the_cause(tmp_path: Path) -> None:
     """A peer still alive when this rank's wait timed out, then stopped (SIGSTOP) inside the wait

@@ -247,6 +247,7 @@ def test_chunked_schedules_are_searched_with_two_chunks_per_device() -> None:
     assert "zbv" in config_space(cfg, c).schedules and "zbv" not in config_space(cfg, chain()).schedules
 
 
+@pytest.mark.slow
 def test_the_chosen_configuration_is_planned_as_pd_plan_plans_it_alone() -> None:
     """The search prices every configuration without the replay's refinement, then plans the
     chosen one with it: its plan is the one `pd plan` makes for that configuration."""

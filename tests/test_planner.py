@@ -162,6 +162,7 @@ def random_options(rng: random.Random, cost_model: str, chain: Chain, topology: 
                        precision=precision, recompute=recompute)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("seed", range(6))
 def test_pd_dp_equals_brute_force(seed: int) -> None:
@@ -605,6 +606,7 @@ def test_split_backward_memory_reaches_the_plan() -> None:
         plan_chain(chain, Topology.flat(2), PlanOptions(**limited, split_backward=True))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("seed", range(3))
 def test_pd_dp_equals_brute_force_with_split_backward(seed: int) -> None:

@@ -78,6 +78,7 @@ def limits(chain: Chain, topology: Topology, options: PlanOptions) -> list[float
     return [smallest.objective + (free - smallest.objective) * f for f in (0.05, 0.25, 0.6)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,split,merge", CASES)
 def test_the_search_under_a_memory_limit_finds_the_straightforward_plans(
         schedule: str, split: bool, merge: bool, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -153,6 +153,7 @@ def levels_of(inner: int, outer: int = 1) -> list[dict]:
     return levels + ([{"devices": outer, "bandwidth_bytes_per_s": 1e9}] if outer > 1 else [])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("profile", ["resnet50", "gnmt"])
 def test_parametric_top_level_finds_the_tables_optimum(profile: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,6 +182,7 @@ RESNET50_1024_FLAT_MS = 0.47247257491416467
 (in 213 s and 1.4 GB)."""
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_resnet50_on_1024_devices_with_either_cost_model() -> None:
     chain = chain_of("resnet50")

@@ -122,6 +122,7 @@ DEEP_OPTIMUM_MS = 168.5310000000011
 and on 4 x 4, as the dense table over every row found it (41 s on 4 x 4)."""
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_deep_profile_plans_at_the_dense_tables_optimum(deep_profile: Any) -> None:
     chain = graph_to_chain(deep_profile.deep_graph(), max_states=2000)

@@ -381,6 +381,7 @@ def small_config(tmp_path: Path) -> Config:
     )
 
 
+@pytest.mark.slow
 def test_ensure_profile_reuses_until_inputs_change(tmp_path: Path) -> None:
     cfg = small_config(tmp_path)
     run = RunDir(Path(cfg.run.root) / cfg.run.name)
@@ -430,6 +431,7 @@ def test_host_speed_times_the_reference_matmul_on_one_thread_and_restores_the_th
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.slow
 def test_ensure_profile_refuses_a_hand_edited_profile(tmp_path: Path) -> None:
     cfg = small_config(tmp_path)
     run = RunDir(Path(cfg.run.root) / cfg.run.name)

@@ -266,6 +266,7 @@ def test_replay_refines_the_searched_split() -> None:
             assert predicted_ms(c, boundaries=(other,)) >= plan.time_per_minibatch_ms * (1 - 1e-9) or abs(other - cut) > 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["pipedream", "1f1b", "2bw"])
 def test_replay_ranks_the_stage_counts(schedule: str) -> None:
     """The search's own pick (data parallelism here, by its stage-time model) is not what the
@@ -287,6 +288,7 @@ def test_replay_ranks_the_stage_counts(schedule: str) -> None:
     assert pd_search(space, topology, options, scale).stages[0].replicas == 4
 
 
+@pytest.mark.slow
 def test_the_unconstrained_best_is_never_slower_than_the_users_split() -> None:
     """The user's split is a plan without constraints too: when the free search's plan replays
     slower, the user's is the unconstrained best (0% faster, not a negative gain)."""

@@ -98,6 +98,7 @@ def test_replicas_get_round_robin_microbatches_and_name_their_peers():
 # ---- the checker proves every schedule ----
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("send_mode", list(SendMode))
 def test_every_schedule_checks_for_1_to_5_stages_1_to_8_microbatches(send_mode):
     checked = 0
@@ -110,6 +111,7 @@ def test_every_schedule_checks_for_1_to_5_stages_1_to_8_microbatches(send_mode):
     assert checked > (300 if send_mode is SendMode.RENDEZVOUS else 500)
 
 
+@pytest.mark.slow
 def test_sends_first_keeps_compute_and_checks_with_eager_sends():
     checked = 0
     for spec in all_specs():
@@ -142,6 +144,7 @@ def test_sends_first_sends_activations_before_waiting_for_a_gradient():
 # ---- split backward: WeightGrads ----
 
 
+@pytest.mark.slow
 def test_split_backward_checks_for_every_flush_shape_both_transports():
     checked = 0
     for spec in all_specs():
@@ -200,6 +203,7 @@ def assert_merged_weight_grads(actions) -> tuple[int, int]:
     return at_flush, early
 
 
+@pytest.mark.slow
 def test_merged_weight_grads_wait_for_the_flush_on_every_flush_shape_both_transports():
     checked = 0
     for spec in all_specs():

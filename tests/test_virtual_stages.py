@@ -287,6 +287,7 @@ def test_plan_memory_is_the_sum_of_a_devices_chunks_and_refuses_past_the_limit()
         plan_chain(uniform_chain(), Topology.flat(2), dataclasses.replace(options, memory_bytes_per_device=need * 0.9))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CHUNKED)
 def test_plan_replay_refines_the_searched_chunks(name: str) -> None:
     """The plan is never slower (replayed) than the search's own chunks, whose cuts it may move."""

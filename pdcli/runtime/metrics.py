@@ -201,7 +201,7 @@ def tensorboard_scalars(record: dict[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     final = bool(record.get("final"))
     for key, value in record.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or key == "step":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or key in ("step", "time"):
             continue
         if key.startswith("eval_"):
             out[f"eval/{key.removeprefix('eval_')}"] = float(value)
@@ -220,8 +220,9 @@ def add_scalars(tensorboard: Any, record: dict[str, Any]) -> None:
 
 
 class MetricsLog:
-    """`train/metrics.jsonl`: one JSON object per line, flushed as written; with a TensorBoard
-    writer (`open_tensorboard`) each line's scalars too, at its step."""
+    """`train/metrics.jsonl`: one JSON object per line, flushed as written, each with the wall
+    `time` it was written (Unix seconds, as TensorBoard's `wall_time`) unless it holds one; with a
+    TensorBoard writer (`open_tensorboard`) each line's scalars too, at its step."""
 
     def __init__(self, path: Path, append: bool = False, tensorboard: Any = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -229,6 +230,7 @@ class MetricsLog:
         self.tensorboard = tensorboard
 
     def write(self, record: dict[str, Any]) -> None:
+        record = {"time": time.time(), **record}
         self._f.write(json.dumps(record, sort_keys=True) + "\n")
         self._f.flush()
         if self.tensorboard is not None:

@@ -158,8 +158,9 @@ class LossTracker:
         return read_journal(self.journal.path)
 
     def record_eval(self, after_minibatches: int, metrics: dict[str, Any]) -> None:
-        """An evaluation after `after_minibatches` minibatches; a metrics line unless it is the end's."""
-        line = {"step": after_minibatches, **metrics}
+        """An evaluation after `after_minibatches` minibatches, at wall `time`; a metrics line unless
+        it is the end's."""
+        line = {"step": after_minibatches, "time": time.time(), **metrics}
         self.evals.append(line)
         if self.writer is not None and after_minibatches < self.num_minibatches:
             self.writer.write(line)

@@ -30,6 +30,7 @@ from pdcli.runtime.executor import Executor, StageContext
 from pdcli.runtime.launch import read_plan, read_resume_step
 from pdcli.runtime.metrics import (
     METRICS_FILE, S_TO_MS, SUMMARY_FILE, TRACE_FILE, MetricsLog, RankStats, Timeline, chrome_trace, open_tensorboard, per_stage,
+    read_metrics,
 )
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossJournal, LossTracker, journal_path, minibatch_losses, summarize
@@ -304,7 +305,7 @@ def run_session(
         tracker.restart_clock()
     logger.info("%d objects of the setup frozen out of the garbage collector", freeze_setup())
     with naming_remote_peers(transport):  # training, checkpoints and reports: gloo's collectives among them
-        start_s = time.perf_counter()
+        start_s, start_time = time.perf_counter(), time.time()
         executor.run(on_step)
         loop_s = time.perf_counter() - start_s - executor.eval_s  # training only: samples/s and pd report's times
         logger.info("training loop done in %.3f s (%d optimizer steps), evaluations %.3f s", loop_s, executor.steps_done,
@@ -323,7 +324,7 @@ def run_session(
         if gathered is not None:  # every rank is done training: the host's speed as the profile measured it
             host_speed = host_speed_ms() if device.type == "cpu" else None
             write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=resume_step or 0, eval_s=executor.eval_s,
-                          host_speed=host_speed)
+                          host_speed=host_speed, start_time=start_time)
         dist.barrier()
     if isinstance(transport, SocketTransport):
         transport.close()
@@ -345,10 +346,11 @@ def naming_remote_peers(transport: Transport) -> Iterator[None]:
 
 def write_reports(
     train_dir: Path, cfg: "Config", gathered: list[dict[str, Any]], loop_s: float, tracker: LossTracker | None, first_step: int = 0,
-    eval_s: float = 0.0, host_speed: float | None = None,
+    eval_s: float = 0.0, host_speed: float | None = None, start_time: float | None = None,
 ) -> None:
     """Chrome trace, summary.json (with `host_speed`, `pdcli.host.host_speed_ms` measured after
-    the run, where there is one), and the final metrics lines (exact over all last-stage replicas)."""
+    the run, where there is one; `start_time`, the wall time the loop started), and the final
+    metrics lines (exact over all last-stage replicas)."""
     all_stats: list[RankStats] = [g["stats"] for g in gathered]
     records: dict[int, Any] = {}
     for g in gathered:
@@ -367,6 +369,7 @@ def write_reports(
         "minibatch_losses": losses, "microbatch_losses": {str(k): v[0] for k, v in sorted(records.items())},
         "checkpoint": str(checkpoint.checkpoint_dir(train_dir, cfg.train.steps)), **end_eval, "evals": evals,
         "eval_s": eval_s, **({HOST_SPEED_META: host_speed} if host_speed is not None else {}),
+        **({"start_time": start_time} if start_time is not None else {}),
     }
     atomic_write_json(train_dir / SUMMARY_FILE, summary)
     final_line = {**final, "step": cfg.train.steps, "final": True, "samples_per_s": samples_per_s, "stages": stages,
@@ -375,16 +378,19 @@ def write_reports(
         tracker.writer.write(final_line)  # the live lines are exact: append the final one
         tracker.writer.close()
         return
-    # A replicated last stage: live lines saw replica 0's share only; rewrite them from all records.
+    # A replicated last stage: live lines saw replica 0's share only; rewrite their losses from all
+    # records (each keeps the time it was written and the rate of its interval: replica 0's clock).
     if tracker is not None and tracker.writer is not None:
         tracker.writer.close()
+    live = {line["step"]: line for line in read_metrics(train_dir / METRICS_FILE) if "loss" in line}
     log = MetricsLog(train_dir / METRICS_FILE, tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard, fresh=True))
     every, steps = cfg.train.log_every, cfg.train.steps
     lines = []
     for start in range(0, steps, every):
         end = min(start + every, steps)
-        lines.append({**summarize(records, m, list(range(start, end))), "step": end, "samples_per_s": samples_per_s,
-                      **(tracker.extra(end - 1) if tracker is not None else {})})
+        clock = {k: live[end][k] for k in ("time", "samples_per_s") if k in live.get(end, {})}
+        lines.append({"samples_per_s": samples_per_s, **clock, **summarize(records, m, list(range(start, end))),
+                      "step": end, **(tracker.extra(end - 1) if tracker is not None else {})})
     lines += [e for e in evals if e["step"] < steps]  # each after the training line of its step, as live
     for line in sorted(lines, key=lambda line: (line["step"], "eval_loss" in line)):
         log.write(line)

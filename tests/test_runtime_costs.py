@@ -447,3 +447,61 @@ def test_the_profile_summary_says_the_layers_are_timed_without_the_probes_autoca
 
     assert "the probe ran them under bf16 autocast" in text("bf16")
     assert "autocast" not in text("fp32") and "autocast" not in text(None)
+
+
+@pytest.mark.parametrize("cores", [None, 1])
+def test_a_link_slower_than_the_compute_carries_one_message_at_a_time(cores: int | None) -> None:
+    """Messages that hold their link (`wire_ms`) leave one after another: gpipe's eight
+    activations go down one by one and its eight gradients come back one by one (each way 8 x
+    3 ms on the wire); without `wire_ms` the link carries them side by side."""
+    spec = ScheduleSpec.make("gpipe", 2, 8, 1)
+    free = [StageCost(0.5, 0.5, comm_ms=3.0), StageCost(0.5, 0.5)]
+    held = [dataclasses.replace(free[0], wire_ms=3.0), free[1]]
+    assert simulate(spec, free, cores=cores).makespan_ms < 8 * 1.0 * 2 + 2 * 3.0 + 1e-9  # the compute, two latencies
+    assert simulate(spec, held, cores=cores).makespan_ms >= 2 * 8 * 3.0
+
+
+def test_a_cluster_of_several_levels_prices_its_links_at_their_bandwidth() -> None:
+    """On several levels the measured latency and all-reduce floor stay, the core bound goes (each
+    host has its own), and a message pays its bytes at the slower of the transport and the level."""
+    from pdcli.planner.search import runtime_of
+
+    measured = dataclasses.replace(RUNTIME, allreduce=Affine(2e-6, 3.0))
+    space = SplitSpace.from_chain(chain(measured))
+    assert runtime_of(space, Topology.flat(2, 1e9)) == measured
+    two_hosts = Topology.from_levels([{"devices": 1, "bandwidth_bytes_per_s": 1e10},
+                                      {"devices": 2, "bandwidth_bytes_per_s": 1e6}])
+    priced = runtime_of(space, two_hosts)
+    assert priced is not None and priced.cluster_links and priced.cores is None
+    assert priced.allreduce == measured.allreduce and priced.latency_ms == measured.latency_ms
+    assert priced.link_ms(1e4, 1e6) == pytest.approx(1.0 + 10.0)  # the level's 1 MB/s
+    assert priced.link_ms(1e4, 1e10) == pytest.approx(1.0 + 1e4 / 5e7 * 1e3)  # the transport's 50 MB/s
+    assert priced.link_wire_ms(1e4, 1e6) == pytest.approx(10.0) and measured.link_wire_ms(1e4, 1e6) == 0.0
+    options = PlanOptions(schedule="pipedream", num_microbatches=4, batch_size=64, boundaries=(4,), num_stages=2,
+                          straight=True)
+    plan = plan_chain(chain(measured), two_hosts, options)
+    # 8192 bytes a profiled batch of 16, x 4 a minibatch of 64, one way through a 1 MB/s link
+    link_bound = 8192 * 4 / 1e6 * 1e3
+    assert plan.stages[0].predicted["comm_out_ms"] == pytest.approx(link_bound)
+    assert plan.time_per_minibatch_ms >= link_bound  # the link sets the pace
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b", "gpipe"])
+def test_the_data_parallel_baseline_is_ddps_step_whatever_the_plans_schedule(schedule: str) -> None:
+    """`speedup_over_data_parallel` is against DDP: every device one share of the minibatch, one
+    all-reduce and one optimizer step per minibatch, the same for every schedule the plan runs."""
+    from pdcli.planner.costs import replica_allreduce_ms
+    from pdcli.planner.evaluate import data_parallel_eval
+
+    c, topology = chain(RUNTIME.without("cores")), Topology.flat(2, 1e8)
+    options = PlanOptions(schedule=schedule, num_microbatches=4, batch_size=64)
+    space = SplitSpace.from_chain(c)
+    ddp = data_parallel_eval(space, topology, options, batch_scale(c.meta, options))
+    params = sum(node.parameter_bytes for node in c.nodes)
+    assert [st.replicas for st in ddp.stages] == [2]
+    assert ddp.stages[0].terms["sync_ms"] == pytest.approx(float(replica_allreduce_ms(params, 2, 1e8)))  # once
+    plan = plan_chain(c, topology, options)
+    assert plan.pipeline["data_parallel_time_per_minibatch_ms"] == pytest.approx(ddp.time_per_minibatch_ms)
+    same = data_parallel_eval(space, topology, PlanOptions(schedule="1f1b", num_microbatches=2, batch_size=64),
+                              batch_scale(c.meta, options))
+    assert same.time_per_minibatch_ms == pytest.approx(ddp.time_per_minibatch_ms)

@@ -252,6 +252,9 @@ class ActionCosts:
     link_in_ms: Any
     """One message in flight over the link from the previous stage."""
     link_out_ms: Any
+    wire_out_ms: Any = 0.0
+    """Of link_out_ms, what a message holds the link for (`RuntimeCosts.link_wire_ms`; 0: the
+    link carries messages side by side)."""
     latency_ms: Any = 0.0
     """Of each link_*_ms, the measured latency: time in flight that does not hold the link
     (messages overlap in it), unlike the bytes' time on the wire."""
@@ -306,6 +309,7 @@ def runtime_action_costs(runtime: RuntimeCosts, schedule: str, num_microbatches:
         recv_acts_ms=_per_message(runtime.recv, in_bytes), send_grads_ms=_per_message(runtime.send, in_bytes),
         load_ms=first_f * runtime.load_inputs_ms + np.maximum(last_f - first_f, 0.0) * runtime.load_target_ms,
         link_in_ms=link(in_bytes, in_bw), link_out_ms=link(out_bytes, out_bw),
+        wire_out_ms=np.where(out_bytes > 0, runtime.link_wire_ms(out_bytes, out_bw), 0.0),
         latency_ms=runtime.latency_ms if runtime.latency_ms is not None and runtime.bandwidth_bytes_per_s else 0.0,
         allreduce=runtime.allreduce,
     )
@@ -315,7 +319,8 @@ def runtime_stage_terms(actions: ActionCosts, parameter_bytes: Any, replicas: An
                         num_microbatches: int) -> StageTerms:
     """A stage's time per minibatch (one replica) from its per-action costs: the busy time of
     its actions, or a link that carries its messages' bytes slower (their latency overlaps:
-    the replay of the action lists prices it)."""
+    the replay of the action lists prices it). A link is full duplex: activations go one way
+    while gradients come back the other, each way carrying one message per microbatch."""
     r = np.asarray(replicas, dtype=float)
     per_replica = num_microbatches / r
     a = actions
@@ -327,7 +332,7 @@ def runtime_stage_terms(actions: ActionCosts, parameter_bytes: Any, replicas: An
     optimizer = a.update_ms * updates
     messages = per_replica * (a.send_acts_ms + a.recv_grads_ms + a.recv_acts_ms + a.send_grads_ms)
     messages = messages + a.gap_ms * (per_replica * a.actions_per_microbatch + updates * a.actions_per_update)
-    comm_in = 2.0 * per_replica * np.maximum(a.link_in_ms - a.latency_ms, 0.0)  # the wire's time, back to back
-    comm_out = 2.0 * per_replica * np.maximum(a.link_out_ms - a.latency_ms, 0.0)
+    comm_in = per_replica * np.maximum(a.link_in_ms - a.latency_ms, 0.0)  # the wire's time, back to back
+    comm_out = per_replica * np.maximum(a.link_out_ms - a.latency_ms, 0.0)
     stage = np.maximum(np.maximum(compute + optimizer + sync + messages, comm_in), comm_out)
     return StageTerms(fwd, bwd, compute, sync, optimizer, comm_in, comm_out, stage, messages, a.load_ms)

@@ -166,6 +166,7 @@ def _actions_ms(a: ActionCosts, split: bool, allreduce_ms: float) -> dict[str, f
         "fwd_ms": float(a.forward_ms), "bwd_ms": float(a.backward_ms),
         "wgrad_ms": float(a.wgrad_ms) if split else 0.0, "optimizer_ms": float(a.update_ms),
         "allreduce_ms": allreduce_ms, "comm_ms": float(a.link_out_ms),
+        "wire_ms": float(a.wire_out_ms),
         "send_acts_ms": float(a.send_acts_ms), "recv_grads_ms": float(a.recv_grads_ms),
         "recv_acts_ms": float(a.recv_acts_ms), "send_grads_ms": float(a.send_grads_ms),
         "load_ms": float(a.load_ms), "gap_ms": float(a.gap_ms),
@@ -268,6 +269,27 @@ def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, sca
     factor = float(bubble_factor(options.schedule, options.num_microbatches, num_stages,
                                  backward_split(space, options)))
     return PlanEval(tuple(stages), factor * bottleneck)
+
+
+DATA_PARALLEL_SCHEDULE = "1f1b"
+"""The schedule data parallelism is priced as: with one stage, a flush schedule is torch DDP's
+step (every device's forward and backward, one all-reduce, one optimizer step)."""
+
+
+def data_parallel_eval(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float) -> PlanEval:
+    """Data parallelism as `torch.nn.parallel.DistributedDataParallel` runs it, the baseline a
+    plan's `speedup_over_data_parallel` is against: the whole model on every device of the
+    cluster, each device one 1/N share of the minibatch (one microbatch each), then one
+    all-reduce of every gradient over the slowest level spanned and one optimizer step per
+    minibatch, whatever the plan's own schedule (a schedule that steps per microbatch would
+    all-reduce M times per minibatch, which no data-parallel user runs). Priced by the same
+    model as the plan: `evaluate_pd` of one stage with N replicas under DATA_PARALLEL_SCHEDULE."""
+    devices = topology.num_devices
+    ddp = dataclasses.replace(options, schedule=DATA_PARALLEL_SCHEDULE, num_microbatches=devices,
+                              split_backward=False, merge_weight_grads=None, vertical_sync=False, orders=(),
+                              num_stages=None, straight=False, boundaries=None, split_points=(), replicas=None,
+                              virtual_stages=1)
+    return evaluate_pd(space, topology, ddp, scale, [(0, space.num_positions, devices)])
 
 
 def evaluate_pipedream(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,

@@ -7,7 +7,7 @@ from typing import Any
 
 from pdcli.errors import UserError
 from pdcli.planner.evaluate import (
-    PlanEval, batch_scale, climb, evaluate_pd, evaluate_pipedream, pipeline_summary, stage_predicted,
+    PlanEval, batch_scale, climb, data_parallel_eval, evaluate_pd, evaluate_pipedream, pipeline_summary, stage_predicted,
 )
 from pdcli.planner.options import COST_PIPEDREAM, PlanOptions, search_memory_text
 from pdcli.planner.pipedream import pipedream_data_parallel_s, pipedream_search
@@ -142,7 +142,7 @@ def plan_chain(chain: Chain, topology: Topology, options: PlanOptions, space: Sp
 
 def _best(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
           steer: Steering) -> tuple[PlanEval, float]:
-    """(the best plan under `steer`, the time of data parallelism on all devices)."""
+    """(the best plan under `steer`, the time of data parallelism on all devices: `data_parallel_eval`)."""
     devices = topology.num_devices
     if options.cost_model == COST_PIPEDREAM:
         found = pipedream_search(space, topology, options, scale)
@@ -155,7 +155,7 @@ def _best(space: SplitSpace, topology: Topology, options: PlanOptions, scale: fl
         result = evaluate_pipedream(space, topology, options, scale, pd_stages)
         result = dataclasses.replace(result, time_per_minibatch_ms=best_s * MS_PER_S)
         return result, pipedream_data_parallel_s(space, topology, scale) * MS_PER_S
-    whole = evaluate_pd(space, topology, options, scale, [(0, space.num_positions, devices)])
+    whole = data_parallel_eval(space, topology, options, scale)
     replicas = steer.replicas
     if replicas is None and options.straight and steer.complete_split:
         replicas = (1,) * (len(steer.cuts) + 1)  # one device per fixed stage, however many the cluster has

@@ -20,6 +20,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from pdcli.schedule.simulator import shares_cores
 from pdcli.schedule.spec import rules
 
@@ -143,6 +145,10 @@ class RuntimeCosts:
     so it prices a stage's compute, not the time; measured with it. 1.0: as `shared_slowdown`."""
     sources: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What the fit was made from (probe stages, samples, residuals); informational."""
+    cluster_links: bool = False
+    """Priced for a cluster of several levels (`pdcli.planner.search.runtime_of`; not kept in
+    the profile): a message also pays its bytes at the level's nominal bandwidth where that is
+    slower than the measured transport, and holds its link for its bytes (`link_wire_ms`)."""
 
     def mode(self, schedule: str) -> ModeCosts:
         return self.modes[weight_mode(schedule)]
@@ -254,7 +260,19 @@ class RuntimeCosts:
 
     def link_ms(self, message_bytes: Any, nominal_bandwidth_bytes_per_s: Any) -> Any:
         """Time in flight of one message: the measured latency + bytes / measured bandwidth, or
-        bytes / the cluster's nominal bandwidth where nothing was measured."""
+        bytes / the cluster's nominal bandwidth where nothing was measured; on a cluster of
+        several levels (`cluster_links`) the latency + `link_wire_ms`."""
         if self.latency_ms is None or self.bandwidth_bytes_per_s is None:
             return message_bytes / nominal_bandwidth_bytes_per_s * 1e3
+        if self.cluster_links:
+            return self.latency_ms + self.link_wire_ms(message_bytes, nominal_bandwidth_bytes_per_s)
         return self.latency_ms + message_bytes / self.bandwidth_bytes_per_s * 1e3
+
+    def link_wire_ms(self, message_bytes: Any, nominal_bandwidth_bytes_per_s: Any) -> Any:
+        """How long one message holds its link (`cluster_links` only, else 0: the measured
+        transport of one host carries messages side by side): its bytes at the slower of the
+        measured transport and the level's nominal bandwidth."""
+        if not self.cluster_links:
+            return 0.0 * message_bytes
+        bandwidth = np.minimum(self.bandwidth_bytes_per_s or np.inf, nominal_bandwidth_bytes_per_s)
+        return message_bytes / bandwidth * 1e3

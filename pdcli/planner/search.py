@@ -208,10 +208,13 @@ def memory_needs_stage_count(options: PlanOptions, minimize: str) -> bool:
 
 def runtime_of(space: SplitSpace, topology: Topology) -> RuntimeCosts | None:
     """The runtime costs the `pd` model prices with: the measured transport on a one-level
-    cluster (one host), the levels' nominal bandwidths on several."""
+    cluster (one host); on several, each host's own cores (no bound shared by all) and links
+    priced with the cluster's bandwidths (`RuntimeCosts.cluster_links`): the measured latency
+    and all-reduce floor kept, a message's bytes and a ring all-reduce at the level's nominal
+    bandwidth where that is slower."""
     if space.runtime is None or len(topology.levels) == 1:
         return space.runtime
-    return space.runtime.without("transport", "cores")
+    return dataclasses.replace(space.runtime.without("cores"), cluster_links=True)
 
 
 def oversubscription_of(cores: int | None, devices: int, slowdown: float = 1.0) -> float:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 from pdcli.errors import UserError
 from pdcli.planner.evaluate import (
-    REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, batch_scale, climb, evaluate_pd, pipeline_summary, plan_options_of,
+    REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, batch_scale, climb, data_parallel_eval, evaluate_pd, pipeline_summary, plan_options_of,
     replay_shown, stage_predicted,
 )
 from pdcli.planner.options import PlanOptions
@@ -164,8 +164,7 @@ def plan_virtual(chain: Chain, topology: Topology, options: PlanOptions, space: 
         raise UserError(f"no plan fits in {limit:.4g} bytes per device (schedule={options.schedule}, "
                         f"{devices} devices x {v} chunks): device {worst['rank']} needs {worst['total_bytes']:.4g}",
                         hint="raise cluster.memory_bytes_per_device, add devices, or use fewer microbatches")
-    whole = evaluate_pd(space, topology, dataclasses.replace(stand_in, num_stages=None, straight=False), scale,
-                        [(0, space.num_positions, topology.num_devices)])
+    whole = data_parallel_eval(space, topology, stand_in, scale)
     slowdown = runtime.slowdown(devices) if runtime is not None else 1.0
     cpu_scale = runtime.cpu_sharing(devices) if runtime is not None else 1.0
     return _assemble(chain, space, topology, options, spec, chunks, sim.time_per_minibatch_ms * slowdown,

@@ -14,6 +14,10 @@ sender packs it (`send_*_ms`, the Send action) and the receiver unpacks it once 
 arrived (`recv_*_ms`, the end of the Recv action). A process's first LoadMicrobatch of a
 minibatch costs `load_ms` x M (it makes the whole minibatch, as the runtime does), the others
 nothing; weight stashing is part of `optimizer_ms`.
+Of a message's time in flight, `wire_ms` holds its link (the bytes on the wire; the rest is
+latency): a process's messages in one direction leave one after another, each starting once
+the one before it is off the wire (what a link slower than the compute does). 0: the link
+carries any number at once.
 With `cores` fewer than the ranks (workers sharing a CPU host), the costs are CPU time and
 the replay schedules the ranks on the cores as the kernel does (`_shared`): a rank with CPU
 work to do (an action, packing or unpacking a message, the interpreter's gap) runs on a free
@@ -60,6 +64,9 @@ class StageCost:
     """One all-reduce of the stage's gradients over its replicas."""
     wgrad_ms: float = 0.0
     """The part of `bwd_ms` a split backward defers to WeightGrads (Linear weight gradients)."""
+    wire_ms: float = 0.0
+    """Of `comm_ms`, the part a transfer holds its link (its bytes at the link's bandwidth):
+    the next transfer the same way over it waits for it."""
     send_acts_ms: float = 0.0
     """CPU time of SendActivations (packing the message to the next stage)."""
     recv_grads_ms: float = 0.0
@@ -158,6 +165,30 @@ def _duration_ms(spec: ScheduleSpec, stage_id: int, action: Action,
     return 0.0
 
 
+def _wire_ms(spec: ScheduleSpec, stage_id: int, action: Action, costs: Sequence[StageCost]) -> float:
+    """The part of a send's time in flight that holds its link (`StageCost.wire_ms`)."""
+    if _local(spec, stage_id, action):
+        return 0.0
+    chunk = _chunk(stage_id, action)
+    return costs[chunk].wire_ms if isinstance(action, SendActivations) else costs[chunk - 1].wire_ms
+
+
+class _Links:
+    """When each process's link in each direction is free again: a send's bytes go on the
+    wire once it has packed them and the sends before it are off."""
+
+    def __init__(self) -> None:
+        self.free_ms: dict[tuple[int, bool], float] = {}
+
+    def arrival_ms(self, spec: ScheduleSpec, rank: int, stage_id: int, action: Action, costs: Sequence[StageCost],
+                   packed_ms: float) -> float:
+        """When the message of `action` (a send by `rank`, packed at `packed_ms`) arrives."""
+        key = (rank, isinstance(action, SendActivations))
+        start = max(packed_ms, self.free_ms.get(key, 0.0))
+        self.free_ms[key] = start + _wire_ms(spec, stage_id, action, costs)
+        return start + _duration_ms(spec, stage_id, action, costs)
+
+
 def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
              send_mode: SendMode = SendMode.EAGER,
              lists_by_rank: Sequence[Sequence[Action]] | None = None,
@@ -177,6 +208,7 @@ def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
     clock_ms = [0.0] * spec.num_ranks
     arrival_ms: dict[Slot, float] = {}
     timed: list[list[TimedAction]] = [[] for _ in range(spec.num_ranks)]
+    links = _Links()
     for event in lockstep(lists, spec, send_mode):
         ranks = [rank for rank, _ in event.members]
         actions = [lists[rank][index] for rank, index in event.members]
@@ -185,8 +217,8 @@ def simulate(spec: ScheduleSpec, costs: Sequence[StageCost],
         start = max(clock_ms[r] + costs[stages[r]].gap_ms for r in ranks)
         end = start + cpu_ms + duration
         if send_mode is SendMode.EAGER and isinstance(actions[0], (SendActivations, SendGrads)):
-            arrival_ms[event.members[0]] = end  # the sender goes on once it has packed
-            end = end_of_rank = start + cpu_ms
+            end = end_of_rank = start + cpu_ms  # the sender goes on once it has packed
+            arrival_ms[event.members[0]] = links.arrival_ms(spec, ranks[0], stages[ranks[0]], actions[0], costs, end)
         elif event.waited_for:  # an eager receive: unpacked once the data has arrived
             end = max(start, arrival_ms.pop(event.waited_for[0])) + cpu_ms
             end_of_rank = end
@@ -303,6 +335,7 @@ def _shared(spec: ScheduleSpec, lists: Sequence[Sequence[Action]], stages: Seque
     queue: list[int] = []  # ranks waiting for one, first come first
     now = 0.0
     num_ranks = spec.num_ranks
+    links = _Links()
 
     def work_ms(r: int, action: Action) -> float:
         if isinstance(action, (SendActivations, SendGrads, RecvActivations, RecvGrads)):
@@ -348,7 +381,7 @@ def _shared(spec: ScheduleSpec, lists: Sequence[Sequence[Action]], stages: Seque
                         next_action(member_rank)
                 else:
                     if isinstance(action, (SendActivations, SendGrads)):
-                        arrival_ms[slot] = now + _duration_ms(spec, stages[r], action, costs)
+                        arrival_ms[slot] = links.arrival_ms(spec, r, stages[r], action, costs, now)
                         heapq.heappush(arrivals, arrival_ms[slot])
                     timed[r].append(TimedAction(action, state.start_ms, now))
                     next_action(r)

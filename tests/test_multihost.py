@@ -230,16 +230,21 @@ def pd(*args: str, ns: str | None = None, env: dict[str, str] | None = None) -> 
 
 def finish(*procs: subprocess.Popen[str]) -> list[tuple[int, str]]:
     """(exit status, stderr) of each, killing what is left after JOB_TIMEOUT_S."""
-    out = []
+    return [(code, err) for code, _, err in finish_with_output(*procs)]
+
+
+def finish_with_output(*procs: subprocess.Popen[str]) -> list[tuple[int, str, str]]:
+    """(exit status, stdout, stderr) of each, killing what is left after JOB_TIMEOUT_S."""
+    done = []
     for proc in procs:
         try:
-            _, err = proc.communicate(timeout=JOB_TIMEOUT_S)
+            out, err = proc.communicate(timeout=JOB_TIMEOUT_S)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-        out.append((proc.returncode, err))
-    return out
+        done.append((proc.returncode, out, err))
+    return done
 
 
 def final_weights(root: Path, stage_ids: list[int]) -> dict[int, dict[str, torch.Tensor]]:
@@ -285,7 +290,8 @@ def assert_same_weights(got: dict[int, dict[str, torch.Tensor]], want: dict[int,
 def test_two_nodes_with_their_own_run_directories_train_like_one(
     compiled: Path, one_node: dict[int, dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
-    """Node 1's directory holds another profile: it trains node 0's plan, to the same weights."""
+    """Node 1's directory holds another profile: it trains node 0's plan, to the same weights;
+    node 0 ends with node 1's summary, metrics and trace, and the link measured between them."""
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(compiled, a)
     shutil.copytree(compiled, b)
@@ -295,14 +301,24 @@ def test_two_nodes_with_their_own_run_directories_train_like_one(
     theirs.write_json("profile.json", profile, theirs.verify("profile.json").inputs_hash)
     port = str(free_port())
     nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port)
-    (code0, err0), (code1, err1) = finish(pd("train", RECIPE, f"run.root={a}", *ARGS, *nodes, "--node-rank", "0"),
-                                         pd("train", RECIPE, f"run.root={b}", *ARGS, *nodes, "--node-rank", "1"))
+    (code0, out0, err0), (code1, _, err1) = finish_with_output(
+        pd("train", RECIPE, f"run.root={a}", *ARGS, *nodes, "--node-rank", "0"),
+        pd("train", RECIPE, f"run.root={b}", *ARGS, *nodes, "--node-rank", "1"))
     assert (code0, code1) == (0, 0), err0 + err1
     assert f"job pd-port{port} at 127.0.0.1:{port}" in err0 and "waiting for node 0's plan" in err1
     assert (b / "mh" / "profile.json").read_bytes() == (a / "mh" / "profile.json").read_bytes()
     assert_same_weights(final_weights(a, [0]) | final_weights(b, [1]), one_node)
-    assert (b / "mh" / "train" / "summary.json").exists() and not (a / "mh" / "train" / "summary.json").exists()
-    assert "the last stage ran on another node" in err0
+    # the last stage ran on node 1: node 0 ends with its summary, metrics and trace, and says how it went
+    for name in ("summary.json", "metrics.jsonl", "trace.json"):
+        assert (a / "mh" / "train" / name).read_bytes() == (b / "mh" / "train" / name).read_bytes(), name
+    assert "samples/s" in out0 and "the last stage ran on another node" not in err0
+    # the link between the nodes, measured at the start, recorded on both and in the summary
+    link = json.loads((a / "mh" / "train" / "link.json").read_text())
+    assert link["measured_bandwidth_bytes_per_s"] > 0 and link["latency_ms"] > 0 and link["between"] == [0, 1]
+    assert link["configured_bandwidth_bytes_per_s"] == 1e9 and link["level"] == 0  # the quickstart's one level
+    assert json.loads((a / "mh" / "train" / "summary.json").read_text())["link"] == link
+    assert json.loads((b / "mh" / "train" / "link.json").read_text()) == link
+    assert "link:    between node 0 and node 1: measured" in err0 or "warning: the link between node 0 and node 1" in err0
 
 
 @pytest.mark.slow

@@ -81,7 +81,7 @@ def plan(
     run_name: RunNameOpt = None,
     fail_on_regression: Annotated[Optional[float], typer.Option("--fail-on-regression", help="diff: exit 1 only if predicted throughput drops by more than PCT percent.")] = None,
     pareto: Annotated[bool, typer.Option("--pareto", help="Search the schedule, microbatches, recompute and precision with the partition (as schedule.name=auto schedule.num_microbatches=auto train.recompute=auto train.precision=auto, except what the command line fixes) and print the Pareto front of time, memory and staleness.")] = False,
-    calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Refit the runtime's costs from this trained run directory (its trace.json), keep them in the run's calibration.json, and re-plan.")] = None,
+    calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Refit the runtime's costs from this trained run directory (its trace.json), adopt the link bandwidth it measured between hosts (its link.json), keep them in the run's calibration.json, and re-plan.")] = None,
 ) -> None:
     """Plan stages and replication: `pd plan RECIPE --gpus 8`, `pd plan --profile graph.txt --gpus 16`, `pd plan diff A B`."""
     check_format(fmt)
@@ -137,9 +137,11 @@ def pareto_overrides(args: list[str]) -> list[str]:
 
 
 def write_calibration(run: RunDir, chain: Chain, trained: Path) -> None:
-    """Refit the profile's runtime costs to the trained run `trained`; write run/calibration.json."""
+    """Refit the profile's runtime costs to the trained run `trained`, with the link it measured
+    between hosts (`train/link.json`) where it has one; write run/calibration.json."""
     from pdcli.planner.runtime_costs import RuntimeCosts
     from pdcli.report.calibrate import calibrate_from_run
+    from pdcli.runtime.link import LINK_FILE, level_key, read_link
     from pdcli.steps.plan import CALIBRATION, profile_sha256
 
     if not trained.is_dir():
@@ -149,9 +151,14 @@ def write_calibration(run: RunDir, chain: Chain, trained: Path) -> None:
         raise UserError(f"{run / 'profile.json'} has no runtime costs to calibrate (profile.runtime_probe was off)",
                         hint="re-profile with profile.runtime_probe=true (`pd profile RECIPE --force`)")
     calibrated, measured = calibrate_from_run(trained, chain, base)
+    link = read_link(trained / "train")
     atomic_write_json(run / CALIBRATION, {"profile_sha256": profile_sha256(run), "runtime": calibrated.to_json(),
-                                          "measured": measured})
+                                          "measured": measured, **({"link": link} if link is not None else {})})
     echo_err(f"calibration: wrote {run / CALIBRATION} from {trained}")
+    if link is not None:
+        echo_err(f"calibration: {level_key(link)} {link['configured_bandwidth_bytes_per_s']:.3g} -> "
+                 f"{link['measured_bandwidth_bytes_per_s']:.3g}, the link the run measured between node "
+                 f"{link['between'][0]} and node {link['between'][1]} ({trained / 'train' / LINK_FILE})")
     shared = measured.get("shared_cores")
     if shared and shared["capped"]:
         echo_err(f"calibration: the run's compute spans took {shared['run_compute_ms']:.2f} ms per minibatch, the replay "

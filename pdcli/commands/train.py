@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from typing_extensions import Annotated
@@ -13,6 +15,9 @@ from omegaconf import OmegaConf
 from pdcli.commands.common import ForceOpt, OverridesArg, RecipeArg, RunNameOpt, echo_err, is_tty, load, user_errors
 from pdcli.config.schema import Config
 from pdcli.rundir import RunDir, atomic_write_text
+
+if TYPE_CHECKING:
+    from pdcli.runtime.job import Job, TrainResult
 
 
 @user_errors
@@ -79,10 +84,48 @@ def train(
     except KeyboardInterrupt:  # before the launcher took over the signal
         echo_err("interrupted")
         raise typer.Exit(130) from None
+    if job is not None:
+        result = exchange_results(job, run, plan_json, result, cfg.train.timeout_s)
+    link_lines(run, recipe, overrides or [])
     if result is None:
         echo_err("train:   done; the last stage ran on another node: its run directory holds summary.json and metrics.jsonl")
         return
     typer.echo(format_summary(result))
+
+
+def exchange_results(job: "Job", run: RunDir, plan_json: dict[str, Any], result: "TrainResult | None",
+                     timeout_s: float) -> "TrainResult | None":
+    """Several hosts: the node that wrote the summary sends it with the metrics and trace to node 0,
+    which waits for them up to `timeout_s` (train.timeout_s) and returns what the run measured. A
+    warning, not a failure, when they do not come: the training itself succeeded."""
+    from pdcli.runtime.job import ResultsNotReceived
+    from pdcli.runtime.results import MAX_RESULT_BYTES
+
+    node = job.hosts.node_rank
+    try:
+        if result is not None and node != 0:
+            for name in job.send_results(run):
+                echo_err(f"warning: {run / 'train' / name} is over the {MAX_RESULT_BYTES >> 20} MiB node 0 takes: "
+                         "left here only")
+        elif result is None and node == 0:
+            result, left_out = job.receive_results(run, plan_json, timeout_s)
+            for name in left_out:
+                echo_err(f"warning: {name} was over {MAX_RESULT_BYTES >> 20} MiB: the last stage's node holds it")
+    except ResultsNotReceived as e:
+        echo_err(f"warning: {e}")
+    return result
+
+
+def link_lines(run: RunDir, recipe: Path, overrides: list[str]) -> None:
+    """The link measured between hosts (`train/link.json`), one line, or the warning when it is
+    more than 2x off the configured bandwidth."""
+    from pdcli.report.compare import ReplanCommands
+    from pdcli.runtime.link import link_text, link_warning, read_link
+
+    link = read_link(run / "train")
+    if link is not None:
+        command = ReplanCommands(str(recipe), tuple(overrides)).plan() + f" --calibrate {shlex.quote(str(run.path))}"
+        echo_err(link_warning(link, command) or f"link:    {link_text(link)}")
 
 
 def resolved_by_plan(cfg: Config, plan_json: dict[str, Any], run: RunDir) -> Config:

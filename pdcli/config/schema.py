@@ -283,6 +283,10 @@ class TrainConfig:
     """Activation/gradient transport: `auto` (sockets between CPU ranks, per pair: Unix inside
     a host, TCP between hosts; torch.distributed on GPUs), `socket`, or `gloo` (torch.distributed
     with the run's backend)."""
+    measure_link: bool = True
+    """On several hosts, measure the link between node 0 and node 1 once at the start (about a
+    second at most) into `train/link.json`, and warn when it is more than 2x off the plan's
+    `cluster.levels` bandwidth; false skips it."""
 
 
 @dataclass

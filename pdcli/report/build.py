@@ -132,7 +132,7 @@ def make_report(run_dir: Path, commands: ReplanCommands, threshold_pct: float, c
     from pdcli.report.predicted import runtime_costed
 
     comparison = compare(predicted, measured, threshold_pct, commands,
-                         str(run_dir) if runtime_costed(plan) else None, profiled_host_speed(run_dir))
+                         str(run_dir) if runtime_costed(plan) else None, profiled_host_speed(run_dir), str(run_dir))
     written: dict[str, Path] = {}
     if charts:
         from pdcli.report.charts import LOSS_FILE, TIMELINE_FILE, draw_loss, draw_timeline

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from pdcli.report.measured import Measured, MeasuredStage
 from pdcli.report.predicted import Predicted, PredictedStage
+from pdcli.runtime.link import link_warning
 
 DEFAULT_DRIFT_THRESHOLD_PCT = 25.0
 PCT = 100.0
@@ -91,6 +92,8 @@ class Comparison:
     drift: Drift | None
     profiled_host_speed_ms: float | None = None
     """`pdcli.host.host_speed_ms` as the profile measured it (`meta.host_speed_ms`)."""
+    link_warning: str | None = None
+    """`pdcli.runtime.link.link_warning` of the run's measured link; None: none, or it agrees."""
 
     @property
     def time_per_minibatch_ratio(self) -> float | None:
@@ -127,10 +130,13 @@ def comm_pair(p: PredictedStage, m: MeasuredStage, shared_cores: bool) -> tuple[
 
 
 def compare(predicted: Predicted, measured: Measured, threshold_pct: float, commands: ReplanCommands,
-            calibrate_from: str | None = None, profiled_host_speed_ms: float | None = None) -> Comparison:
+            calibrate_from: str | None = None, profiled_host_speed_ms: float | None = None,
+            run_dir: str | None = None) -> Comparison:
     """Pair the stages of the plan with the measured ones and decide whether the plan drifted;
     `calibrate_from`: the run directory a drift is calibrated from (plans with runtime costs);
-    `profiled_host_speed_ms`: the host's speed when the profile was measured."""
+    `profiled_host_speed_ms`: the host's speed when the profile was measured; `run_dir`: the
+    run's directory, named in the link warning's `--calibrate` (the link measured between
+    hosts, when it is more than 2x off the configured one)."""
     if len(predicted.stages) != len(measured.stages):
         raise ValueError(f"the plan has {len(predicted.stages)} stages, the run measured {len(measured.stages)}")
     rows = []
@@ -140,8 +146,11 @@ def compare(predicted: Predicted, measured: Measured, threshold_pct: float, comm
         stage_pct = relative_pct(measured_compute + measured_comm, predicted_compute + predicted_comm)
         compute_pct = relative_pct(measured_compute, predicted_compute)
         rows.append(StageComparison(p.stage_id, p, m, stage_pct, compute_pct, _beyond(stage_pct, threshold_pct)))
+    warning = None
+    if measured.link is not None and run_dir is not None:
+        warning = link_warning(measured.link, f"{commands.plan()} --calibrate {shlex.quote(run_dir)}")
     return Comparison(tuple(rows), predicted, measured, threshold_pct, _drift(rows, threshold_pct, commands, calibrate_from),
-                      profiled_host_speed_ms)
+                      profiled_host_speed_ms, warning)
 
 
 def _drift(rows: Sequence[StageComparison], threshold_pct: float, commands: ReplanCommands,

@@ -20,6 +20,7 @@ from typing import Any, Collection, Iterable, Sequence
 from pdcli.errors import UserError
 from pdcli.runtime.evaluation import EVAL_KEYS, is_eval_line
 from pdcli.runtime.events import read_events
+from pdcli.runtime.link import read_link
 from pdcli.host import HOST_SPEED_META
 from pdcli.runtime.metrics import COMM, COMPUTE, IDLE, METRICS_FILE, SUMMARY_FILE, TRACE_FILE, read_metrics
 from pdcli.schedule.actions import parse_action
@@ -192,6 +193,9 @@ class Measured:
     host_speed_ms: float | None = None
     """`pdcli.host.host_speed_ms` measured right after the run (None: not a CPU run, or a run of an older pd)."""
     """Minibatches trained before this launch resumed the run (0: not resumed)."""
+    link: dict[str, Any] | None = None
+    """The link measured between hosts (`train/link.json`, else the summary's; None: one host,
+    or `train.measure_link` off)."""
 
 
 def _read_json(path: Path, next_step: str) -> Any:
@@ -292,5 +296,6 @@ def load_measured(train_dir: Path, batch_size: int, num_microbatches: int, stage
         eval_metrics={k: float(summary[k]) for k in EVAL_KEYS if summary.get(k) is not None},
         events=tuple(read_events(train_dir)), first_step=first_step,
         host_speed_ms=float(summary[HOST_SPEED_META]) if summary.get(HOST_SPEED_META) else None,
+        link=read_link(train_dir) or summary.get("link"),
     )
 

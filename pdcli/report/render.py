@@ -11,6 +11,7 @@ from tabulate import tabulate
 from pdcli.report.compare import Comparison, relative_pct
 from pdcli.report.measured import WEIGHT_GRADS, pipeline_bubble
 from pdcli.runtime.evaluation import eval_metrics_text
+from pdcli.runtime.link import link_text
 from pdcli.schedule.spec import rules
 
 TEXT, MARKDOWN, JSON = "text", "markdown", "json"
@@ -143,6 +144,7 @@ def render(c: Comparison, fmt: str, run_dir: Path, charts: dict[str, Path]) -> s
                           disable_numparse=True))
     lines.append("")
     lines.extend(host_lines(c))
+    lines.extend(link_lines(c))
     if c.drift is None:
         judged = "every stage's compute CPU + comm CPU" if p.shared_cores else "every stage time"
         lines.append(f"no drift: {judged} is within {c.threshold_pct:g}% of the plan")
@@ -175,6 +177,15 @@ def host_lines(c: Comparison) -> list[str]:
         line += (f": the host ran {'slower' if ratio > 1 else 'faster'} than when profiled; that much of any "
                  "difference from the plan is the host's level, not the plan's (re-profile to price this level)")
     return [line]
+
+
+def link_lines(c: Comparison) -> list[str]:
+    """The link measured between hosts beside the configured level, and the warning when they
+    are more than 2x apart (none without a measurement)."""
+    link = c.measured.link
+    if link is None:
+        return []
+    return [f"link {link_text(link)}", *([c.link_warning] if c.link_warning else [])]
 
 
 def event_lines(events: tuple[dict[str, Any], ...]) -> list[str]:
@@ -225,6 +236,7 @@ def to_json(c: Comparison, run_dir: Path, charts: dict[str, Path]) -> dict[str, 
                          "events": list(m.events)},
             "time_per_minibatch_ratio": c.time_per_minibatch_ratio,
         },
+        "link": c.measured.link, "link_warning": c.link_warning,
         "host_speed": {"profiled_ms": c.profiled_host_speed_ms, "run_ms": m.host_speed_ms, "ratio": c.host_speed_ratio},
         "drift_threshold_pct": c.threshold_pct,
         "drift": None if c.drift is None else {"stage_ids": list(c.drift.stage_ids), "reprofile": c.drift.reprofile,

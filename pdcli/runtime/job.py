@@ -26,6 +26,7 @@ from pdcli.runtime.metrics import read_metrics
 from pdcli.runtime.placement import Placement
 from pdcli.runtime.rendezvous import JOIN_TIMEOUT_S, job_prefix, open_job_store, rendezvous_id
 from pdcli.runtime.restarts import keep_metrics_through, reset_attempt
+from pdcli.runtime.results import ResultsNotReceived, publish_results, receive_results
 from pdcli.schedule import ScheduleSpec, build_for, eval_points
 from pdcli.runtime.metrics import METRICS_FILE, SUMMARY_FILE, TRACE_FILE
 from pdcli.runtime.session import run_spec
@@ -33,8 +34,9 @@ from pdcli.runtime.sockets import transport_from_env
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import check_schedule
 from pdcli.runtime.launch import write_launch
+from pdcli.runtime.link import LINK_FILE
 
-__all__ = ["Job", "TrainResult", "TrainingFailed", "TrainingInterrupted", "format_summary", "join_job", "run_training"]
+__all__ = ["Job", "ResultsNotReceived", "TrainResult", "TrainingFailed", "TrainingInterrupted", "format_summary", "join_job", "run_training"]
 
 PROGRESS_POLL_S = 0.5
 SCHEDULE_CHECK_MINIBATCHES = 8
@@ -78,6 +80,7 @@ def _clean_previous(cfg: Config, train_dir: Path, resume_step: int | None) -> No
     that a later --resume never picks a checkpoint of an earlier run; a resumed run keeps the
     metrics lines up to its checkpoint and the events, and appends from there."""
     reset_attempt(train_dir)
+    (train_dir / LINK_FILE).unlink(missing_ok=True)  # each launch measures its own
     shutil.rmtree(train_dir / "elastic", ignore_errors=True)  # worker stdout/stderr of the last launch
     keep_metrics_through(train_dir, resume_step, cfg.train.tensorboard)
     if resume_step is None:
@@ -274,6 +277,24 @@ class Job:
         else:
             share.receive(store, run, cfg, self.node0, JOIN_TIMEOUT_S)
         return run.read_json("plan.json"), read_manifest(run / "stages")
+
+    def send_results(self, run: RunDir) -> list[str]:
+        """The node whose last stage wrote the summary (not node 0): its summary, metrics and
+        trace for node 0 (`pdcli.runtime.results`). Returns the files left out (too large).
+        Raises ResultsNotReceived when node 0's store went away."""
+        try:
+            return publish_results(job_prefix(self.store, self.run_id), run / "train", self.hosts.node_rank)
+        except RuntimeError as e:  # DistNetworkError: node 0 stopped waiting
+            raise ResultsNotReceived(f"node 0 ({self.node0}) went away before it got the summary and metrics "
+                                     f"({type(e).__name__}); this run directory holds them") from None
+
+    def receive_results(self, run: RunDir, plan_json: dict[str, Any], timeout_s: float) -> tuple[TrainResult, list[str]]:
+        """Node 0, where another node ran the last stage: that node's summary, metrics and trace
+        into this run directory, waiting up to `timeout_s`. Returns what it measured and the files
+        that node left out. Raises ResultsNotReceived."""
+        node = summary_node(Placement.from_plan(plan_json), self.hosts)
+        left_out = receive_results(job_prefix(self.store, self.run_id), run / "train", node, timeout_s)
+        return TrainResult.from_train_dir(run / "train"), left_out
 
     def fail(self, error: BaseException) -> None:
         """Node 0 stops before sharing: the other nodes stop too, with its message."""

@@ -28,6 +28,7 @@ from pdcli.runtime.divergence import LossGuard, remedies
 from pdcli.runtime.chunks import ChunkRunner, chunk_actions
 from pdcli.runtime.executor import Executor, StageContext
 from pdcli.runtime.launch import read_plan, read_resume_step
+from pdcli.runtime.link import LINK_FILE, link_text, measure_in_run
 from pdcli.runtime.metrics import (
     METRICS_FILE, S_TO_MS, SUMMARY_FILE, TRACE_FILE, MetricsLog, RankStats, Timeline, chrome_trace, open_tensorboard, per_stage,
     read_metrics,
@@ -117,6 +118,14 @@ def collectives_on_the_peers_interface(one_host: bool) -> None:
             os.environ.setdefault(var, name)
 
 
+def measure_link(cfg: "Config", train_dir: Path, run_dir: Path, env: "WorkerEnv", device: torch.device) -> dict[str, Any] | None:
+    """On several hosts: the link between node 0 and node 1, measured by rank 0 and node 1's
+    first rank (`pdcli.runtime.link`, at most about a second) and written by rank 0 to
+    `train/link.json`; None on every other rank and on one host. The other ranks go on."""
+    return measure_in_run(train_dir, read_plan(run_dir), env.rank, env.world_size, env.local_world_size, device,
+                          cfg.cluster.levels)
+
+
 def job_store() -> Any:
     """The job's rendezvous store, as the default process group holds it."""
     return dist.distributed_c10d._get_default_store()
@@ -204,6 +213,9 @@ def run_session(
     collectives_on_the_peers_interface(env.world_size == env.local_world_size)
     dist.init_process_group(backend, timeout=timeout, store=attempt_store(env, timeout), rank=env.rank, world_size=env.world_size)
     check_same_plan(job_store(), run_dir, env.rank)
+    link = measure_link(cfg, train_dir, run_dir, env, device) if cfg.train.measure_link else None
+    if link is not None:
+        logger.info("link %s", link_text(link))
     groups = replica_groups(placement)
     clip_group = global_clip_group(cfg, placement)
     cores = host_cores()  # before pinning: the host's, not this worker's share
@@ -316,7 +328,7 @@ def run_session(
         stats = timeline.finish()
         stats.wall_ms -= executor.eval_s * S_TO_MS
         stats.num_weight_versions_max = executor.weights.max_versions_held
-        report = {"stats": stats, "losses": tracker.all_records() if tracker else {}}
+        report = {"stats": stats, "losses": tracker.all_records() if tracker else {}, "link": link}
         if tracker is not None and tracker.journal is not None:
             tracker.journal.close()
         gathered: list[Any] | None = [None] * placement.world_size if env.rank == writer_rank else None
@@ -324,7 +336,8 @@ def run_session(
         if gathered is not None:  # every rank is done training: the host's speed as the profile measured it
             host_speed = host_speed_ms() if device.type == "cpu" else None
             write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=resume_step or 0, eval_s=executor.eval_s,
-                          host_speed=host_speed, start_time=start_time)
+                          host_speed=host_speed, start_time=start_time,
+                          link=next((g["link"] for g in gathered if g.get("link") is not None), None))
         dist.barrier()
     if isinstance(transport, SocketTransport):
         transport.close()
@@ -347,10 +360,12 @@ def naming_remote_peers(transport: Transport) -> Iterator[None]:
 def write_reports(
     train_dir: Path, cfg: "Config", gathered: list[dict[str, Any]], loop_s: float, tracker: LossTracker | None, first_step: int = 0,
     eval_s: float = 0.0, host_speed: float | None = None, start_time: float | None = None,
+    link: dict[str, Any] | None = None,
 ) -> None:
     """Chrome trace, summary.json (with `host_speed`, `pdcli.host.host_speed_ms` measured after
-    the run, where there is one; `start_time`, the wall time the loop started), and the final
-    metrics lines (exact over all last-stage replicas)."""
+    the run, where there is one; `start_time`, the wall time the loop started; `link`, the
+    measured link between hosts, also written to this host's link.json), and the final metrics
+    lines (exact over all last-stage replicas)."""
     all_stats: list[RankStats] = [g["stats"] for g in gathered]
     records: dict[int, Any] = {}
     for g in gathered:
@@ -370,7 +385,10 @@ def write_reports(
         "checkpoint": str(checkpoint.checkpoint_dir(train_dir, cfg.train.steps)), **end_eval, "evals": evals,
         "eval_s": eval_s, **({HOST_SPEED_META: host_speed} if host_speed is not None else {}),
         **({"start_time": start_time} if start_time is not None else {}),
+        **({"link": link} if link is not None else {}),
     }
+    if link is not None:  # rank 0 wrote it on node 0; the summary's host gets its copy
+        atomic_write_json(train_dir / LINK_FILE, link)
     atomic_write_json(train_dir / SUMMARY_FILE, summary)
     final_line = {**final, "step": cfg.train.steps, "final": True, "samples_per_s": samples_per_s, "stages": stages,
                   **end_eval}

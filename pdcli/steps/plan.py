@@ -56,7 +56,8 @@ def plan_options(cfg: Config, profile_sha256: str | None) -> Any:
 
 CALIBRATION = "calibration.json"
 """`pd plan --calibrate RUN` writes it (`pdcli.report.calibrate`): the runtime costs refitted
-to a run, used instead of the profile's `meta.runtime` while it names the run's profile."""
+to a run, used instead of the profile's `meta.runtime` while it names the run's profile, and
+the link that run measured between hosts (`link`), whose bandwidth replaces its level's."""
 
 
 def profile_sha256(run: RunDir) -> str:
@@ -83,6 +84,19 @@ def calibrated_chain(chain: Chain, calibration: dict[str, Any] | None) -> Chain:
     from pdcli.planner.runtime_costs import RuntimeCosts
 
     return RuntimeCosts.from_json(calibration["runtime"]).priced(chain)
+
+
+def calibrated_config(cfg: Config, calibration: dict[str, Any] | None) -> Config:
+    """`cfg` with the bandwidth of the calibration's measured link (`calibration["link"]`, from
+    a run's `train/link.json`) in place of its cluster level's configured one."""
+    link = (calibration or {}).get("link")
+    if not link:
+        return cfg
+    from pdcli.config.schema import ClusterLevel
+    from pdcli.runtime.link import adopted_levels
+
+    levels = [ClusterLevel(**level) for level in adopted_levels(cfg.cluster.levels, link)]
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, levels=levels))
 
 
 def plan_inputs_hash(cfg: Config, profile_sha256: str, calibration: dict[str, Any] | None = None) -> str:
@@ -190,9 +204,11 @@ def config_of_plan(cfg: Config, plan: dict[str, Any]) -> Config:
 
 
 def ensure_plan(cfg: Config, run: RunDir, chain: Chain, force: bool = False) -> tuple[dict[str, Any], bool]:
-    """(plan, reused): `run/plan.json` made from the run's profile, or reused as is."""
+    """(plan, reused): `run/plan.json` made from the run's profile (priced by the run's
+    calibration.json where it has one), or reused as is."""
     profile_sha = profile_sha256(run)
     calibration = read_calibration(run, profile_sha)
+    cfg = calibrated_config(cfg, calibration)
     inputs_hash = plan_inputs_hash(cfg, profile_sha, calibration)
     if not force and run.fresh(PLAN, inputs_hash):
         return run.read_json(PLAN), True

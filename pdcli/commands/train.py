@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -124,7 +123,7 @@ def link_lines(run: RunDir, recipe: Path, overrides: list[str]) -> None:
 
     link = read_link(run / "train")
     if link is not None:
-        command = ReplanCommands(str(recipe), tuple(overrides)).plan() + f" --calibrate {shlex.quote(str(run.path))}"
+        command = ReplanCommands(str(recipe), tuple(overrides)).calibrate_plan(str(run.path))
         echo_err(link_warning(link, command) or f"link:    {link_text(link)}")
 
 

@@ -75,8 +75,12 @@ class ReplanCommands:
     def replan(self) -> str:
         return f"pd plan {self._args()} --force && pd train {self._args()}"
 
+    def calibrate_plan(self, run_dir: str) -> str:
+        """`pd plan ... --calibrate RUN`: the re-plan from what the run in `run_dir` measured."""
+        return f"{self.plan()} --calibrate {shlex.quote(run_dir)}"
+
     def calibrate(self, run_dir: str) -> str:
-        return f"pd plan {self._args()} --calibrate {shlex.quote(run_dir)} && pd train {self._args()}"
+        return f"{self.calibrate_plan(run_dir)} && {self.train()}"
 
     def reprofile(self) -> str:
         args = self._args()
@@ -148,7 +152,7 @@ def compare(predicted: Predicted, measured: Measured, threshold_pct: float, comm
         rows.append(StageComparison(p.stage_id, p, m, stage_pct, compute_pct, _beyond(stage_pct, threshold_pct)))
     warning = None
     if measured.link is not None and run_dir is not None:
-        warning = link_warning(measured.link, f"{commands.plan()} --calibrate {shlex.quote(run_dir)}")
+        warning = link_warning(measured.link, commands.calibrate_plan(run_dir))
     return Comparison(tuple(rows), predicted, measured, threshold_pct, _drift(rows, threshold_pct, commands, calibrate_from),
                       profiled_host_speed_ms, warning)
 

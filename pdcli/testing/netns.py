@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+from pdcli.runtime.watchdog import exists
+
 PREFIX = "pdh"
 """Every namespace name starts with this, then the owner's pid: `pdh<pid>x<k>n0`."""
 IP_TIMEOUT_S = 20.0
@@ -66,22 +68,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], check=check, timeout=IP_TIMEOUT_S, capture_output=True, text=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_orphans() -> list[str]:
     """Delete the namespaces of pairs whose owning process is gone; returns their names."""
     listed = _ip("netns", "list", check=False).stdout
     gone = []
     for name in re.findall(rf"^({PREFIX}(\d+)x\d+n[01])\b", listed, flags=re.M):
-        if not _alive(int(name[1])):
+        if not exists(int(name[1])):
             _ip("netns", "del", name[0], check=False)
             gone.append(name[0])
     return gone

@@ -27,7 +27,7 @@ row, and for `ddp` the data-parallel time the plans print ("... x data parallel"
 
     python benchmarks/bench_data_parallel.py                       # every rate and model (~15 min)
     python benchmarks/bench_data_parallel.py --rates 50 --models mlp --rows ddp,pd_pick
-    python benchmarks/bench_data_parallel.py --out benchmarks/results/data_parallel.json
+    python benchmarks/bench_data_parallel.py --rates 50 --rows ddp,pd_pipeline --steps 20 --set profile.runtime_probe=false
 
 Needs root and iproute2 (`ip`, `tc`); nothing is asserted, the numbers are printed and
 written as JSON. The namespaces go away when it ends, however it ends.
@@ -136,8 +136,8 @@ def run_pair(commands: Sequence[list[str]], env: dict[str, str], timeout_s: floa
                 proc.communicate()
     bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
     if bad:
-        i, code = bad[0]
-        raise RunFailed(f"host {i} exited {code}: {' | '.join(errs[i].strip().splitlines()[-3:])}")
+        raise RunFailed("; ".join(f"host {i} exited {code}: {' | '.join(errs[i].strip().splitlines()[-3:])}"
+                                  for i, code in bad))
     return errs
 
 
@@ -352,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(CASES))
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--steps", type=int, default=None, help="minibatches per run (default: each model's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for every row and the profile (repeatable), e.g. profile.runtime_probe=false")
     parser.add_argument("--work", default=str(REPO / "runs" / "benchmarks" / "data_parallel"))
     parser.add_argument("--out", default=None, help="the JSON results (default: WORK/results.json)")
     args = parser.parse_args(argv)
@@ -373,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             case = CASES[name.strip()]
             if args.steps:
                 case = Case(**{**case.__dict__, "steps": args.steps})
+            if args.set:
+                case = Case(**{**case.__dict__, "overrides": (*case.overrides, *args.set)})
             chain = profile_once(name, case, work, unshaped_bw)
             per_rate = []
             for rate in rates:

@@ -14,6 +14,7 @@ copied here by `--collect` with a `measured` entry: the date, host and command.
     python benchmarks/tables.py --check          # exit 1 if a region is stale or unknown
     python benchmarks/tables.py --collect planner runs/benchmarks/planner.json
     python benchmarks/tables.py --collect memory runs/benchmarks/memory_*.json
+    python benchmarks/tables.py --plots          # redraw the figures (docs/img/) from the same JSON
 
 A renderer takes the results and returns the table; `--check` is what `tests/test_docs.py` runs.
 """
@@ -153,12 +154,161 @@ def memory(results: dict[str, Any]) -> str:
     return markdown(headers, rows) + "\n" + measured_line(results)
 
 
+# -- data parallel -------------------------------------------------------------------------------
+
+DP_ROWS = {"ddp": "torch DDP", "pd_dp": "pd, data parallel", "pd_pipeline": "pd, the recipe's pipeline",
+           "pd_pick": "pd, `pd plan`'s pick"}
+
+
+def _rate_label(rate: dict[str, Any]) -> str:
+    return "unshaped" if rate["rate_mbit"] is None else f"{rate['rate_mbit']:g} Mbit/s"
+
+
+def _predicted_ms(row: dict[str, Any]) -> float | None:
+    return row.get("predicted_ms") or (row.get("plan") or {}).get("predicted_ms")
+
+
+def _plan_label(row: dict[str, Any]) -> str:
+    plan = row.get("plan")
+    if not plan:
+        return "-"
+    stages = plan["stages"]
+    shape = (f"1 stage x {stages[0]}" if len(stages) == 1 else
+             f"{len(stages)} stages" + ("" if all(r == 1 for r in stages) else f" x {stages}"))
+    return f"{plan['schedule']}, {shape}, M={plan['num_microbatches']}"
+
+
+def _seconds(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} s"
+
+
+def data_parallel_summary(results: dict[str, Any]) -> str:
+    """Per model and rate: DDP beside `pd plan`'s pick. No date line: the README shows it."""
+    rows = []
+    for name, case in results["cases"].items():
+        for rate in case["rates"]:
+            ddp, pick = rate["rows"].get("ddp", {}), rate["rows"].get("pd_pick", {})
+            if "samples_per_s" not in ddp or "samples_per_s" not in pick:
+                continue
+            target = case.get("target_accuracy")
+            to_target = "-" if target is None else (f"{_seconds(ddp.get('time_to_target_s'))} / "
+                                                    f"{_seconds(pick.get('time_to_target_s'))}")
+            rows.append([
+                name, _rate_label(rate), f"{ddp['samples_per_s']:.0f}",
+                f"{pick['samples_per_s']:.0f} ({pick['samples_per_s'] / ddp['samples_per_s']:.1f}x)",
+                _plan_label(pick),
+                f"{pick['bytes_per_minibatch'] / ddp['bytes_per_minibatch']:.1%}",
+                to_target,
+            ])
+    headers = ["model", "link", "DDP samples/s", "pd's pick samples/s (x DDP)", "the pick",
+               "pd's bytes on the link (of DDP's)", "time to 95% held-out accuracy, DDP / pd"]
+    return markdown(headers, rows)
+
+
+def data_parallel(results: dict[str, Any]) -> str:
+    """Every model x rate x row: measured beside predicted, bytes per minibatch, time to target."""
+    parts = []
+    for name, case in results["cases"].items():
+        rows = []
+        for rate in case["rates"]:
+            ddp = rate["rows"].get("ddp", {})
+            for key, row in rate["rows"].items():
+                label = DP_ROWS.get(key, key)
+                if "error" in row:
+                    rows.append([_rate_label(rate), label, f"failed: {row['error'][:80]}"] + ["-"] * 7)
+                    continue
+                pred = _predicted_ms(row)
+                rows.append([
+                    _rate_label(rate), label, f"{row['samples_per_s']:.0f}",
+                    f"{row['samples_per_s'] / ddp['samples_per_s']:.2f}x" if "samples_per_s" in ddp else "-",
+                    f"{row['ms_per_minibatch']:.1f}",
+                    "-" if pred is None else f"{pred:.1f}",
+                    "-" if pred is None else f"{pred / row['ms_per_minibatch'] - 1:+.0%}",
+                    f"{row['bytes_per_minibatch'] / 1e3:.1f}"
+                    + (f" ({row['bytes_per_minibatch'] / ddp['bytes_per_minibatch']:.1%})"
+                       if key != "ddp" and "bytes_per_minibatch" in ddp else ""),
+                    _seconds(row.get("time_to_target_s")) if case.get("target_accuracy") else "-",
+                    _plan_label(row),
+                ])
+        target = case.get("target_accuracy")
+        title = f"**{name}** (`{case['recipe']}`" + "".join(f" `{o}`" for o in case.get("overrides", []))
+        title += f", {case['steps']} minibatches" + (f", target {target:.0%} held-out accuracy" if target else "") + ")"
+        headers = ["link", "row", "samples/s", "x DDP", "ms/minibatch", "predicted ms", "prediction error",
+                   "KB/minibatch on the link (of DDP's)", "time to target", "plan"]
+        parts.append(title + "\n\n" + markdown(headers, rows))
+    return "\n".join(parts) + "\n" + measured_line(results)
+
+
+def crossover_mbit(rates: list[dict[str, Any]], a: str, b: str) -> float | None:
+    """The shaped rate (Mbit/s, log-interpolated) where row `a` stops beating row `b`; None when it
+    never changes over the shaped rates."""
+    import math
+
+    pts = [(r["rate_mbit"], r["rows"][a]["samples_per_s"] / r["rows"][b]["samples_per_s"])
+           for r in rates if r["rate_mbit"] is not None
+           and all("samples_per_s" in r["rows"].get(k, {}) for k in (a, b))]
+    pts.sort()
+    for (r0, q0), (r1, q1) in zip(pts, pts[1:]):
+        if (q0 - 1) * (q1 - 1) <= 0 and q0 != q1:
+            f = math.log(q0) / (math.log(q0) - math.log(q1))
+            return float(math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0))))
+    return None
+
+
+def plot_data_parallel(results: dict[str, Any], out: Path) -> None:
+    """samples/s against the link's rate, one panel per model, one line per row; the rate where the
+    recipe's pipeline and DDP cross is marked. The unshaped link sits at its measured rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    unshaped_mbit = results["unshaped_bandwidth_bytes_per_s"] * 8 / 1e6
+    cases = results["cases"]
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.2 * len(cases), 3.8), squeeze=False)
+    for ax, (name, case) in zip(axes[0], cases.items()):
+        xs = [unshaped_mbit if r["rate_mbit"] is None else r["rate_mbit"] for r in case["rates"]]
+        for key, label in DP_ROWS.items():
+            pts = [(x, r["rows"][key]["samples_per_s"]) for x, r in zip(xs, case["rates"])
+                   if "samples_per_s" in r["rows"].get(key, {})]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label.replace("`", ""))
+        cross = crossover_mbit(case["rates"], "pd_pipeline", "ddp")
+        if cross is not None:
+            ax.axvline(cross, color="gray", linestyle="--", linewidth=1)
+            ax.annotate(f"pipeline = DDP\n~{cross:.0f} Mbit/s", (cross, 0.97), xycoords=("data", "axes fraction"),
+                        ha="left", va="top", fontsize=8, color="gray")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(sorted(set(xs)))
+        ax.set_xticklabels(["unshaped" if x == unshaped_mbit else f"{x:g}" for x in sorted(set(xs))])
+        ax.set_xlabel("link rate, Mbit/s each way")
+        ax.set_ylabel("samples/s (steady state)")
+        ax.set_title(name)
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0][0].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp" + out.suffix)
+    fig.savefig(tmp, format=out.suffix.lstrip("."), metadata={"Date": None} if out.suffix == ".svg" else None)
+    plt.close(fig)
+    tmp.replace(out)
+
+
 RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "planner-summary": ("planner", planner_summary),
     "planner": ("planner", planner_cases),
     "memory": ("memory", memory),
+    "data-parallel-summary": ("data_parallel", data_parallel_summary),
+    "data-parallel": ("data_parallel", data_parallel),
 }
 """Region name -> (results file under benchmarks/results/ without .json, renderer)."""
+
+PLOTS: dict[str, tuple[str, Callable[[dict[str, Any], Path], None]]] = {
+    "docs/img/data-parallel.svg": ("data_parallel", plot_data_parallel),
+}
+"""Figure (under the repository) -> (results file, drawer); `--plots` redraws them."""
+
 
 
 # -- regions -------------------------------------------------------------------------------------
@@ -228,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="copy a benchmark's JSON into benchmarks/results/NAME.json")
     parser.add_argument("--host", default=None, help="with --collect: where it ran (default: os, machine, cores)")
     parser.add_argument("--command", default="", help="with --collect: the benchmark's command line")
+    parser.add_argument("--plots", action="store_true", help="redraw the figures (PLOTS) from benchmarks/results/")
     parser.add_argument("files", nargs="*", type=Path, help="Markdown files (default: README.md and docs/*.md)")
     args = parser.parse_args(argv)
     if args.collect:
@@ -235,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         if not sources:
             parser.error("--collect NAME JSON [JSON ...]")
         collect(name, [Path(s) for s in sources], args.host or default_host(), args.command)
+        return 0
+    if args.plots:
+        for rel, (results_name, draw) in PLOTS.items():
+            draw(load(results_name), REPO / rel)
+            print(f"wrote {rel}")
         return 0
     files = [p.resolve() for p in args.files] or DOCS
     return run(args.check, files)

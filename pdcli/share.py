@@ -28,6 +28,9 @@ SHARED = ("profile.json", "plan.json", "stages")
 """The artifacts a job's nodes share, in the order they are made."""
 MAX_SENT_BYTES = 256 << 20
 LISTING_KEY = "listing"
+STORE_PIECE_BYTES = 4 << 20
+"""The largest value pd puts in a store: torch's TCPStore (libuv backend) resets a client that
+sends a value over 8 MiB, so a file goes in pieces (`put_bytes`)."""
 
 
 class Store(Protocol):
@@ -38,6 +41,28 @@ class Store(Protocol):
     def get(self, key: str) -> bytes: ...
 
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+
+
+def put_bytes(store: Store, key: str, data: bytes) -> None:
+    """`data` under `key` in pieces of at most STORE_PIECE_BYTES (`key#0`, `key#1`, ...); the
+    reader takes its length from elsewhere (`get_bytes`)."""
+    for k in range(max(1, -(-len(data) // STORE_PIECE_BYTES))):
+        store.set(f"{key}#{k}", data[k * STORE_PIECE_BYTES:(k + 1) * STORE_PIECE_BYTES])
+
+
+def get_bytes(store: Store, key: str, size: int) -> bytes:
+    """The `size` bytes `put_bytes` put under `key`; ValueError when the pieces do not add up to
+    `size` (the count comes from `size`, never from what the store holds)."""
+    pieces = []
+    for k in range(max(1, -(-size // STORE_PIECE_BYTES))):
+        piece = store.get(f"{key}#{k}")
+        if len(piece) > STORE_PIECE_BYTES:
+            raise ValueError(f"{key}: a piece of {len(piece)} bytes, over {STORE_PIECE_BYTES}")
+        pieces.append(piece)
+    data = b"".join(pieces)
+    if len(data) != size:
+        raise ValueError(f"{key}: {len(data)} bytes arrived, {size} were listed")
+    return data
 
 
 def copy_command(run_dir: Path) -> str:
@@ -69,13 +94,13 @@ def publish(store: Store, run: RunDir, cfg: Config) -> None:
     sent = total_bytes <= MAX_SENT_BYTES
     for name in SHARED:
         record = run.verify(name)
-        hashes = {}
+        hashes, sizes = {}, {}
         for rel, path in files[name].items():
             data = path.read_bytes()
-            hashes[rel] = sha256_bytes(data)
+            hashes[rel], sizes[rel] = sha256_bytes(data), len(data)
             if sent:
-                store.set(f"file/{rel}", data)
-        artifacts[name] = {"sha256": record.sha256, "inputs_hash": record.inputs_hash, "files": hashes}
+                put_bytes(store, f"file/{rel}", data)
+        artifacts[name] = {"sha256": record.sha256, "inputs_hash": record.inputs_hash, "files": hashes, "sizes": sizes}
     listing = {"config": config_items(cfg), "artifacts": artifacts, "sent": sent, "bytes": total_bytes}
     store.set(LISTING_KEY, json.dumps(listing))
 
@@ -130,7 +155,7 @@ def _write(store: Store, run: RunDir, name: str, theirs: dict[str, Any]) -> None
     """Node 0's files of artifact `name` into `run`, atomically, each checked against its hash."""
 
     def fetch(rel: str) -> bytes:
-        data = store.get(f"file/{rel}")
+        data = get_bytes(store, f"file/{rel}", int(theirs["sizes"][rel]))
         if sha256_bytes(data) != theirs["files"][rel]:
             raise RuntimeError(f"node 0's {rel} arrived with another hash")  # a bug, not a user error
         return data

@@ -163,7 +163,7 @@ def test_node_0_refuses_results_too_large_tampered_late_or_of_another_node(tmp_p
         R.receive_results(other, mine, node=1, timeout_s=5)
     tampered = HashStore()
     R.publish_results(tampered, theirs, node=1)
-    tampered.set(R.FILE_KEY + METRICS_FILE, b"{}\n" * 100)
+    tampered.set(R.FILE_KEY + METRICS_FILE + "#0", b"{}\n" * 100)
     with pytest.raises(R.ResultsNotReceived, match="metrics.jsonl arrived with another size or hash than node 1 listed"):
         R.receive_results(tampered, mine, node=1, timeout_s=5)
     assert not (mine / SUMMARY_FILE).exists() and not (mine / METRICS_FILE).exists()  # nothing half-taken
@@ -186,3 +186,19 @@ def test_node_0_refuses_results_too_large_tampered_late_or_of_another_node(tmp_p
     R.publish_results(huge, theirs, node=1)
     with pytest.raises(R.ResultsNotReceived, match=r"node 1 sent no summary.json \(\d+ bytes, over 10\)"):
         R.receive_results(huge, tmp_path / "empty", node=1, timeout_s=5)
+
+
+def test_files_over_the_stores_value_cap_go_in_pieces() -> None:
+    """torch's TCPStore resets a client that sets a value over 8 MiB: a 9 MiB file (a stage's
+    weights, a long trace) goes through node 0's real store in pieces, and comes back whole."""
+    from pdcli import share
+    from pdcli.runtime.rendezvous import listen_store
+
+    store = listen_store("127.0.0.1", 0, 30.0, "")
+    data = bytes(range(256)) * (9 * 4096 + 1)
+    share.put_bytes(store, "file/stages/stage0.pt", data)
+    assert share.get_bytes(store, "file/stages/stage0.pt", len(data)) == data
+    share.put_bytes(store, "empty", b"")
+    assert share.get_bytes(store, "empty", 0) == b""
+    with pytest.raises(ValueError, match="were listed"):  # a listing that lies about the size
+        share.get_bytes(store, "file/stages/stage0.pt", len(data) - 1)

@@ -315,6 +315,23 @@ def test_use_fewer_devices_can_leave_devices_idle() -> None:
     assert forced.time_per_minibatch_ms > plan.time_per_minibatch_ms
 
 
+def test_small_weights_on_a_fast_link_plan_data_parallel_and_say_so() -> None:
+    # 4 layers of 10 ms each way, 1 KB of weights, 4 MB activations: an all-reduce is free, a cut is not
+    nodes = tuple(ChainNode(f"n{i}", f"layer{i}", 10.0, 10.0, 1000, 4_000_000) for i in range(4))
+    chain = Chain(nodes=nodes, cut_bytes=(4_000_000,) * 3)
+    plan = plan_chain(chain, Topology.flat(2, 1e8), PlanOptions(schedule="1f1b", num_microbatches=2,
+                                                                 use_fewer_devices=False))
+    assert [s.replicas for s in plan.stages] == [2]
+    assert plan.pipeline["speedup_over_data_parallel"] == pytest.approx(1.0)
+    assert "data parallel: the whole model on each of 2 devices" in render_plan(plan, chain)
+    # heavy weights on a slow link: a pipeline, and no such line
+    heavy = Chain(nodes=tuple(dataclasses.replace(n, parameter_bytes=50_000_000, activation_bytes=1000) for n in nodes),
+                  cut_bytes=(1000,) * 3)
+    piped = plan_chain(heavy, Topology.flat(2, 1e8), PlanOptions(schedule="1f1b", num_microbatches=2,
+                                                                  use_fewer_devices=False))
+    assert len(piped.stages) == 2 and "data parallel:" not in render_plan(piped, heavy)
+
+
 @pytest.mark.parametrize("fmt", ["text", "markdown", "json"])
 def test_render_plan(fmt: str) -> None:
     chain = random_chain(random.Random(11), 5)

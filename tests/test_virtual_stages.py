@@ -272,6 +272,27 @@ def test_plan_places_chunks_and_predicts_the_replay(name: str, ranks: list[int])
         k for k, r in enumerate(ranks) if r == 0)
 
 
+def test_chunks_on_two_hosts_pay_the_slow_link_where_they_cross_it() -> None:
+    """ZB-V on two hosts: chunks 0|1 and 2|3 cross between the hosts, 1|2 stays on device 1;
+    the plan prices the crossings at the link's rate, so a slow link costs what it carries."""
+    from pdcli.planner import PlanOptions, Topology, plan_chain
+    from pdcli.planner.virtual import chunk_links
+
+    spec = ScheduleSpec.make(ZBV, 2, 4, 16, virtual_stages=2, split_backward=True)
+    slow = Topology.from_levels([{"devices": 1, "bandwidth_bytes_per_s": 1e10}, {"devices": 2, "bandwidth_bytes_per_s": 1e5}])
+    links = chunk_links(slow, spec)
+    assert links is not None and chunk_links(Topology.flat(2, 1e10), spec) is None
+    assert links.bandwidth[0, 1] == links.bandwidth[2, 3] == 1e5 and links.bandwidth[1, 2] == 1e10
+    options = PlanOptions(schedule=ZBV, num_microbatches=4, batch_size=4, straight=True, virtual_stages=2,
+                          split_backward=True, refine=False)
+    fast = plan_chain(uniform_chain(), Topology.flat(2, 1e10), options)
+    over = plan_chain(uniform_chain(), slow, options)
+    # 100 bytes per cut and minibatch at 1e5 bytes/s: 1 ms each way per crossing, one crossing the bottleneck
+    assert over.time_per_minibatch_ms > fast.time_per_minibatch_ms + 1.0
+    assert [s.predicted["comm_out_ms"] for s in over.stages][1] == pytest.approx(
+        [s.predicted["comm_out_ms"] for s in fast.stages][1])  # 1|2 on one device: no slower
+
+
 def test_plan_memory_is_the_sum_of_a_devices_chunks_and_refuses_past_the_limit() -> None:
     from pdcli.planner import PlanOptions, Topology, plan_chain
 

@@ -94,6 +94,18 @@ class StageEval:
 
 
 @dataclass(frozen=True)
+class StageLinks:
+    """Bandwidths between a partition's stages where they are not the topology's contiguous
+    ranks: a chunked schedule's chunks, each on the device its placement gives
+    (`pdcli.planner.virtual.chunk_links`)."""
+
+    bandwidth: np.ndarray
+    """[i, j]: bytes/s between the devices of stage i and stage j (one replica each)."""
+    cluster: Topology
+    """The cluster the runtime costs are priced for (`runtime_of`)."""
+
+
+@dataclass(frozen=True)
 class PlanEval:
     stages: tuple[StageEval, ...]
     time_per_minibatch_ms: float
@@ -216,19 +228,21 @@ def replay_ms(stages: Sequence[StageEval], options: PlanOptions, runtime: Runtim
 
 
 def evaluate_pd(space: SplitSpace, topology: Topology, options: PlanOptions, scale: float,
-                partition: Sequence[tuple[int, int, int]], replay: bool = True) -> PlanEval:
+                partition: Sequence[tuple[int, int, int]], replay: bool = True,
+                links: StageLinks | None = None) -> PlanEval:
     """`pd` model for stages (start, end, replicas) on contiguous ranks from 0 (fwd_ms, bwd_ms
     and wgrad_ms calibrated, see `pdcli.planner.costs`). With the runtime's measured costs the
     time per minibatch is the replay of the plan's action lists (`replay_ms`); `replay=False`
     (a caller that replays other lists with these stages' costs) gives the bottleneck stage's
-    time instead."""
-    n, bw = space.num_positions, topology.span_bandwidth_matrix()
+    time instead. `links`: the bandwidths between stages when they are not `topology`'s ranks."""
+    n = space.num_positions
+    bw = topology.span_bandwidth_matrix() if links is None else links.bandwidth
     used, num_stages = sum(r for _, _, r in partition), len(partition)
     stages, first = [], 0
     optimizer = optimizer_step_matrix(space)
     compute_scale = compute_scale_of(space, scale)
     covered_wgrad = covered_or_zeros(space, space.covered_wgrad_ms)
-    runtime = runtime_of(space, topology)
+    runtime = runtime_of(space, topology if links is None else links.cluster)
     split = options.split_backward and options.schedule in FLUSH_SCHEDULES
     for index, (start, end, r) in enumerate(partition):
         last = first + r - 1

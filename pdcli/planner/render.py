@@ -53,6 +53,20 @@ def summary_line(pipeline: dict[str, Any]) -> str:
     )
 
 
+def shape_line(plan_json: dict[str, Any]) -> str | None:
+    """What kind of parallelism the plan is, when it is not a plain pipeline: data parallelism
+    (one stage on several devices, what torch DDP runs) or a hybrid (some stage replicated)."""
+    stages = plan_json["stages"]
+    devices = sum(int(s["replicas"]) for s in stages)
+    if len(stages) == 1 and devices > 1:
+        return (f"data parallel: the whole model on each of {devices} devices, one gradient all-reduce per "
+                f"minibatch (no pipeline split is faster on this cluster)" if not plan_json["inputs"].get("num_stages")
+                else f"data parallel: the whole model on each of {devices} devices (plan.num_stages=1)")
+    if len(stages) > 1 and any(int(s["replicas"]) > 1 for s in stages):
+        return "hybrid: pipeline stages, some replicated (data parallel within the stage)"
+    return None
+
+
 def steering_line(pipeline: dict[str, Any]) -> str | None:
     """The user's fixed plan beside the best plan without the constraints (None: nothing fixed)."""
     free = pipeline.get("unconstrained")
@@ -118,7 +132,9 @@ def render_plan(plan: Plan | dict[str, Any], chain: Chain | None, fmt: str = "te
              f"{len(rows)} stages (chunks, {virtual} per device on {len(rows) // virtual} devices)")
     head = (f"plan: {shape}, schedule {inputs.get('schedule', '?')}{split}, "
             f"cost model {inputs.get('cost_model', '?')} ({BOTTLENECK_MARK} = bottleneck)")
-    lines = [summary_line(plan_json["pipeline"]), *plan_notes(plan_json), *search_space_lines(inputs)]
+    shape_note = shape_line(plan_json)
+    lines = [summary_line(plan_json["pipeline"]), *([shape_note] if shape_note else []), *plan_notes(plan_json),
+             *search_space_lines(inputs)]
     stale = staleness_line(plan_json)
     return f"{head}\n\n{table}\n\n" + "\n".join(lines + ([stale] if stale else []))
 

@@ -5,7 +5,9 @@ innermost bandwidth, priced as the schedule's one-chunk relative (`STAND_INS`: t
 flush and the same order of a chunk's microbatches); each stage is a chunk, placed on its
 device by the schedule (`ScheduleSpec.stage_of_chunk`). The prediction: the schedule's real
 action lists replayed by the simulator with each chunk's costs (a message between two chunks
-of one device costs no transfer), on the profile's measured runtime costs when it has them.
+of one device costs no transfer), on the profile's measured runtime costs when it has them; on
+a cluster of several levels a chunk's messages cross the link between its device and its
+neighbour chunk's (`chunk_links`), which the search's partition is climbed against.
 A device's memory is the sum of its chunks' weights and optimizer state plus its activations
 at their peak: the lowered list of one minibatch walked, each chunk's microbatch held from its
 Forward to its Backward (to its WeightGrads with a split backward).
@@ -16,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from pdcli.errors import UserError
 from pdcli.planner.evaluate import (
-    REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, batch_scale, climb, data_parallel_eval, evaluate_pd, pipeline_summary, plan_options_of,
+    REPLAY_MIN_MINIBATCHES, PlanEval, StageEval, StageLinks, batch_scale, climb, data_parallel_eval, evaluate_pd, pipeline_summary, plan_options_of,
     replay_shown, stage_predicted,
 )
 from pdcli.planner.options import PlanOptions
@@ -73,6 +77,21 @@ def device_activation_bytes(spec: ScheduleSpec, device: int, per_microbatch_byte
     return peak
 
 
+def chunk_links(topology: Topology, spec: ScheduleSpec) -> StageLinks | None:
+    """The links between the chunks of `spec` on `topology` (None on one level: every pair of
+    devices is joined at the innermost bandwidth, which `chunk_pricing`'s topology gives): two
+    chunks on one device at the innermost bandwidth, on two devices at the slowest level between
+    them (a V placement's chunk on device 0 hands to device 1 over the slow link both ways)."""
+    if len(topology.levels) == 1:
+        return None
+    num_chunks = spec.num_stages * spec.virtual_stages
+    devices = [spec.stage_of_chunk(c) for c in range(num_chunks)]
+    between = topology.span_bandwidth_matrix(spec.num_stages)
+    inner = topology.levels[0].bandwidth_bytes_per_s
+    bandwidth = np.array([[inner if a == b else between[a, b] for b in devices] for a in devices], dtype=float)
+    return StageLinks(bandwidth, topology)
+
+
 def chunk_pricing(topology: Topology, options: PlanOptions, num_chunks: int) -> tuple[Topology, PlanOptions]:
     """How the chunks of a chunked schedule are priced: as `num_chunks` straight stages on as many
     devices of the cluster's innermost bandwidth, under the schedule's one-chunk stand-in."""
@@ -90,12 +109,14 @@ def replay_chunked_plan(chain: Chain, plan: dict[str, Any]) -> Simulation:
     options = dataclasses.replace(plan_options_of(plan), virtual_stages=int(inputs["virtual_stages"]))
     space = SplitSpace.from_chain(chain)
     devices = len({int(r) for s in plan["stages"] for r in s["ranks"]})
-    chunk_topology, stand_in = chunk_pricing(Topology.from_levels(inputs["topology"]["levels"]), options,
-                                             len(plan["stages"]))
+    topology = Topology.from_levels(inputs["topology"]["levels"])
+    chunk_topology, stand_in = chunk_pricing(topology, options, len(plan["stages"]))
     cuts = [(int(s["start"]), int(s["end"]), 1) for s in plan["stages"]]
-    priced = evaluate_pd(space, chunk_topology, stand_in, batch_scale(chain.meta, options), cuts, replay=False)
-    runtime = runtime_of(space, chunk_topology)
     spec = device_spec(options, devices, max(REPLAY_MIN_MINIBATCHES, 2 * devices + 2))
+    links = chunk_links(topology, spec)
+    priced = evaluate_pd(space, chunk_topology, stand_in, batch_scale(chain.meta, options), cuts, replay=False,
+                         links=links)
+    runtime = runtime_of(space, chunk_topology if links is None else topology)
     return simulate(spec, chunk_costs(priced.stages, options.num_microbatches),
                     cores=runtime.cores if runtime is not None else None)
 
@@ -137,11 +158,12 @@ def plan_virtual(chain: Chain, topology: Topology, options: PlanOptions, space: 
             raise UserError(f"no partition of the profile into {num_chunks} chunks")
         partition = [(s.start, s.end, 1) for s in found.stages]
     spec = device_spec(options, devices, max(REPLAY_MIN_MINIBATCHES, 2 * devices + 2))
-    runtime = runtime_of(space, chunk_topology)
+    links = chunk_links(topology, spec)
+    runtime = runtime_of(space, chunk_topology if links is None else topology)
     cores = runtime.cores if runtime is not None else None
 
     def replayed(cuts: Sequence[tuple[int, int, int]]) -> tuple[PlanEval, Simulation]:
-        priced = evaluate_pd(space, chunk_topology, stand_in, scale, cuts, replay=False)
+        priced = evaluate_pd(space, chunk_topology, stand_in, scale, cuts, replay=False, links=links)
         return priced, simulate(spec, chunk_costs(priced.stages, m), cores=cores)
 
     chunks, sim = replayed(partition)

@@ -19,7 +19,7 @@ from typing import Any
 
 from pdcli.rundir import atomic_write_bytes, sha256_bytes
 from pdcli.runtime.metrics import METRICS_FILE, SUMMARY_FILE, TRACE_FILE
-from pdcli.share import Store
+from pdcli.share import Store, get_bytes, put_bytes
 
 RESULT_FILES = (METRICS_FILE, TRACE_FILE, SUMMARY_FILE)
 """What node 0 gets, in the order it writes them: the summary last, as what says the run finished."""
@@ -47,7 +47,7 @@ def publish_results(store: Store, train_dir: Path, node: int) -> list[str]:
             files[name] = {"bytes": len(data), "left_out": True}
             left_out.append(name)
             continue
-        store.set(FILE_KEY + name, data)
+        put_bytes(store, FILE_KEY + name, data)
         files[name] = {"bytes": len(data), "sha256": sha256_bytes(data)}
     store.set(LISTING_KEY, json.dumps({"node": node, "files": files}))
     return left_out
@@ -83,7 +83,10 @@ def receive_results(store: Store, train_dir: Path, node: int, timeout_s: float) 
         size = int(entry.get("bytes", -1))
         if not 0 <= size <= MAX_RESULT_BYTES:
             raise ResultsNotReceived(f"node {node} listed {name} at {size} bytes (at most {MAX_RESULT_BYTES} are taken); {where}")
-        data = store.get(FILE_KEY + name)
+        try:
+            data = get_bytes(store, FILE_KEY + name, size)
+        except ValueError:
+            data = b""
         if len(data) != size or sha256_bytes(data) != entry.get("sha256"):
             raise ResultsNotReceived(f"{name} arrived with another size or hash than node {node} listed; {where}")
         taken[name] = data

@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -180,13 +181,19 @@ class Sampler:
     sent, bytes host 1 sent) from host 0's end (its rx is what host 1's end sent)."""
 
     def __init__(self, host: Host, every_s: float) -> None:
+        # into a file, not a pipe: nobody reads a pipe until stop(), and a full one (64 KiB, about
+        # 80 s of samples) would stall the sampler and leave the rest of a long run uncounted
+        self._out = tempfile.TemporaryFile(mode="w+")
         self._proc = subprocess.Popen([*host.prefix(), sys.executable, "-c", _SAMPLER, host.dev, str(every_s)],
-                                      stdout=subprocess.PIPE, text=True)
+                                      stdout=self._out, text=True)
         self.samples: list[tuple[float, int, int]] = []
 
     def stop(self) -> list[tuple[float, int, int]]:
         self._proc.terminate()
-        out, _ = self._proc.communicate(timeout=IP_TIMEOUT_S)
+        self._proc.wait(timeout=IP_TIMEOUT_S)
+        self._out.seek(0)
+        out = self._out.read()
+        self._out.close()
         for line in out.splitlines():
             fields = line.split()
             if len(fields) == 3:

@@ -14,7 +14,7 @@ rate and model, side by side in one run:
   on both hosts (`plan.use_fewer_devices=false`: `--nnodes 2` runs a plan of both).
 
 Every pd row runs `pd train --nnodes 2` on both hosts; its cluster is one device per host,
-the hosts joined at the link's rate (`cluster.levels`), and its profile is one profile of the
+the hosts joined at the link's measured goodput (`cluster.levels`), and its profile is one profile of the
 model measured once on this machine (seeded into each run directory, as `pd profile` would
 write it there).
 
@@ -62,6 +62,8 @@ RUN_TIMEOUT_S = 900.0
 INNER_BANDWIDTH_BYTES_PER_S = 1e10
 """Within a host (one device each here: never used but required by `cluster.levels`)."""
 UNSHAPED_PROBE_BYTES = 64 * 2**20
+GOODPUT_PROBE_S = 1.5
+"""A shaped link's goodput probe sends about this long at its rate."""
 MBIT_BYTES = 1e6 / 8
 
 
@@ -298,10 +300,12 @@ def plan_facts(plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def measure_unshaped(pair: HostPair) -> float:
-    """TCP goodput of the unshaped link, bytes/s (host 0 to host 1, one stream)."""
+def measure_goodput(pair: HostPair, rate_mbit: float | None) -> float:
+    """TCP goodput of the link as shaped now, bytes/s (host 0 to host 1, one stream): about
+    GOODPUT_PROBE_S of bytes at the rate, UNSHAPED_PROBE_BYTES unshaped."""
     a, b = pair.hosts
     port = next(_ports)
+    size = UNSHAPED_PROBE_BYTES if rate_mbit is None else max(1 << 20, int(rate_mbit * MBIT_BYTES * GOODPUT_PROBE_S))
     sink = subprocess.Popen([*b.prefix(), sys.executable, "-c",
                              "import socket,sys\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
                              f"s.bind(('{b.addr}',{port}));s.listen(1);print('up',flush=True);c,_=s.accept()\n"
@@ -310,16 +314,21 @@ def measure_unshaped(pair: HostPair) -> float:
     sink.stdout.readline()
     source = subprocess.run([*a.prefix(), sys.executable, "-c",
                              f"import socket,time\ns=socket.create_connection(('{b.addr}',{port}))\nt=time.perf_counter()\n"
-                             f"s.sendall(bytes({UNSHAPED_PROBE_BYTES}));s.shutdown(socket.SHUT_WR);s.recv(1)\n"
+                             f"s.sendall(bytes({size}));s.shutdown(socket.SHUT_WR);s.recv(1)\n"
                              "print(time.perf_counter()-t)"], capture_output=True, text=True, timeout=60)
     sink.wait(timeout=60)
-    return UNSHAPED_PROBE_BYTES / float(source.stdout.strip())
+    return size / float(source.stdout.strip())
 
 
 def run_rate(pair: HostPair, rate: float | None, case_name: str, case: Case, rows: Sequence[str], work: Path,
-             chain: Any, bandwidth: float) -> dict[str, Any]:
+             chain: Any, unshaped_bw: float) -> dict[str, Any]:
+    """Every row at one rate. The plans' cluster has the link's measured goodput (what `pd plan
+    --calibrate` adopts from a run's link measurement), not its nominal rate: TCP/IP headers and
+    the shaper take 4-8% of a tbf link's rate."""
     pair.shape(rate)
     label = "unshaped" if rate is None else f"{rate:g}"
+    bandwidth = unshaped_bw if rate is None else measure_goodput(pair, rate)
+    print(f"[{case_name} @ {label} Mbit/s] goodput {bandwidth / 1e6:.3g} MB/s", file=sys.stderr, flush=True)
     out: dict[str, Any] = {"rate_mbit": rate, "configured_bandwidth_bytes_per_s": bandwidth, "rows": {}}
     for row in rows:
         root = work / case_name / label / row
@@ -368,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "torch": _torch_version(), "cases": {}}
     started = time.monotonic()
     with HostPair() as pair:
-        unshaped_bw = measure_unshaped(pair)
+        unshaped_bw = measure_goodput(pair, None)
         results["unshaped_bandwidth_bytes_per_s"] = unshaped_bw
         print(f"unshaped link: {unshaped_bw / 1e6:.0f} MB/s", file=sys.stderr, flush=True)
         for name in args.models.split(","):
@@ -380,8 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             chain = profile_once(name, case, work, unshaped_bw)
             per_rate = []
             for rate in rates:
-                bandwidth = unshaped_bw if rate is None else rate * MBIT_BYTES
-                per_rate.append(run_rate(pair, rate, name, case, rows, work, chain, bandwidth))
+                per_rate.append(run_rate(pair, rate, name, case, rows, work, chain, unshaped_bw))
             results["cases"][name] = {"recipe": case.recipe, "overrides": list(case.overrides), "steps": case.steps,
                                       "target_accuracy": case.target_accuracy, "rates": per_rate}
     results["wall_s"] = time.monotonic() - started

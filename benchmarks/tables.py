@@ -178,8 +178,14 @@ def _plan_label(row: dict[str, Any]) -> str:
     return f"{plan['schedule']}, {shape}, M={plan['num_microbatches']}"
 
 
-def _seconds(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f} s"
+def _to_target(row: dict[str, Any], case: dict[str, Any]) -> str:
+    """The time to the case's target accuracy, or that the run never reached it."""
+    if not case.get("target_accuracy"):
+        return "-"
+    if row.get("time_to_target_s") is not None:
+        return f"{row['time_to_target_s']:.1f} s"
+    final = row.get("final_eval_accuracy")
+    return f"not in {case['steps']} minibatches" + (f" ({final:.1%} at the end)" if final is not None else "")
 
 
 def data_parallel_summary(results: dict[str, Any]) -> str:
@@ -191,8 +197,7 @@ def data_parallel_summary(results: dict[str, Any]) -> str:
             if "samples_per_s" not in ddp or "samples_per_s" not in pick:
                 continue
             target = case.get("target_accuracy")
-            to_target = "-" if target is None else (f"{_seconds(ddp.get('time_to_target_s'))} / "
-                                                    f"{_seconds(pick.get('time_to_target_s'))}")
+            to_target = "-" if target is None else f"{_to_target(ddp, case)} / {_to_target(pick, case)}"
             rows.append([
                 name, _rate_label(rate), f"{ddp['samples_per_s']:.0f}",
                 f"{pick['samples_per_s']:.0f} ({pick['samples_per_s'] / ddp['samples_per_s']:.1f}x)",
@@ -227,7 +232,7 @@ def data_parallel(results: dict[str, Any]) -> str:
                     f"{row['bytes_per_minibatch'] / 1e3:.1f}"
                     + (f" ({row['bytes_per_minibatch'] / ddp['bytes_per_minibatch']:.1%})"
                        if key != "ddp" and "bytes_per_minibatch" in ddp else ""),
-                    _seconds(row.get("time_to_target_s")) if case.get("target_accuracy") else "-",
+                    _to_target(row, case),
                     _plan_label(row),
                 ])
         target = case.get("target_accuracy")
@@ -239,13 +244,14 @@ def data_parallel(results: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n" + measured_line(results)
 
 
-def crossover_mbit(rates: list[dict[str, Any]], a: str, b: str) -> float | None:
-    """The shaped rate (Mbit/s, log-interpolated) where row `a` stops beating row `b`; None when it
-    never changes over the shaped rates."""
+def crossover_mbit(rates: list[dict[str, Any]], a: str, b: str, unshaped_mbit: float | None = None) -> float | None:
+    """The rate (Mbit/s, log-interpolated) where row `a` stops beating row `b` or starts to; None
+    when neither happens over the rates measured (the unshaped link at `unshaped_mbit`, if given)."""
     import math
 
-    pts = [(r["rate_mbit"], r["rows"][a]["samples_per_s"] / r["rows"][b]["samples_per_s"])
-           for r in rates if r["rate_mbit"] is not None
+    pts = [(unshaped_mbit if r["rate_mbit"] is None else r["rate_mbit"],
+            r["rows"][a]["samples_per_s"] / r["rows"][b]["samples_per_s"])
+           for r in rates if (r["rate_mbit"] is not None or unshaped_mbit is not None)
            and all("samples_per_s" in r["rows"].get(k, {}) for k in (a, b))]
     pts.sort()
     for (r0, q0), (r1, q1) in zip(pts, pts[1:]):
@@ -256,8 +262,9 @@ def crossover_mbit(rates: list[dict[str, Any]], a: str, b: str) -> float | None:
 
 
 def plot_data_parallel(results: dict[str, Any], out: Path) -> None:
-    """samples/s against the link's rate, one panel per model, one line per row; the rate where the
-    recipe's pipeline and DDP cross is marked. The unshaped link sits at its measured rate."""
+    """samples/s against the link's rate, one panel per model, one line per row; the rates where
+    pd's pick and the recipe's pipeline cross DDP are marked. The unshaped link sits at its
+    measured rate."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,11 +280,20 @@ def plot_data_parallel(results: dict[str, Any], out: Path) -> None:
                    if "samples_per_s" in r["rows"].get(key, {})]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=label.replace("`", ""))
-        cross = crossover_mbit(case["rates"], "pd_pipeline", "ddp")
-        if cross is not None:
+        notes = []
+        for key, who in (("pd_pick", "pd's pick"), ("pd_pipeline", "the recipe's pipeline")):
+            cross = crossover_mbit(case["rates"], key, "ddp", unshaped_mbit)
+            if cross is None:
+                notes.append(f"{who}: no crossover with DDP")
+                continue
             ax.axvline(cross, color="gray", linestyle="--", linewidth=1)
-            ax.annotate(f"pipeline = DDP\n~{cross:.0f} Mbit/s", (cross, 0.97), xycoords=("data", "axes fraction"),
-                        ha="left", va="top", fontsize=8, color="gray")
+            ax.annotate(f"{who} = DDP\n~{cross:.0f} Mbit/s", (cross, 0.03 + 0.12 * len(notes)),
+                        xycoords=("data", "axes fraction"), ha="right", va="bottom", fontsize=8, color="gray")
+            notes.append("")
+        shown = [n for n in notes if n]
+        if shown:
+            ax.annotate("\n".join(shown), (0.02, 0.97), xycoords="axes fraction", ha="left", va="top", fontsize=8,
+                        color="gray")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks(sorted(set(xs)))
@@ -286,7 +302,7 @@ def plot_data_parallel(results: dict[str, Any], out: Path) -> None:
         ax.set_ylabel("samples/s (steady state)")
         ax.set_title(name)
         ax.grid(True, which="major", alpha=0.3)
-    axes[0][0].legend(fontsize=8, loc="lower right")
+    axes[0][0].legend(fontsize=8, loc="center right")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp" + out.suffix)

@@ -6,10 +6,10 @@ Categories (per rank, in ms):
 - `idle`: blocked waiting for a receive to arrive (the pipeline bubble; on one host the
   transfer itself cannot be told apart from waiting for the peer's compute).
 
-Besides the wall time, a rank counts the CPU time its process used inside compute and comm
-actions (`compute_cpu_ms`, `comm_cpu_ms`, every thread of the worker): where workers share cores,
-an action's wall time also holds the time the kernel ran another worker, and the CPU time is its
-own work.
+Besides the wall time, a rank counts the CPU time it used inside compute and comm actions
+(`compute_cpu_ms`, `comm_cpu_ms`: the worker's main thread where torch computes on it alone,
+else every thread of the worker): where workers share cores, an action's wall time also holds
+the time the kernel ran another worker, and the CPU time is its own work.
 """
 
 from __future__ import annotations
@@ -87,18 +87,22 @@ class RankStats:
 class Timeline:
     """Records (name, category, start, end) spans on a wall-clock base shared by all ranks."""
 
-    def __init__(self, rank: int, stage_id: int, replica_id: int) -> None:
+    def __init__(self, rank: int, stage_id: int, replica_id: int, compute_threads: int = 0) -> None:
+        """`compute_threads`: torch's intra-op threads (`torch.get_num_threads()`); with one, the
+        compute runs on the calling thread and `cpu_now` reads that thread's clock."""
         self.stats = RankStats(rank, stage_id, replica_id)
         self._wall0_s = time.time()
         self._perf0_s = time.perf_counter()
+        self._cpu_clock = time.thread_time if compute_threads == 1 else time.process_time
 
     def now(self) -> float:
         return time.perf_counter()
 
-    @staticmethod
-    def cpu_now() -> float:
-        """The process's CPU time so far, s (every thread)."""
-        return time.process_time()
+    def cpu_now(self) -> float:
+        """CPU time so far, s: the calling thread's where torch computes on it alone (one
+        intra-op thread), else the process's (every thread). Read twice per action: the
+        process's clock sums its threads in the kernel (gloo's among them), a thread's does not."""
+        return self._cpu_clock()
 
     def add(self, name: str, category: str, start_s: float, end_s: float, label: str | None = None,
             cpu_s: float = 0.0) -> None:

@@ -245,7 +245,7 @@ def run_session(
     schedule_stage = spec.stage_replica_of(env.rank)[0] if spec.chunked else stage_id  # the device's place
     is_last = num_stages - 1 in chunks
     writer_rank = placement.rank(num_stages - 1, 0)
-    timeline = Timeline(env.rank, stage_id, replica_id)
+    timeline = Timeline(env.rank, stage_id, replica_id, torch.get_num_threads())
     tracker = None
     if is_last:
         r = placement.replicas[num_stages - 1]

@@ -6,9 +6,11 @@ from __future__ import annotations
 class UserError(Exception):
     """A mistake the user can fix (bad config, missing file, infeasible plan).
 
-    The CLI prints `error: <message>` (plus `hint: <hint>` when given) and exits 2.
-    Anything that is not a UserError is a bug and keeps its traceback.
+    The CLI prints `error: <message>` (plus `hint: <hint>` when given) and exits `exit_code`
+    (2). Anything that is not a UserError is a bug and keeps its traceback.
     """
+
+    exit_code = 2
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
@@ -31,3 +33,10 @@ class ConfigError(UserError):
                 f"  - {p}" for p in self.problems
             )
         super().__init__(message, hint)
+
+
+class RunFailed(UserError):
+    """A run pd started failed (a worker died or hung), not the user's input: the same one clear
+    message, exit status 1 as a failed `pd train`."""
+
+    exit_code = 1

@@ -399,3 +399,43 @@ def test_restart_and_guard_settings_are_checked() -> None:
     assert any(p.startswith("train.divergence: 0.5 would stop a run") for p in problems), problems
     cfg.train.max_restarts, cfg.train.divergence = 2, None
     assert not [p for p in check_values(cfg) if p.startswith(("train.max_restarts", "train.divergence"))]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_probe_worker_killed_during_pd_profile_stops_it_naming_the_probe(tmp_path: Path) -> None:
+    """The pipeline probe is a `pd train` like any other: SIGKILL one of its workers and `pd
+    profile` stops (exit 1, one message naming the probe and what to do), leaving no process."""
+    probe_tmp = tmp_path / "tmp"  # the probe's run directory lands here: its workers name it
+    probe_tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", "from pdcli.cli import main; main()", "profile",
+                             str(REPO / "recipes" / "quickstart.yaml"), f"run.root={tmp_path}", "profile.repeats=2",
+                             "profile.pipeline_probe_runs=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**{k: v for k, v in os.environ.items() if k != "PD_PIPELINE_PROBE"},  # conftest's: off
+                                 "TMPDIR": str(probe_tmp)})
+    try:
+        deadline = time.monotonic() + 5 * GENEROUS_S
+        workers: list[int] = []
+        while not workers and proc.poll() is None and time.monotonic() < deadline:
+            workers = [pid for pid in processes_mentioning(str(probe_tmp)) if b"pdcli.runtime.worker" in
+                       Path(f"/proc/{pid}/cmdline").read_bytes()] if probe_tmp.exists() else []
+            time.sleep(0.2)
+        why = proc.communicate()[1][-1500:] if proc.poll() is not None else "still running"
+        assert workers, f"the pipeline probe's workers never started: {why}"
+        os.kill(workers[-1], signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=GENEROUS_S)
+        print(f"pd profile exited {time.monotonic() - killed:.1f} s after its probe worker was killed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err[-2000:]
+    assert "error: the pipeline probe's training run failed" in err and "killed by signal 9" in err, err[-2000:]
+    assert "hint: run `pd profile` again" in err and "Traceback" not in err
+    deadline = time.monotonic() + GENEROUS_S
+    while processes_mentioning(str(probe_tmp)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_mentioning(str(probe_tmp)), "a probe process was left behind"
+    assert not (tmp_path / "quickstart" / "profile.json").exists()  # nothing half-written

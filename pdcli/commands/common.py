@@ -35,7 +35,8 @@ def echo_err(message: str) -> None:
 
 
 def user_errors(fn: F) -> F:
-    """Turn a UserError into `error: ...` on stderr and exit status 2 (traceback with --debug)."""
+    """Turn a UserError into `error: ...` on stderr and its exit status, 2 (1 for a RunFailed);
+    a traceback with --debug."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -47,7 +48,7 @@ def user_errors(fn: F) -> F:
             echo_err(f"error: {e.message}")
             if e.hint:
                 echo_err(f"hint: {e.hint}")
-            raise typer.Exit(2) from None
+            raise typer.Exit(e.exit_code) from None
 
     return wrapper  # type: ignore[return-value]
 

@@ -15,10 +15,12 @@ and bandwidth by a ping-pong between this process and a forked one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import multiprocessing
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -26,7 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -471,12 +473,13 @@ def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tupl
     runs: list[RunAndReplay] = []
     failure = ""
     for _ in range(max(1, int(cfg.profile.pipeline_probe_runs))):
-        with tempfile.TemporaryDirectory(prefix="pd-shared-probe-") as tmp:
-            proc = _train(cfg, Path(tmp), overrides, costed, seed)
-            if proc.returncode != 0:
-                failure = _why(proc)
+        with _probe_dir("pd-shared-probe-") as tmp:
+            proc = _train(cfg, tmp, overrides, costed, seed)
+            refused = _check_run(proc, "shared-cores")
+            if refused is not None:
+                failure = refused
                 continue
-            measured = run_and_replay(Path(tmp) / PIPELINE_RUN, costed, calibrated)
+            measured = run_and_replay(tmp / PIPELINE_RUN, costed, calibrated)
         if measured is not None:
             runs.append(measured)
     if not runs:
@@ -542,8 +545,14 @@ def _train(cfg: Any, tmp: Path, overrides: list[str], chain: Chain,
         seed_run(recipe, items, chain, seed)
     # From the user's directory, as their own run: relative data paths and `model.target`
     # modules beside the recipe resolve there (run.root keeps every file in tmp).
-    return subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe), *items],
-                          capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S)
+    try:
+        return subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe), *items],
+                              capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # killed; its workers follow their launcher (die_with_parent)
+        from pdcli.errors import RunFailed
+
+        raise RunFailed(f"a probe's training run did not finish within {PIPELINE_TIMEOUT_S:g} s",
+                        hint="run `pd profile` again; to go without the probe, set profile.pipeline_probe_minibatches=0") from None
 
 
 def seed_run(recipe: Path, overrides: list[str], chain: Chain, seed: Seed) -> None:
@@ -569,17 +578,51 @@ def _why(proc: subprocess.CompletedProcess[str]) -> str:
     return " | ".join(line.strip() for line in proc.stderr.splitlines()[-3:])
 
 
+@contextlib.contextmanager
+def _probe_dir(prefix: str) -> Iterator[Path]:
+    """A temporary run directory for a probe's training run, removed after it unless the run
+    failed (RunFailed): its worker logs, which the message names, stay for the user to read."""
+    from pdcli.errors import RunFailed
+
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield tmp
+    except RunFailed:
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_run(proc: subprocess.CompletedProcess[str], probe: str) -> str | None:
+    """None when the probe's run succeeded; why, when `pd train` refused its configuration (exit
+    2: the probe goes without it, as before any worker started). A run that started and failed
+    (a worker died or hung: `pd train` stopped the job under its own fault handling, exit 1) is
+    RunFailed: a fault of this host is not a figure to plan with."""
+    from pdcli.errors import RunFailed
+
+    if proc.returncode == 0:
+        return None
+    if proc.returncode == 2:
+        return _why(proc)
+    raise RunFailed(f"the {probe} probe's training run failed (exit {proc.returncode}): {_why(proc)}",
+                    hint="run `pd profile` again (add --force to remeasure); to go without the probe, set "
+                         "profile.pipeline_probe_minibatches=0 (the plan then predicts from the stages measured alone)")
+
+
 def _pipeline_run(cfg: Any, costed: Chain, runtime: RuntimeCosts, overrides: list[str],
                   seed: Seed | None = None) -> tuple[float, RuntimeCosts, dict[str, Any]] | str:
     """One run of the pipeline probe (`pd train` with `overrides`) refitted: (its steady time
     per minibatch, the refitted costs, what it measured), or why it failed."""
     from pdcli.report.calibrate import calibrate_from_run
 
-    with tempfile.TemporaryDirectory(prefix="pd-pipeline-probe-") as tmp:
-        proc = _train(cfg, Path(tmp), overrides, costed, seed)
-        if proc.returncode != 0:
-            return _why(proc)
-        calibrated, measured = calibrate_from_run(Path(tmp) / PIPELINE_RUN, costed, runtime)
+    with _probe_dir("pd-pipeline-probe-") as tmp:
+        proc = _train(cfg, tmp, overrides, costed, seed)
+        refused = _check_run(proc, "pipeline")
+        if refused is not None:
+            return refused
+        calibrated, measured = calibrate_from_run(tmp / PIPELINE_RUN, costed, runtime)
     steady_ms = measured.get("steady_time_per_minibatch_ms")
     return (float(steady_ms) if steady_ms is not None else float("inf")), calibrated, measured
 

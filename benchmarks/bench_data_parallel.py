@@ -27,6 +27,7 @@ row, and for `ddp` the data-parallel time the plans print ("... x data parallel"
 
     python benchmarks/bench_data_parallel.py                       # every rate and model (~15 min)
     python benchmarks/bench_data_parallel.py --rates 50 --models mlp --rows ddp,pd_pick
+    python benchmarks/bench_data_parallel.py --rates 1000,unshaped --rounds 3      # medians of 3, interleaved
     python benchmarks/bench_data_parallel.py --rates 50 --rows ddp,pd_pipeline --steps 20 --set profile.runtime_probe=false
 
 Needs root and iproute2 (`ip`, `tc`); nothing is asserted, the numbers are printed and
@@ -320,34 +321,51 @@ def measure_goodput(pair: HostPair, rate_mbit: float | None) -> float:
     return size / float(source.stdout.strip())
 
 
+def median_round(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One row's result from its rounds: the round of median samples/s (the lower of two), with
+    every round's samples/s beside it (`rounds_samples_per_s`); a failure when every round failed."""
+    done = sorted((r for r in rounds if "error" not in r), key=lambda r: r["samples_per_s"])
+    if not done:
+        return rounds[-1]
+    kept = dict(done[(len(done) - 1) // 2])
+    if len(rounds) > 1:
+        kept["rounds_samples_per_s"] = [r.get("samples_per_s") for r in rounds]
+    return kept
+
+
 def run_rate(pair: HostPair, rate: float | None, case_name: str, case: Case, rows: Sequence[str], work: Path,
-             chain: Any, unshaped_bw: float) -> dict[str, Any]:
-    """Every row at one rate. The plans' cluster has the link's measured goodput (what `pd plan
-    --calibrate` adopts from a run's link measurement), not its nominal rate: TCP/IP headers and
-    the shaper take 4-8% of a tbf link's rate."""
+             chain: Any, unshaped_bw: float, rounds: int = 1) -> dict[str, Any]:
+    """Every row at one rate, `rounds` times over (the rows interleaved, so a slow spell of the
+    host falls on all of them; each row keeps its median round: `median_round`). The plans'
+    cluster has the link's measured goodput (what `pd plan --calibrate` adopts from a run's link
+    measurement), not its nominal rate: TCP/IP headers and the shaper take 4-8% of a tbf link's rate."""
     pair.shape(rate)
     label = "unshaped" if rate is None else f"{rate:g}"
     bandwidth = unshaped_bw if rate is None else measure_goodput(pair, rate)
     print(f"[{case_name} @ {label} Mbit/s] goodput {bandwidth / 1e6:.3g} MB/s", file=sys.stderr, flush=True)
     out: dict[str, Any] = {"rate_mbit": rate, "configured_bandwidth_bytes_per_s": bandwidth, "rows": {}}
-    for row in rows:
-        root = work / case_name / label / row
-        started = time.monotonic()
-        try:
-            if row == "ddp":
-                record, samples = run_ddp(pair, case, root, bandwidth)
-                facts: dict[str, Any] = {}
-            else:
-                record, samples, facts = run_pd(pair, case, row, root, bandwidth, chain)
-            result = {**steady(record, samples), **accuracy_curve(record, case.target_accuracy), **facts,
-                      "wall_s": time.monotonic() - started}
-        except RunFailed as e:
-            result = {"error": str(e), "wall_s": time.monotonic() - started}
-        out["rows"][row] = result
-        shown = result.get("error") or (f"{result['samples_per_s']:.0f} samples/s, "
-                                        f"{result['bytes_per_minibatch'] / 1e3:.1f} KB/minibatch, "
-                                        f"to target {result['time_to_target_s']}")
-        print(f"[{case_name} @ {label} Mbit/s] {row}: {shown} ({result['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    results: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
+    for k in range(rounds):
+        for row in rows:
+            root = work / case_name / label / (row if rounds == 1 else f"{row}.{k}")
+            started = time.monotonic()
+            try:
+                if row == "ddp":
+                    record, samples = run_ddp(pair, case, root, bandwidth)
+                    facts: dict[str, Any] = {}
+                else:
+                    record, samples, facts = run_pd(pair, case, row, root, bandwidth, chain)
+                result = {**steady(record, samples), **accuracy_curve(record, case.target_accuracy), **facts,
+                          "wall_s": time.monotonic() - started}
+            except RunFailed as e:
+                result = {"error": str(e), "wall_s": time.monotonic() - started}
+            results[row].append(result)
+            shown = result.get("error") or (f"{result['samples_per_s']:.0f} samples/s, "
+                                            f"{result['bytes_per_minibatch'] / 1e3:.1f} KB/minibatch, "
+                                            f"to target {result['time_to_target_s']}")
+            print(f"[{case_name} @ {label} Mbit/s] {row}: {shown} ({result['wall_s']:.0f} s)", file=sys.stderr,
+                  flush=True)
+    out["rows"] = {row: median_round(results[row]) for row in rows}
     plans = [r["plan"] for r in out["rows"].values() if r.get("plan")]
     if plans and "ddp" in out["rows"] and "error" not in out["rows"]["ddp"]:  # every plan prices DDP alike
         out["rows"]["ddp"]["predicted_ms"] = plans[0]["predicted_data_parallel_ms"]
@@ -361,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(CASES))
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--steps", type=int, default=None, help="minibatches per run (default: each model's)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every row per rate, interleaved; the median kept")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for every row and the profile (repeatable), e.g. profile.runtime_probe=false")
     parser.add_argument("--work", default=str(REPO / "runs" / "benchmarks" / "data_parallel"))
@@ -374,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [r.strip() for r in args.rows.split(",")]
     work = Path(args.work)
     results: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "date": date.today().isoformat(),
-                               "torch": _torch_version(), "cases": {}}
+                               "torch": _torch_version(), "rounds": args.rounds, "cases": {}}
     started = time.monotonic()
     with HostPair() as pair:
         unshaped_bw = measure_goodput(pair, None)
@@ -389,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             chain = profile_once(name, case, work, unshaped_bw)
             per_rate = []
             for rate in rates:
-                per_rate.append(run_rate(pair, rate, name, case, rows, work, chain, unshaped_bw))
+                per_rate.append(run_rate(pair, rate, name, case, rows, work, chain, unshaped_bw, args.rounds))
             results["cases"][name] = {"recipe": case.recipe, "overrides": list(case.overrides), "steps": case.steps,
                                       "target_accuracy": case.target_accuracy, "rates": per_rate}
     results["wall_s"] = time.monotonic() - started

@@ -164,3 +164,12 @@ def test_over_a_shaped_link_pd_pipeline_moves_a_small_share_of_ddps_bytes(tmp_pa
     ddp, pd = rows["ddp"]["bytes_per_minibatch"], rows["pd_pipeline"]["bytes_per_minibatch"]
     assert ddp >= param_bytes  # an all-reduce of every gradient crossed the link
     assert 0 < pd <= 0.1 * ddp  # activations and their gradients only
+
+
+def test_a_row_keeps_its_median_round_and_every_rounds_rate() -> None:
+    rounds = [{"samples_per_s": 900.0, "tag": "a"}, {"error": "host 1 exited 1"}, {"samples_per_s": 700.0, "tag": "b"},
+              {"samples_per_s": 800.0, "tag": "c"}]
+    kept = bench.median_round(rounds)
+    assert kept["tag"] == "c" and kept["rounds_samples_per_s"] == [900.0, None, 700.0, 800.0]
+    assert bench.median_round([{"samples_per_s": 5.0}]) == {"samples_per_s": 5.0}  # one round: as it ran
+    assert bench.median_round([{"error": "x"}, {"error": "y"}]) == {"error": "y"}

@@ -1,4 +1,4 @@
-"""Measured timelines of the virtual-stage schedules beside 1f1b, for the README.
+"""Measured timelines of the virtual-stage schedules beside 1f1b, for docs/schedules.md (its measured timelines).
 
 Trains the quickstart (2 devices, 4 microbatches) with `1f1b` and with `interleaved`,
 `loopedbfs` and `zbv` at `schedule.virtual_stages=2`, then draws two minibatches of each run's

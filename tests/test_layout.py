@@ -1,4 +1,4 @@
-"""The code's layout (README "How the code is laid out"): which packages import which, read
+"""The code's layout (docs/architecture.md, "How the code is laid out"): which packages import which, read
 statically from every `import` in `pdcli/`, those inside functions included; and no import
 circles, read from the imports that run at import time."""
 
@@ -149,7 +149,7 @@ LAYERS = (
     ("pdcli.rundir",),
     ("pdcli.errors", "pdcli.host", "pdcli.markers"),
 )
-"""The README's "How the code is laid out", top to bottom; packages of one layer do not import
+"""docs/architecture.md's "How the code is laid out", top to bottom; packages of one layer do not import
 each other."""
 
 
@@ -161,7 +161,7 @@ def layer_of(module: str) -> int:
 def test_packages_import_only_the_layers_below_them() -> None:
     modules = [m for m in graph() if m != "pdcli"]
     unplaced = sorted(m for m in modules if layer_of(m) < 0)
-    assert not unplaced, f"place these in LAYERS and the README: {unplaced}"
+    assert not unplaced, f"place these in LAYERS and docs/architecture.md: {unplaced}"
     wrong = sorted(f"{m} -> {d}" for m in modules for d in graph()[m] if d.startswith("pdcli.") and (
         layer_of(d) < layer_of(m) or layer_of(d) == layer_of(m) and d.split(".")[1] != m.split(".")[1]))
     assert not wrong, wrong

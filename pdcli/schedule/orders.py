@@ -23,7 +23,7 @@ ComputeAction = Union[Forward, Backward, WeightGrads]
 Order = tuple[ComputeAction, ...]
 """One device's compute actions for one minibatch (microbatches 0 .. M-1, weight version 0)."""
 LINE_HINT = ("a line lists one minibatch's F<k>, B<k> (each microbatch k = 0..M-1 once), optionally "
-             "W<k> and a last U, e.g. `F0 F1 B0 F2 B1 F3 B2 B3` (see README, hand-written schedules)")
+             "W<k> and a last U, e.g. `F0 F1 B0 F2 B1 F3 B2 B3` (docs/schedules.md, hand-written schedules)")
 _SHORT = re.compile(r"^([FBW])(\d+)$")
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pdcli.errors import RunFailed, UserError
 from pdcli.host import host_cores
 from pdcli.models.loss import logits_of
 from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
@@ -51,6 +52,9 @@ GAP_KEY = "(between actions)"
 PINGPONG_BYTES = (4 << 10, 1 << 20)
 PINGPONG_REPEATS = 40
 PIPELINE_TIMEOUT_S = 300.0
+PROBE_FAILED_HINT = ("run `pd profile` again (add --force to remeasure); to go without the probe, set "
+                     "profile.pipeline_probe_minibatches=0 (the plan then predicts from the stages measured alone)")
+"""What a user does when a probe's training run failed (RunFailed)."""
 PROBE_MAX_MINIBATCHES = 400
 PIPELINE_MAX_MINIBATCHES = 2000
 """The most minibatches `probe_seconds` / `pipeline_probe_seconds` make a probe run."""
@@ -549,10 +553,8 @@ def _train(cfg: Any, tmp: Path, overrides: list[str], chain: Chain,
         return subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe), *items],
                               capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S)
     except subprocess.TimeoutExpired:  # killed; its workers follow their launcher (die_with_parent)
-        from pdcli.errors import RunFailed
-
         raise RunFailed(f"a probe's training run did not finish within {PIPELINE_TIMEOUT_S:g} s",
-                        hint="run `pd profile` again; to go without the probe, set profile.pipeline_probe_minibatches=0") from None
+                        hint=PROBE_FAILED_HINT) from None
 
 
 def seed_run(recipe: Path, overrides: list[str], chain: Chain, seed: Seed) -> None:
@@ -562,7 +564,6 @@ def seed_run(recipe: Path, overrides: list[str], chain: Chain, seed: Seed) -> No
     with, at the cost of building and timing it in every probe run. Where the overrides do not
     load, nothing is written: the run reports why it fails."""
     from pdcli.config.loader import load_config
-    from pdcli.errors import UserError
     from pdcli.profiler.batch_points import BATCH_POINTS_META, PRECISION_META
 
     try:
@@ -582,8 +583,6 @@ def _why(proc: subprocess.CompletedProcess[str]) -> str:
 def _probe_dir(prefix: str) -> Iterator[Path]:
     """A temporary run directory for a probe's training run, removed after it unless the run
     failed (RunFailed): its worker logs, which the message names, stay for the user to read."""
-    from pdcli.errors import RunFailed
-
     tmp = Path(tempfile.mkdtemp(prefix=prefix))
     try:
         yield tmp
@@ -600,15 +599,12 @@ def _check_run(proc: subprocess.CompletedProcess[str], probe: str) -> str | None
     2: the probe goes without it, as before any worker started). A run that started and failed
     (a worker died or hung: `pd train` stopped the job under its own fault handling, exit 1) is
     RunFailed: a fault of this host is not a figure to plan with."""
-    from pdcli.errors import RunFailed
-
     if proc.returncode == 0:
         return None
     if proc.returncode == 2:
         return _why(proc)
     raise RunFailed(f"the {probe} probe's training run failed (exit {proc.returncode}): {_why(proc)}",
-                    hint="run `pd profile` again (add --force to remeasure); to go without the probe, set "
-                         "profile.pipeline_probe_minibatches=0 (the plan then predicts from the stages measured alone)")
+                    hint=PROBE_FAILED_HINT)
 
 
 def _pipeline_run(cfg: Any, costed: Chain, runtime: RuntimeCosts, overrides: list[str],

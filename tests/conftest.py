@@ -15,6 +15,15 @@ os.environ.setdefault("PD_PIPELINE_PROBE", "0")
 # The probes' time floors (`profile.probe_seconds`) too: their minimum minibatch counts measure enough
 # for what these tests check.
 os.environ.setdefault("PD_PROBE_SECONDS", "0")
+# The host calibration file (`pdcli.probe.hostfile`) of the tests: one per session, measured by
+# the first profile that needs it, never the user's ~/.cache/pd.
+if "PD_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["PD_CACHE_DIR"] = tempfile.mkdtemp(prefix="pd-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PD_CACHE_DIR"], True)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

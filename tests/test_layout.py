@@ -147,7 +147,7 @@ LAYERS = (
     ("pdcli.config",),
     ("pdcli.schedule",),
     ("pdcli.rundir",),
-    ("pdcli.errors", "pdcli.host", "pdcli.markers"),
+    ("pdcli.errors", "pdcli.host", "pdcli.markers", "pdcli.progress"),
 )
 """docs/architecture.md's "How the code is laid out", top to bottom; packages of one layer do not import
 each other."""

@@ -23,6 +23,7 @@ OverridesArg = Annotated[
 ]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Redo the step even if its artifact is fresh.")]
 FormatOpt = Annotated[str, typer.Option("--format", "-f", help="Output format: text, markdown or json.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output (results and errors only).")]
 RunNameOpt = Annotated[Optional[str], typer.Option("--run", help="Run name (overrides run.name).")]
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pdcli.commands.common import ForceOpt, OverridesArg, RecipeArg, RunNameOpt, echo_err, is_tty, load, user_errors
+from pdcli.commands.common import ForceOpt, OverridesArg, QuietOpt, RecipeArg, RunNameOpt, echo_err, is_tty, load, user_errors
 
 
 @user_errors
@@ -17,6 +17,7 @@ def compile(
     overrides: OverridesArg = None,
     force: ForceOpt = False,
     run_name: RunNameOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Split the model at the plan's boundaries into stage_<k>.py files, verified against the model."""
     loaded, run = load(recipe, overrides, run_name)
@@ -24,8 +25,11 @@ def compile(
     from pdcli.steps.plan import ensure_plan
     from pdcli.steps.profile import ensure_profile
 
+    from pdcli.progress import mode_for, reporting
+
     cfg = loaded.config
-    chain, _ = ensure_profile(cfg, run, progress=is_tty())
+    with reporting(mode_for(quiet)):
+        chain, _ = ensure_profile(cfg, run, progress=is_tty() and not quiet)
     plan_json, _ = ensure_plan(cfg, run, chain)
     manifest, reused = ensure_stages(cfg, run, plan_json, force=force)
     echo_err(

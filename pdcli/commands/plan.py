@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 from typing_extensions import Annotated
 
-from pdcli.commands.common import ForceOpt, FormatOpt, RunNameOpt, check_format, echo_err, is_tty, load, user_errors
+from pdcli.commands.common import ForceOpt, FormatOpt, QuietOpt, RunNameOpt, check_format, echo_err, is_tty, load, user_errors
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
 from pdcli.profiler.chain import Chain
@@ -82,6 +82,7 @@ def plan(
     fail_on_regression: Annotated[Optional[float], typer.Option("--fail-on-regression", help="diff: exit 1 only if predicted throughput drops by more than PCT percent.")] = None,
     pareto: Annotated[bool, typer.Option("--pareto", help="Search the schedule, microbatches, recompute and precision with the partition (as schedule.name=auto schedule.num_microbatches=auto train.recompute=auto train.precision=auto, except what the command line fixes) and print the Pareto front of time, memory and staleness.")] = False,
     calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Refit the runtime's costs from this trained run directory (its trace.json), adopt the link bandwidth it measured between hosts (its link.json), keep them in the run's calibration.json, and re-plan.")] = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Plan stages and replication: `pd plan RECIPE --gpus 8`, `pd plan --profile graph.txt --gpus 16`, `pd plan diff A B`."""
     check_format(fmt)
@@ -110,7 +111,10 @@ def plan(
     else:
         from pdcli.steps.profile import ensure_profile
 
-        chain, reused = ensure_profile(cfg, run, progress=is_tty())
+        from pdcli.progress import mode_for, reporting
+
+        with reporting(mode_for(quiet)):
+            chain, reused = ensure_profile(cfg, run, progress=is_tty() and not quiet)
         if reused:
             echo_err(f"profile: reused {run / 'profile.json'}")
         if calibrate is not None:

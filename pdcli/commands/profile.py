@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from typing_extensions import Annotated
 
-from pdcli.commands.common import ForceOpt, FormatOpt, OverridesArg, RecipeArg, RunNameOpt, check_format, echo_err, is_tty, load, user_errors
+from pdcli.commands.common import ForceOpt, FormatOpt, OverridesArg, QuietOpt, RecipeArg, RunNameOpt, check_format, echo_err, is_tty, load, user_errors
 
 
 @user_errors
@@ -22,14 +22,20 @@ def profile(
     export_graph: Annotated[
         Optional[Path], typer.Option("--export-graph", help="Also write the profile as PipeDream's graph.txt to this file.")
     ] = None,
+    recalibrate: Annotated[bool, typer.Option(
+        "--recalibrate", help="Measure this host's own figures again (transport, all-reduce; the host file) and the profile.")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Measure forward/backward time and activation/parameter bytes of every layer."""
     check_format(fmt)
     loaded, run = load(recipe, overrides, run_name)
     from pdcli.profiler.measure import summarize
+    from pdcli.progress import mode_for, reporting
     from pdcli.steps.profile import ensure_profile
 
-    chain, reused = ensure_profile(loaded.config, run, force=force, progress=is_tty() and fmt != "json")
+    with reporting(mode_for(quiet)):
+        chain, reused = ensure_profile(loaded.config, run, force=force, progress=is_tty() and fmt != "json" and not quiet,
+                                       recalibrate=recalibrate)
     if export_graph is not None:
         from pdcli.profiler.graphtxt import chain_to_graph, write_graph
 

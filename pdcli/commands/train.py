@@ -11,7 +11,7 @@ from typing_extensions import Annotated
 
 from omegaconf import OmegaConf
 
-from pdcli.commands.common import ForceOpt, OverridesArg, RecipeArg, RunNameOpt, echo_err, is_tty, load, user_errors
+from pdcli.commands.common import ForceOpt, OverridesArg, QuietOpt, RecipeArg, RunNameOpt, echo_err, is_tty, load, user_errors
 from pdcli.config.schema import Config
 from pdcli.rundir import RunDir, atomic_write_text
 
@@ -36,6 +36,7 @@ def train(
     rdzv_id: Annotated[Optional[str], typer.Option(
         "--rdzv-id", help="Job id, the same on every host (default: $PET_RDZV_ID or $SLURM_JOB_ID, else from the port).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest complete checkpoint.")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Train RECIPE: one process per device of the plan, running the schedule's action lists.
 
@@ -45,6 +46,7 @@ def train(
     from pdcli.runtime.evaluation import plan_evaluation
     from pdcli.runtime.job import format_summary, join_job, run_training
     from pdcli.runtime.launcher import TrainingFailed, TrainingInterrupted, hosts_from_env
+    from pdcli.progress import mode_for, reporting
     from pdcli.steps.train import ensure_all
 
     cfg = loaded.config
@@ -55,7 +57,8 @@ def train(
     try:
         if job is None or hosts.node_rank == 0:
             try:
-                _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err, progress=is_tty())
+                with reporting(mode_for(quiet)):
+                    _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err, progress=is_tty() and not quiet)
             except BaseException as e:
                 if job is not None:
                     job.fail(e)

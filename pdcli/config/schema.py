@@ -110,17 +110,26 @@ class ProfileConfig:
     probe_minibatches: int = 12
     """Minibatches each probe stage runs at least (the second half is measured)."""
     probe_seconds: float = 0.25
-    """Each probe stage runs at least this long in its measured half, by its profiled time (more
-    minibatches for a fast stage): a few milliseconds of samples would fit the host's noise."""
+    """Each probe stage runs at least this long in its measured half, by a pilot run of
+    `probe_minibatches` (more minibatches for a fast stage): a few milliseconds of samples would
+    fit the host's noise."""
     pipeline_probe_minibatches: int = 40
     """After the probe, a real run of the schedule on two workers for at least this many
     minibatches refits its costs to what workers that share the host pay (0: off)."""
     pipeline_probe_seconds: float = 2.0
-    """The pipeline probe's measured half lasts at least about this long (by the profiled time
-    of a minibatch): its latency and scale are fitted to what that half measured."""
+    """The pipeline probe's measured half lasts at least about this long (by the in-process
+    probe's time of a minibatch): its latency and scale are fitted to what that half measured."""
     pipeline_probe_runs: int = 3
-    """The pipeline probe trains this many times and keeps the run with the median steady time
-    (one run's speed is one draw of the host's run-to-run spread)."""
+    """The pipeline probe trains at most this many times and keeps the run with the median steady
+    time (one run's speed is one draw of the host's run-to-run spread)."""
+    pipeline_probe_agree: float = 0.03
+    """The pipeline probe stops once two of its runs' steady times are this close (relative; 0:
+    every run of `pipeline_probe_runs` trains)."""
+    host_cache: str = ""
+    """Where the host calibration file is kept (`pdcli.probe.hostfile`): empty = $PD_CACHE_DIR,
+    else ~/.cache/pd; `off` = measure the host in every profile and keep nothing."""
+    host_cache_max_days: float = 30.0
+    """A host file older than this many days is measured again (0: never by its age)."""
 
 
 @dataclass
@@ -395,6 +404,8 @@ def check_values(cfg: Config) -> list[str]:
     positive("profile.probe_seconds", cfg.profile.probe_seconds, allow_zero=True)
     positive("profile.pipeline_probe_seconds", cfg.profile.pipeline_probe_seconds, allow_zero=True)
     positive("profile.pipeline_probe_runs", cfg.profile.pipeline_probe_runs)
+    positive("profile.pipeline_probe_agree", cfg.profile.pipeline_probe_agree, allow_zero=True)
+    positive("profile.host_cache_max_days", cfg.profile.host_cache_max_days, allow_zero=True)
     positive("plan.num_stages", cfg.plan.num_stages)
     positive("plan.max_states", cfg.plan.max_states)
     positive("plan.max_staleness", cfg.plan.max_staleness, allow_zero=True)

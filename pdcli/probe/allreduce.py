@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from pdcli.host import HOST_SPEED_SHAPE
 from pdcli.planner.runtime_costs import Affine, RuntimeCosts, steady_mean
+from pdcli.probe.hostfile import HostFile
 from pdcli.probe.runtime import fit_affine
 
 ALLREDUCE_BYTES = (64 << 10, 1 << 20, 8 << 20)
@@ -108,10 +109,11 @@ def measure_allreduce(threads: int = 1, sizes: Sequence[int] = ALLREDUCE_BYTES, 
     return fit_affine([p[0] for p in points], [p[1] for p in points], single="fixed"), points
 
 
-def with_allreduce(runtime: RuntimeCosts, threads: int) -> RuntimeCosts:
-    """`runtime` with this host's all-reduce measured (`RuntimeCosts.allreduce`);
-    `sources["allreduce"]` holds the points, or why nothing was measured."""
-    measured = measure_allreduce(threads)
+def with_allreduce(runtime: RuntimeCosts, threads: int, host: HostFile | None = None) -> RuntimeCosts:
+    """`runtime` with this host's all-reduce (`RuntimeCosts.allreduce`) from `host` (the host
+    calibration file), measured where it has none; `sources["allreduce"]` holds the points, or
+    why nothing was measured."""
+    measured = host.allreduce(threads, measure_allreduce) if host is not None else measure_allreduce(threads)
     if measured is None:
         return dataclasses.replace(runtime, sources={**runtime.sources, "allreduce": "skipped: gloo did not run"})
     line, points = measured

@@ -14,6 +14,7 @@ from pdcli.config.schema import Config
 from pdcli.errors import UserError
 from pdcli.host import HOST_SPEED_META, host_cores, host_speed_ms
 from pdcli.profiler.chain import Chain
+from pdcli.progress import current
 from pdcli.torchutil.threads import torch_threads
 
 if TYPE_CHECKING:  # the profiler's modules are imported when measuring
@@ -131,12 +132,15 @@ def precision_time_ratios(model: torch.nn.Module, batches: dict[int, BatchLike],
 def profile_config(
     cfg: Config, device: torch.device, num_threads: int | None, config_hash: str, progress: bool = True,
     layout_of: Callable[[Chain], StageLayout | None] | None = None, seed: Seed | None = None,
+    recalibrate: bool = False,
 ) -> Chain:
     """Measure the model, data and optimizer of `cfg` on `device` with `num_threads` intra-op
     threads; `config_hash` is recorded in the chain (the hash of the inputs it was made from).
     `layout_of(chain)`: the stages the recipe plans on the chain priced with the in-process
     probe's costs, which the pipeline probe then runs (`pdcli.probe.runtime.pipeline_layout`);
-    `seed` gives those runs the profile measured here (`pdcli.probe.runtime.Seed`)."""
+    `seed` gives those runs the profile measured here (`pdcli.probe.runtime.Seed`). The host's
+    own figures come from its calibration file (`pdcli.probe.hostfile`), measured again with
+    `recalibrate`."""
     # Imported here: the model zoo and data sets are only needed when measuring.
     from pdcli.data import Batch, build_data
     from pdcli.models import build_loss, build_model
@@ -154,7 +158,7 @@ def profile_config(
     if batch.num_samples > batch_size:
         batch = Batch(inputs=tuple(t[:batch_size] for t in batch.inputs), target=batch.target[:batch_size])
     check_model_fits_data(model, batch.inputs, batch.target, cfg, build_loss(cfg.model.loss))
-    with torch_threads(num_threads):
+    with torch_threads(num_threads), current().phase(f"profile: timing each layer of {model_key(cfg).partition('=')[2]}"):
         chain = profile_model(
             model,
             batch,
@@ -162,12 +166,13 @@ def profile_config(
             device,
             warmup=cfg.profile.warmup,
             repeats=cfg.profile.repeats,
-            progress=progress,
+            progress=progress and current().mode == "off",  # else the phase's bar
             config_hash=config_hash,
             model_name=model_key(cfg).partition("=")[2],
             optimizer_factory=lambda module: build_optimizer(cfg.optim, module),
             optimizer_name=cfg.optim.name,
         )
+    with torch_threads(num_threads):
         rows = batch_point_rows(cfg)
         batches: dict[int, BatchLike] = {batch_size: batch}
         for size in rows:
@@ -177,32 +182,40 @@ def profile_config(
         if rows:
             from pdcli.profiler.batch_points import BATCH_POINTS_META, batch_points_json
 
-            points = {size: profile_model(build_model(cfg.model), batches[size], build_loss(cfg.model.loss), device,
-                                          warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, progress=False)
-                      for size in rows}
+            with current().phase(f"profile: timing the layers at {len(rows)} other microbatch sizes"):
+                points = {size: profile_model(build_model(cfg.model), batches[size], build_loss(cfg.model.loss), device,
+                                              warmup=cfg.profile.warmup, repeats=cfg.profile.repeats,
+                                              progress=False)
+                          for size in rows}
             chain.meta[BATCH_POINTS_META] = batch_points_json(points)
         if "train.precision" in cfg.plan.search:
             from pdcli.profiler.batch_points import PRECISION_META
 
-            chain.meta[PRECISION_META] = precision_time_ratios(model, batches, build_loss(cfg.model.loss), device,
-                                                               cfg.profile.warmup, cfg.profile.repeats)
+            with current().phase("profile: timing the model at each precision"):
+                chain.meta[PRECISION_META] = precision_time_ratios(model, batches, build_loss(cfg.model.loss), device,
+                                                                   cfg.profile.warmup, cfg.profile.repeats)
         if cfg.profile.runtime_probe:
             from pdcli.planner.runtime_costs import RUNTIME_META
+            from pdcli.probe.hostfile import HOST_META, HostFile, cache_root, host_key
             from pdcli.probe.runtime import probe_pipeline, probe_runtime
 
+            host = HostFile(cache_root(cfg.profile.host_cache), host_key(device.type),
+                            cfg.profile.host_cache_max_days, recalibrate)
             # the probe's stages are compiled for the runtime's microbatch, whatever was profiled
             micro = build_data(cfg.data, cfg.data.batch_size).batch(PROFILE_BATCH_INDEX).split(cfg.schedule.num_microbatches)[0]
             probed = probe_config(cfg)
             runtime = probe_runtime(probed, model, chain, tuple(t.to(device) for t in micro.inputs),
-                                    micro.target.to(device), device, cfg.profile.probe_minibatches)
+                                    micro.target.to(device), device, cfg.profile.probe_minibatches, host)
             pipeline_minibatches = pipeline_probe_minibatches(cfg)
             if pipeline_minibatches and device.type == "cpu" and cfg.num_devices >= 2:
                 from pdcli.probe.allreduce import with_allreduce
 
-                runtime = with_allreduce(runtime, cpu_threads_per_worker(cfg))
+                runtime = with_allreduce(runtime, cpu_threads_per_worker(cfg), host)
+            current().note(host.summary())
             if pipeline_minibatches:
                 runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches, layout_of, seed)
             chain.meta[RUNTIME_META] = runtime.to_json()
+            chain.meta[HOST_META] = host.record()
         if device.type == "cpu":  # the host's level as its costs were last measured (`pd report` compares a run's)
             chain.meta[HOST_SPEED_META] = host_speed_ms()
     return chain

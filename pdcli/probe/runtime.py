@@ -5,7 +5,7 @@ interpreter. The probe compiles the model into PROBE_SHARES-sized stages (so the
 times differ enough to separate a per-action fixed cost from a scale), runs each stage's
 real action list with `pdcli.runtime.executor.Executor` in this process for at least
 `profile.probe_minibatches` minibatches and enough for `profile.probe_seconds` in the measured
-half (by the stage's profiled time), once per weight mode (`pipedream`: forwards on
+half (by a pilot run of `profile.probe_minibatches`, fixed costs and all), once per weight mode (`pipedream`: forwards on
 stashed versions; `1f1b` with a split backward: on the live module), with a transport that
 delivers zeros at once, and fits per action `ms = scale * profiled_ms + fixed_ms`
 (`pdcli.planner.runtime_costs`). The loss is timed on the model's own output, loading on
@@ -40,8 +40,10 @@ from pdcli.models.loss import logits_of
 from pdcli.planner.runtime_costs import DIRECT, RUNTIME_META, STASHED, Affine, ModeCosts, RuntimeCosts, steady_mean
 from pdcli.planner.runtime_fit import StagePoints
 from pdcli.planner.space import SplitSpace
+from pdcli.probe.hostfile import HostFile
 from pdcli.profiler.chain import Chain
 from pdcli.profiler.clock import Clock
+from pdcli.progress import current
 from pdcli.runtime.sockets import GIL_SWITCH_INTERVAL_S
 
 PROBE_SHARES = (0.1, 0.2, 0.3, 0.4)
@@ -49,6 +51,8 @@ PROBE_SHARES = (0.1, 0.2, 0.3, 0.4)
 MODE_SCHEDULES = {STASHED: ("pipedream", False), DIRECT: ("1f1b", True)}
 """Weight mode -> (schedule, split backward) the probe runs."""
 GAP_KEY = "(between actions)"
+MINIBATCH_KEY = "(a minibatch)"
+"""`run_stage_actions`: the run's wall time per minibatch over its second half (ms)."""
 PINGPONG_BYTES = (4 << 10, 1 << 20)
 PINGPONG_REPEATS = 40
 PIPELINE_TIMEOUT_S = 300.0
@@ -171,8 +175,12 @@ def run_stage_actions(cfg: Any, stages_dir: Path, stage_id: int, num_stages: int
     out: dict[str, list[float]] = {}
     for name, _, _, dur_us, _ in timeline.stats.events:
         out.setdefault(name, []).append(dur_us / 1e3)
-    inside_ms = sum(span[3] / 1e3 for span in timeline.stats.events)
+    spans = timeline.stats.events
+    inside_ms = sum(span[3] / 1e3 for span in spans)
     out[GAP_KEY] = [max(loop_ms - inside_ms, 0.0) / max(len(actions), 1)]
+    if spans:  # from the start of the middle action to the end of the last
+        middle, last = spans[len(spans) // 2], spans[-1]
+        out[MINIBATCH_KEY] = [(last[2] + last[3] - middle[2]) / 1e3 / max(num_minibatches - num_minibatches // 2, 1)]
     return out
 
 
@@ -268,9 +276,11 @@ def measure_socket_transport() -> tuple[float, float, Affine] | None:
 
 
 def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[torch.Tensor],
-                  target: torch.Tensor, device: torch.device, num_minibatches: int) -> RuntimeCosts:
+                  target: torch.Tensor, device: torch.device, num_minibatches: int,
+                  host: HostFile | None = None) -> RuntimeCosts:
     """The runtime's costs on this host for `model` (profiled as `chain` on one microbatch
-    `inputs`, `target`), fitted from its probe stages."""
+    `inputs`, `target`), fitted from its probe stages; the socket transport's figures from
+    `host` (the host calibration file), measured where it has none."""
     from pdcli.compiler.build import compile_stages
     from pdcli.models import build_loss
 
@@ -291,15 +301,21 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
     gaps: list[float] = []
     switch_interval_s = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as a worker with the socket transport runs
-    with tempfile.TemporaryDirectory(prefix="pd-probe-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="pd-probe-") as tmp, \
+            current().phase("profile: runtime probe (stages run by the executor)", total=len(MODE_SCHEDULES) * k) as phase:
         manifest, _ = compile_stages(model, inputs, ranges, tmp, loss=cfg.model.loss, seed=cfg.train.seed)
         io_bytes = _message_bytes(manifest)
         for mode, (schedule, split) in MODE_SCHEDULES.items():
             fits = StagePoints(space, per_mb, loss_fwd_ms, loss_bwd_ms)
             for stage_id, (start, end) in enumerate(ranges):
-                stage_ms = profiled_ms(chain, start, end) * per_mb * m
-                runs = minibatches_for(cfg.profile.probe_seconds, stage_ms, num_minibatches, PROBE_MAX_MINIBATCHES)
-                times = run_stage_actions(cfg, Path(tmp), stage_id, k, schedule, split, runs, device)
+                # sized by a pilot of `num_minibatches`: what a minibatch costs the runtime, fixed costs too
+                times = run_stage_actions(cfg, Path(tmp), stage_id, k, schedule, split, num_minibatches, device)
+                pilot_ms = times.pop(MINIBATCH_KEY, [0.0])[0]
+                runs = minibatches_for(cfg.profile.probe_seconds, pilot_ms, num_minibatches, PROBE_MAX_MINIBATCHES)
+                minibatch_ms = pilot_ms
+                if runs > num_minibatches:
+                    times = run_stage_actions(cfg, Path(tmp), stage_id, k, schedule, split, runs, device)
+                    minibatch_ms = times.pop(MINIBATCH_KEY, [pilot_ms])[0]
                 last = stage_id == k - 1
                 fits.add(start, end, times, last)
                 for action, nbytes in io_bytes[stage_id].items():
@@ -311,12 +327,16 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
                 if last and k > 1:
                     load_target = _per_minibatch(times.get("LoadMicrobatch", []), m)
                 stages_seen.append({"mode": mode, "stage": [start, end], "minibatches": runs,
+                                    "minibatch_ms": round(minibatch_ms, 4),
                                     "measured_ms": {a: steady_mean(v) for a, v in sorted(times.items())}})
+                phase.advance()
             p = fits.points
             modes[mode] = ModeCosts(fit_affine(*p["forward"]), fit_affine(*p["backward"]),
                                     fit_affine(*p["wgrad"]), fit_affine(*p["update"], single="fixed"))
     sys.setswitchinterval(switch_interval_s)
-    transport = measure_socket_transport() if device.type == "cpu" else None
+    transport = None
+    if device.type == "cpu":
+        transport = host.transport(measure_socket_transport) if host is not None else measure_socket_transport()
     send = fit_affine([b for b, _ in sends], [t for _, t in sends], single="fixed")
     if transport is not None:  # the probe's sends went nowhere: add the real transport's call
         send = Affine(send.scale + transport[2].scale, send.fixed_ms + transport[2].fixed_ms)
@@ -419,7 +439,8 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     the costs are fitted on the balanced pipeline over the cores and the planned layout measures
     `shared_slowdown` (`probe_layouts`). It trains `profile.pipeline_probe_runs` times and
     keeps the refit of the run with the median steady time: how fast a run goes moves from one
-    run to the next on a shared host, and one run's level would price every plan.
+    run to the next on a shared host, and one run's level would price every plan; it stops
+    early where two runs agree within `profile.pipeline_probe_agree` (`agreed`).
     `sources["pipeline_probe"]` says what ran, or why nothing did (fewer than 2 devices or
     workers, not the CPU, fewer than 2 positions, or every run failed: then the costs are
     unchanged); `sources["pipeline_runs_ms"]` holds each run's steady time per minibatch. A
@@ -431,15 +452,22 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
         return _noted(runtime, "skipped: needs 2 CPU devices, 2 workers and 2 positions")
     (cuts, replicas), shared = probe_layouts(cfg, chain, planned, runtime.cores)
     workers = sum(replicas)
-    overrides = _probe_overrides(cfg, chain, cuts, replicas, minibatches)
+    overrides = _probe_overrides(cfg, costed, cuts, replicas, minibatches)
     fitted: list[tuple[float, RuntimeCosts, dict[str, Any]]] = []
     failures: list[str] = []
-    for _ in range(max(1, int(cfg.profile.pipeline_probe_runs))):
-        outcome = _pipeline_run(cfg, costed, runtime, overrides, seed)
-        if isinstance(outcome, str):
-            failures.append(outcome)
-        else:
-            fitted.append(outcome)
+    most = max(1, int(cfg.profile.pipeline_probe_runs))
+    steps = _probe_minibatches(cfg, costed, workers, minibatches)
+    with current().phase(f"profile: pipeline probe ({steps} minibatches of {cfg.schedule.name} on {workers} workers)",
+                         total=most) as phase:
+        for _ in range(most):
+            outcome = _pipeline_run(cfg, costed, runtime, overrides, seed)
+            phase.advance()
+            if isinstance(outcome, str):
+                failures.append(outcome)
+            else:
+                fitted.append(outcome)
+            if agreed([ms for ms, _, _ in fitted], cfg.profile.pipeline_probe_agree):
+                break
     if not fitted:
         return _noted(runtime, f"skipped: the probe run failed ({failures[0]})")
     fitted.sort(key=lambda run: run[0])
@@ -450,9 +478,17 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     shown = f" x replicas {replicas}" if _replicated(replicas) else ""
     runs = f"; the median of {len(fitted)} runs ({', '.join(f'{ms:.2f}' for ms in runs_ms)} ms per minibatch)" \
         if len(fitted) > 1 else ""
-    calibrated = _noted(calibrated, f"{_probe_minibatches(cfg, chain, workers, minibatches)} minibatches of "
+    calibrated = _noted(calibrated, f"{steps} minibatches of "
                                     f"{cfg.schedule.name} on {workers} workers, split at {cuts}{shown}{runs}")
     return probe_sharing(cfg, costed, calibrated, shared, minibatches, seed) if shared is not None else calibrated
+
+
+def agreed(runs_ms: Sequence[float], within: float) -> bool:
+    """Two of the runs' steady times per minibatch are within `within` (relative) of each
+    other: the host's run-to-run spread is small enough that another run would not move the
+    median (`profile.pipeline_probe_agree`; 0: never, every run trains)."""
+    ordered = sorted(ms for ms in runs_ms if math.isfinite(ms) and ms > 0)
+    return within > 0 and any(b - a <= within * a for a, b in zip(ordered, ordered[1:]))
 
 
 def _replicated(replicas: Sequence[int]) -> bool:
@@ -464,7 +500,7 @@ def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tupl
                   minibatches: int, seed: Seed | None = None) -> RuntimeCosts:
     """`calibrated` (fitted on workers with a core each) with `shared_slowdown` and
     `shared_cpu_scale`: short real runs of the layout `shape` (more workers than cores), the
-    median of `profile.pipeline_probe_runs`, over their replay with `calibrated`'s costs: in
+    median of at most `profile.pipeline_probe_runs` (fewer where two agree, `agreed`), over their replay with `calibrated`'s costs: in
     time, and in their compute's CPU time. What the replay's core queue does not model (context
     switches, the transport's threads waking up on busy cores, caches and memory bandwidth
     shared) is in the one; what of it the compute itself pays, in the other.
@@ -476,16 +512,22 @@ def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tupl
     overrides = _probe_overrides(cfg, costed, cuts, replicas, minibatches)
     runs: list[RunAndReplay] = []
     failure = ""
-    for _ in range(max(1, int(cfg.profile.pipeline_probe_runs))):
-        with _probe_dir("pd-shared-probe-") as tmp:
-            proc = _train(cfg, tmp, overrides, costed, seed)
-            refused = _check_run(proc, "shared-cores")
-            if refused is not None:
-                failure = refused
-                continue
-            measured = run_and_replay(tmp / PIPELINE_RUN, costed, calibrated)
-        if measured is not None:
-            runs.append(measured)
+    most = max(1, int(cfg.profile.pipeline_probe_runs))
+    with current().phase(f"profile: shared-cores probe ({workers} workers on {calibrated.cores} cores)",
+                         total=most) as phase:
+        for _ in range(most):
+            with _probe_dir("pd-shared-probe-") as tmp:
+                proc = _train(cfg, tmp, overrides, costed, seed)
+                phase.advance()
+                refused = _check_run(proc, "shared-cores")
+                if refused is not None:
+                    failure = refused
+                    continue
+                measured = run_and_replay(tmp / PIPELINE_RUN, costed, calibrated)
+            if measured is not None:
+                runs.append(measured)
+            if agreed([run.run_ms / run.replay_ms for run in runs], cfg.profile.pipeline_probe_agree):
+                break
     if not runs:
         return dataclasses.replace(calibrated, sources={**calibrated.sources, "shared_probe":
                                                         f"skipped: the run failed ({failure or 'too short'})"})
@@ -508,10 +550,27 @@ def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tupl
 
 def _probe_minibatches(cfg: Any, chain: Chain, workers: int, minibatches: int) -> int:
     """How many minibatches a pipeline probe of `workers` workers trains: at least `minibatches`
-    and enough for `profile.pipeline_probe_seconds` in the measured half by the profiled time."""
+    and enough for `profile.pipeline_probe_seconds` in the measured half at `pipeline_minibatch_ms`."""
+    return minibatches_for(cfg.profile.pipeline_probe_seconds, pipeline_minibatch_ms(cfg, chain, workers), minibatches,
+                           PIPELINE_MAX_MINIBATCHES)
+
+
+def pipeline_minibatch_ms(cfg: Any, chain: Chain, workers: int) -> float:
+    """About how long a minibatch of a pipeline of `workers` workers takes: the whole model's
+    minibatch as the in-process probe ran it (the sum of its stages' walls in the schedule's
+    weight mode, fixed costs and all; `chain.meta.runtime`) over the workers that compute at
+    once (at most the cores); the profiled forward + backward where the chain has no probe."""
+    from pdcli.planner.runtime_costs import weight_mode
+
+    runtime = RuntimeCosts.from_meta(chain.meta)
+    stages = runtime.sources.get("stages", []) if runtime is not None else []
+    walls = [float(st["minibatch_ms"]) for st in stages
+             if st.get("mode") == weight_mode(cfg.schedule.name) and st.get("minibatch_ms")]
+    parallel = max(1, min(workers, runtime.cores or workers) if runtime is not None else workers)
+    if walls:
+        return sum(walls) / parallel
     profiled = chain.meta.get("batch_size") if isinstance(chain.meta, dict) else None
-    stage_ms = profiled_ms(chain, 0, len(chain.nodes)) * (cfg.data.batch_size / profiled if profiled else 1.0) / workers
-    return minibatches_for(cfg.profile.pipeline_probe_seconds, stage_ms, minibatches, PIPELINE_MAX_MINIBATCHES)
+    return profiled_ms(chain, 0, len(chain.nodes)) * (cfg.data.batch_size / profiled if profiled else 1.0) / parallel
 
 
 def _probe_overrides(cfg: Any, chain: Chain, cuts: Sequence[int], replicas: Sequence[int],

@@ -13,6 +13,7 @@ from pdcli.compiler.build import compile_stages
 from pdcli.compiler.load import read_manifest
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
+from pdcli.progress import current
 from pdcli.rundir import RunDir, hash_obj, replace_dir, temp_dir_beside
 
 STAGES = "stages"
@@ -87,9 +88,10 @@ def ensure_stages(
     run.create()
     tmp = temp_dir_beside(target)
     try:
-        manifest, _ = compile_stages(
-            model, sample.inputs, plan_boundaries(plan_json), tmp, loss=cfg.model.loss, seed=cfg.train.seed
-        )
+        with current().phase(f"compile: writing and verifying {len(plan_json['stages'])} stages"):
+            manifest, _ = compile_stages(
+                model, sample.inputs, plan_boundaries(plan_json), tmp, loss=cfg.model.loss, seed=cfg.train.seed
+            )
         replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
+from pdcli.progress import current
 from pdcli.profiler.chain import Chain
 from pdcli.rundir import RunDir, artifact_inputs_hash, read_json
 
@@ -212,7 +213,8 @@ def ensure_plan(cfg: Config, run: RunDir, chain: Chain, force: bool = False) -> 
     inputs_hash = plan_inputs_hash(cfg, profile_sha, calibration)
     if not force and run.fresh(PLAN, inputs_hash):
         return run.read_json(PLAN), True
-    plan = make_plan(calibrated_chain(chain, calibration), cfg, profile_sha)
+    with current().phase("plan: searching stages, replicas and devices"):
+        plan = make_plan(calibrated_chain(chain, calibration), cfg, profile_sha)
     run.write_json(PLAN, plan, inputs_hash)
     return plan, False
 

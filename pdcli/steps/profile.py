@@ -37,6 +37,9 @@ workers' allocator, `pdcli.torchutil.allocator`; 13: the compute's CPU time on s
 directory profiled by an older pd is measured again, not reused."""
 
 
+HOST_FILE_SETTINGS = ("host_cache", "host_cache_max_days")
+"""Profile settings that say where the host's figures are kept, not what is measured: a profile
+copies the figures it used (`pdcli.probe.hostfile`)."""
 TRAINING_ONLY = {"data": ("eval_path", "eval_fraction"), "optim": ("schedule", "clip_grad_norm")}
 """Config fields that change what training computes but not what the profile measures (clipping's
 norm and its small all-reduce per update are not in the profile's optimizer step)."""
@@ -50,7 +53,7 @@ def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | No
         "model": asdict(cfg.model),
         "data": {k: v for k, v in asdict(cfg.data).items() if k not in TRAINING_ONLY["data"]},
         "optim": {k: v for k, v in asdict(cfg.optim).items() if k not in TRAINING_ONLY["optim"]},
-        "profile": asdict(probe_config(cfg).profile),
+        "profile": {k: v for k, v in asdict(probe_config(cfg).profile).items() if k not in HOST_FILE_SETTINGS},
         "microbatch_size": profile_batch_size(cfg),
         "device": device.type,
         "num_threads": num_threads,
@@ -76,17 +79,19 @@ def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | No
 
 
 def ensure_profile(
-    cfg: Config, run: RunDir, force: bool = False, progress: bool = True
+    cfg: Config, run: RunDir, force: bool = False, progress: bool = True, recalibrate: bool = False
 ) -> tuple[Chain, bool]:
-    """The run's profile chain and whether it was reused (inputs unchanged, no `force`)."""
+    """The run's profile chain and whether it was reused (inputs unchanged, no `force`);
+    `recalibrate` measures the host's own figures again (and so the profile)."""
     device = profile_device(cfg)
     num_threads = cpu_threads_per_worker(cfg) if device.type == "cpu" else None
     inputs_hash = profile_inputs_hash(cfg, device, num_threads)
-    if not force and run.fresh(PROFILE_ARTIFACT, inputs_hash):
+    if not (force or recalibrate) and run.fresh(PROFILE_ARTIFACT, inputs_hash):
         return load_profile(run), True
 
     chain = profile_config(cfg, device, num_threads, inputs_hash, progress=progress,
-                           layout_of=lambda costed: planned_layout(costed, cfg), seed=seed_profile)
+                           layout_of=lambda costed: planned_layout(costed, cfg), seed=seed_profile,
+                           recalibrate=recalibrate)
     run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
     return chain, False
 

@@ -100,6 +100,7 @@ def test_cache_root_follows_the_setting_and_the_environment(tmp_path: Path, monk
     assert key["schema"] == HOST_SCHEMA and key["cores"] >= 1 and key["torch"]
 
 
+@pytest.mark.slow  # two profiles with the runtime probe, ~7 s
 def test_profiles_of_two_recipes_share_the_host_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The second profile (another run directory, another model size) reads the transport from
     the file the first wrote: nothing of the host is measured, and its figures are copied in."""

@@ -18,7 +18,7 @@ from pdcli.progress import current
 from pdcli.torchutil.threads import torch_threads
 
 if TYPE_CHECKING:  # the profiler's modules are imported when measuring
-    from pdcli.probe.runtime import Seed, StageLayout
+    from pdcli.probe.runtime import RunHooks, StageLayout
     from pdcli.profiler.measure import BatchLike, LossFn
 
 PROFILE_BATCH_INDEX = 0
@@ -131,14 +131,15 @@ def precision_time_ratios(model: torch.nn.Module, batches: dict[int, BatchLike],
 
 def profile_config(
     cfg: Config, device: torch.device, num_threads: int | None, config_hash: str, progress: bool = True,
-    layout_of: Callable[[Chain], StageLayout | None] | None = None, seed: Seed | None = None,
+    layout_of: Callable[[Chain], StageLayout | None] | None = None, hooks: RunHooks | None = None,
     recalibrate: bool = False,
 ) -> Chain:
     """Measure the model, data and optimizer of `cfg` on `device` with `num_threads` intra-op
     threads; `config_hash` is recorded in the chain (the hash of the inputs it was made from).
     `layout_of(chain)`: the stages the recipe plans on the chain priced with the in-process
     probe's costs, which the pipeline probe then runs (`pdcli.probe.runtime.pipeline_layout`);
-    `seed` gives those runs the profile measured here (`pdcli.probe.runtime.Seed`). The host's
+    `hooks` give those runs the profile measured here and train them in this process
+    (`pdcli.probe.runtime.RunHooks`). The host's
     own figures come from its calibration file (`pdcli.probe.hostfile`), measured again with
     `recalibrate`."""
     # Imported here: the model zoo and data sets are only needed when measuring.
@@ -213,7 +214,7 @@ def profile_config(
                 runtime = with_allreduce(runtime, cpu_threads_per_worker(cfg), host)
             current().note(host.summary())
             if pipeline_minibatches:
-                runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches, layout_of, seed)
+                runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches, layout_of, hooks)
             chain.meta[RUNTIME_META] = runtime.to_json()
             chain.meta[HOST_META] = host.record()
         if device.type == "cpu":  # the host's level as its costs were last measured (`pd report` compares a run's)

@@ -92,6 +92,20 @@ class ZerosTransport:
 Seed = Callable[[Any, Chain], None]
 """Writes a chain as the profile of the run directory a loaded config names, under that config's
 inputs hash (`pdcli.steps.profile.seed_profile`), so the run reuses it."""
+Train = Callable[[Path, list[str]], "subprocess.CompletedProcess[str]"]
+"""Trains `pd train recipe overrides` in this process, as the command would (its workers are
+processes of their own), and returns its exit status and error message as a finished process's
+(`pdcli.steps.profile.train_probe`): 2 where the configuration is refused, 1 where a worker failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunHooks:
+    """What the steps, which know run directories, lend the probes' training runs: `seed` gives
+    each run the profile measured here; `train` runs it in this process (None: `pd train` in a
+    subprocess, which pays the interpreter's and torch's start again)."""
+
+    seed: Seed
+    train: Train | None = None
 
 
 def probe_boundaries(chain: Chain, shares: Sequence[float] = PROBE_SHARES) -> list[tuple[int, int]]:
@@ -429,7 +443,7 @@ def probe_layouts(cfg: Any, chain: Chain, planned: tuple[list[int], list[int]],
 
 def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int,
                    layout_of: Callable[[Chain], StageLayout | None] | None = None,
-                   seed: Seed | None = None) -> RuntimeCosts:
+                   hooks: RunHooks | None = None) -> RuntimeCosts:
     """`runtime` refitted from a short real run of the configured schedule on this host, laid
     out by `pipeline_layout` from `layout_of(chain priced with runtime)` (the stages the recipe
     plans; one worker per replica), at least `minibatches` minibatches and
@@ -444,8 +458,8 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     `sources["pipeline_probe"]` says what ran, or why nothing did (fewer than 2 devices or
     workers, not the CPU, fewer than 2 positions, or every run failed: then the costs are
     unchanged); `sources["pipeline_runs_ms"]` holds each run's steady time per minibatch. A
-    layout that shares the cores, where there is one, runs after it (`probe_sharing`). `seed`
-    gives each run `chain` as its profile (`Seed`)."""
+    layout that shares the cores, where there is one, runs after it (`probe_sharing`). `hooks`
+    give each run `chain` as its profile and train it in this process (`RunHooks`)."""
     costed = runtime.priced(chain)
     planned = pipeline_layout(cfg, chain, layout_of(costed) if layout_of is not None else None)
     if planned is None or runtime.cores is None:
@@ -460,7 +474,7 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
     with current().phase(f"profile: pipeline probe ({steps} minibatches of {cfg.schedule.name} on {workers} workers)",
                          total=most) as phase:
         for _ in range(most):
-            outcome = _pipeline_run(cfg, costed, runtime, overrides, seed)
+            outcome = _pipeline_run(cfg, costed, runtime, overrides, hooks)
             phase.advance()
             if isinstance(outcome, str):
                 failures.append(outcome)
@@ -480,7 +494,7 @@ def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: i
         if len(fitted) > 1 else ""
     calibrated = _noted(calibrated, f"{steps} minibatches of "
                                     f"{cfg.schedule.name} on {workers} workers, split at {cuts}{shown}{runs}")
-    return probe_sharing(cfg, costed, calibrated, shared, minibatches, seed) if shared is not None else calibrated
+    return probe_sharing(cfg, costed, calibrated, shared, minibatches, hooks) if shared is not None else calibrated
 
 
 def agreed(runs_ms: Sequence[float], within: float) -> bool:
@@ -497,7 +511,7 @@ def _replicated(replicas: Sequence[int]) -> bool:
 
 
 def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tuple[list[int], list[int]],
-                  minibatches: int, seed: Seed | None = None) -> RuntimeCosts:
+                  minibatches: int, hooks: RunHooks | None = None) -> RuntimeCosts:
     """`calibrated` (fitted on workers with a core each) with `shared_slowdown` and
     `shared_cpu_scale`: short real runs of the layout `shape` (more workers than cores), the
     median of at most `profile.pipeline_probe_runs` (fewer where two agree, `agreed`), over their replay with `calibrated`'s costs: in
@@ -517,7 +531,7 @@ def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tupl
                          total=most) as phase:
         for _ in range(most):
             with _probe_dir("pd-shared-probe-") as tmp:
-                proc = _train(cfg, tmp, overrides, costed, seed)
+                proc = _train(cfg, tmp, overrides, costed, hooks)
                 phase.advance()
                 refused = _check_run(proc, "shared-cores")
                 if refused is not None:
@@ -596,18 +610,21 @@ def _probe_overrides(cfg: Any, chain: Chain, cuts: Sequence[int], replicas: Sequ
 
 
 def _train(cfg: Any, tmp: Path, overrides: list[str], chain: Chain,
-           seed: Seed | None = None) -> subprocess.CompletedProcess[str]:
-    """`pd train` of `cfg` with `overrides` as run PIPELINE_RUN under `tmp` (a subprocess),
-    `seed` giving it `chain` as its profile (`seed_run`)."""
+           hooks: RunHooks | None = None) -> subprocess.CompletedProcess[str]:
+    """`pd train` of `cfg` with `overrides` as run PIPELINE_RUN under `tmp`, `hooks` giving it
+    `chain` as its profile (`seed_run`) and training it in this process (else a subprocess,
+    stopped after PIPELINE_TIMEOUT_S)."""
     from omegaconf import OmegaConf
 
     recipe = tmp / "config.yaml"
     recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     items = [f"run.root={tmp}", f"run.name={PIPELINE_RUN}", *overrides]
-    if seed is not None:
-        seed_run(recipe, items, chain, seed)
+    if hooks is not None:
+        seed_run(recipe, items, chain, hooks.seed)
     # From the user's directory, as their own run: relative data paths and `model.target`
     # modules beside the recipe resolve there (run.root keeps every file in tmp).
+    if hooks is not None and hooks.train is not None:  # a hung worker is the job's watchdog's (train.timeout_s)
+        return hooks.train(recipe, items)
     try:
         return subprocess.run([sys.executable, "-c", "from pdcli.cli import main; main()", "train", str(recipe), *items],
                               capture_output=True, text=True, timeout=PIPELINE_TIMEOUT_S)
@@ -667,13 +684,13 @@ def _check_run(proc: subprocess.CompletedProcess[str], probe: str) -> str | None
 
 
 def _pipeline_run(cfg: Any, costed: Chain, runtime: RuntimeCosts, overrides: list[str],
-                  seed: Seed | None = None) -> tuple[float, RuntimeCosts, dict[str, Any]] | str:
+                  hooks: RunHooks | None = None) -> tuple[float, RuntimeCosts, dict[str, Any]] | str:
     """One run of the pipeline probe (`pd train` with `overrides`) refitted: (its steady time
     per minibatch, the refitted costs, what it measured), or why it failed."""
     from pdcli.report.calibrate import calibrate_from_run
 
     with _probe_dir("pd-pipeline-probe-") as tmp:
-        proc = _train(cfg, tmp, overrides, costed, seed)
+        proc = _train(cfg, tmp, overrides, costed, hooks)
         refused = _check_run(proc, "pipeline")
         if refused is not None:
             return refused

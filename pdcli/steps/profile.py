@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +22,8 @@ from pdcli.probe.profile import (
     profile_config,
     profile_device,
 )
-from pdcli.rundir import RunDir, artifact_inputs_hash
+from pdcli.probe.runtime import RunHooks
+from pdcli.rundir import RunDir, artifact_inputs_hash, atomic_write_text
 from pdcli.steps.plan import planned_layout
 
 
@@ -90,8 +93,8 @@ def ensure_profile(
         return load_profile(run), True
 
     chain = profile_config(cfg, device, num_threads, inputs_hash, progress=progress,
-                           layout_of=lambda costed: planned_layout(costed, cfg), seed=seed_profile,
-                           recalibrate=recalibrate)
+                           layout_of=lambda costed: planned_layout(costed, cfg),
+                           hooks=RunHooks(seed_profile, train_probe), recalibrate=recalibrate)
     run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
     return chain, False
 
@@ -104,6 +107,37 @@ def seed_profile(cfg: Config, chain: Chain) -> None:
     num_threads = cpu_threads_per_worker(cfg) if device.type == "cpu" else None
     run = RunDir(run_dir_path(cfg)).create()
     run.write_json(PROFILE_ARTIFACT, chain.to_json(), profile_inputs_hash(cfg, device, num_threads))
+
+
+def train_probe(recipe: Path, overrides: list[str]) -> subprocess.CompletedProcess[str]:
+    """`pd train recipe overrides` of a probe in this process: profile (seeded), plan, compile
+    and train as the command does, quietly; its exit status and message as a finished
+    process's: 2 where the configuration is refused (a UserError, before any worker started),
+    1 where the run failed (TrainingFailed: a worker died or hung, the job's own fault
+    handling stopped it)."""
+    from pdcli.config import load_config
+    from pdcli.progress import reporting
+    from pdcli.runtime.job import run_training
+    from pdcli.runtime.launcher import TrainingFailed
+    from pdcli.steps.compile import ensure_stages
+    from pdcli.steps.plan import config_of_plan, ensure_plan
+
+    args = ["pd", "train", str(recipe), *overrides]
+    try:
+        loaded = load_config(recipe, overrides)
+        run = RunDir(run_dir_path(loaded.config)).create()
+        atomic_write_text(run / "config.yaml", loaded.to_yaml())
+        with reporting("off"):  # the steps of `pdcli.steps.train.ensure_all`, the profile seeded
+            chain, _ = ensure_profile(loaded.config, run, progress=False)
+            plan_json, _ = ensure_plan(loaded.config, run, chain)
+            cfg = config_of_plan(loaded.config, plan_json)
+            manifest, _ = ensure_stages(cfg, run, plan_json)
+        run_training(cfg, run, plan_json, manifest)
+    except UserError as e:
+        return subprocess.CompletedProcess(args, 2, "", f"error: {e}")
+    except TrainingFailed as e:
+        return subprocess.CompletedProcess(args, 1, "", f"error: training failed: {e}")
+    return subprocess.CompletedProcess(args, 0, "", "")
 
 
 def load_profile(run: RunDir) -> Chain:

@@ -74,10 +74,6 @@ class Reporter:
             else:
                 print(f"{self.prefix}{text}", file=sys.stderr, flush=True)
 
-    def note(self, text: str) -> None:
-        """A line that stays (what was measured, what was reused)."""
-        self.line(text)
-
     @contextlib.contextmanager
     def phase(self, label: str, total: Optional[int] = None) -> Iterator[Phase]:
         """A phase of `total` units (None: not counted) that lasts the `with` block."""

@@ -140,9 +140,6 @@ class HostFile:
             return {}, f"{path} unreadable ({type(e).__name__}): measured again", now_s
         if not isinstance(file_key, dict) or file_key.get("schema") != HOST_SCHEMA:
             return {}, f"{path} is of another schema ({file_key.get('schema')}, now {HOST_SCHEMA}): measured again", now_s
-        if file_key != key:
-            changed = ", ".join(f"{k} {file_key.get(k)} -> {key.get(k)}" for k in key if file_key.get(k) != key.get(k))
-            return {}, f"{path} was measured under another key ({changed}): measured again", now_s
         age_days = (now_s - measured_at_s) / DAY_S
         if max_age_days > 0 and age_days > max_age_days:
             return {}, (f"{path} is {age_days:.0f} days old (profile.host_cache_max_days={max_age_days:g}): "

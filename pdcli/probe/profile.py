@@ -212,7 +212,7 @@ def profile_config(
                 from pdcli.probe.allreduce import with_allreduce
 
                 runtime = with_allreduce(runtime, cpu_threads_per_worker(cfg), host)
-            current().note(host.summary())
+            current().line(host.summary())
             if pipeline_minibatches:
                 runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches, layout_of, hooks)
             chain.meta[RUNTIME_META] = runtime.to_json()

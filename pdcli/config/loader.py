@@ -157,7 +157,7 @@ def _apply_override(cfg: DictConfig, item: str, sources: dict[str, str], problem
         value = parsed["value"]
         _seed_lists_from_schema(cfg, key)
         OmegaConf.update(cfg, key, value, merge=True)
-    except (OmegaConfBaseException, ValueError, TypeError, IndexError, KeyError) as e:
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError, IndexError, KeyError) as e:
         problems.append(f"command line: {key}: cannot set it ({_first_line(e)}); "
                         "a list item is addressed by index, e.g. cluster.levels.0.devices=4")
         return
@@ -236,8 +236,12 @@ def load_config(recipe: str | os.PathLike[str] | None, overrides: list[str] | No
             problems.append(f"command line: ~{key}: no such key to delete")
         sources = {k: v for k, v in sources.items() if k != key and not k.startswith(key + ".")}
 
-    notes = _cuts_over_stage_count(merged, sources)
-    _auto_to_search(merged, sources)
+    try:
+        notes = _cuts_over_stage_count(merged, sources)
+        _auto_to_search(merged, sources)
+    except OmegaConfBaseException as e:  # e.g. an interpolation to a key that is not there
+        key = str(getattr(e, "full_key", "") or "?")
+        raise ConfigError([*problems, f"{sources.get(key, origin)}: {key}: {_first_line(e)}"]) from None
     plain: Any = OmegaConf.to_container(merged, resolve=False)
     assert isinstance(plain, dict)
     problems += validate_tree(plain, Config, sources)
@@ -303,7 +307,7 @@ def _cuts_over_stage_count(merged: Any, sources: dict[str, str]) -> list[str]:
     for key in CUT_KEYS:
         cuts = OmegaConf.select(merged, key)
         from_command_line = any(k == key or k.startswith(key + ".") for k, v in sources.items() if v == COMMAND_LINE)
-        if from_command_line and cuts is not None and len(cuts) + 1 > num_stages:
+        if from_command_line and (OmegaConf.is_list(cuts) or isinstance(cuts, list)) and len(cuts) + 1 > num_stages:
             del merged.plan["num_stages"]
             origin = sources.pop("plan.num_stages", "the recipe")
             return [f"{key} makes {len(cuts) + 1} stages: {origin}'s plan.num_stages: {num_stages} is not used"]

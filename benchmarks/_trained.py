@@ -15,6 +15,9 @@ from pdcli.report import ReplanCommands, make_report
 
 PD = Path(sys.executable).parent / "pd"
 DRIFT_THRESHOLD_PCT = 25.0
+AS_PLANNED = "profile.defer_pipeline_probe=false"
+"""The override of a run whose prediction is checked: its profile has the pipeline probe, as the
+one `pd plan` prices with (`pd train` defers the probe where the recipe fixes the shape)."""
 
 
 def pd_command(*args: str, timeout_s: float) -> str:
@@ -29,7 +32,7 @@ def steady_ms(recipe: Path, root: Path, name: str, steps: int, overrides: Sequen
     """Train `recipe` for `steps` minibatches as run `name` under `root`; its steady time per
     minibatch (the second half), as `pd report` measures it."""
     args = [f"run.root={root}", f"run.name={name}", f"train.steps={steps}", f"train.log_every={max(1, steps // 4)}",
-            *overrides]
+            AS_PLANNED, *overrides]
     pd_command("train", str(recipe), *args, timeout_s=timeout_s)
     c = make_report(root / name, ReplanCommands(str(recipe), tuple(args)), DRIFT_THRESHOLD_PCT, charts=False).comparison
     return c.measured.steady_time_per_minibatch_ms or c.measured.time_per_minibatch_ms

@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _bench_common import BenchFailed, run_bounded, stderr_tail  # noqa: E402
+from _trained import AS_PLANNED  # noqa: E402
 
 from pdcli.planner.evaluate import evaluate_plan  # noqa: E402
 from pdcli.planner.runtime_costs import RUNTIME_META, RuntimeCosts  # noqa: E402
@@ -116,7 +117,7 @@ def run_case(name: str, case: tuple[str, tuple[str, ...], int], root: Path, prev
     copy of the last round's run)."""
     recipe_name, extra, steps = case
     recipe = REPO / "recipes" / f"{recipe_name}.yaml"
-    overrides = [*extra, f"run.name={name}", f"train.steps={steps}", f"train.log_every={max(1, steps // 4)}",
+    overrides = [AS_PLANNED, *extra, f"run.name={name}", f"train.steps={steps}", f"train.log_every={max(1, steps // 4)}",
                  f"run.root={root}"]
     start_s = time.perf_counter()
     code, _, err = run_bounded([str(PD), "train", str(recipe), *overrides], TRAIN_TIMEOUT_S)

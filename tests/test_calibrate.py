@@ -154,15 +154,15 @@ def test_pipeline_probe_run_reuses_the_probes_profile(tmp_path: Path) -> None:
     from pdcli.steps.profile import ensure_profile, seed_profile
 
     cfg = load_config(RECIPE, [f"run.root={tmp_path}", "profile.repeats=1", "profile.runtime_probe=false"]).config
-    chain, _ = ensure_profile(cfg, RunDir(run_dir_path(cfg)).create(), progress=False)
+    chain, _ = ensure_profile(cfg, RunDir(run_dir_path(cfg)).create())
     recipe = tmp_path / "config.yaml"
     recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     items = [f"run.root={tmp_path / 'probe'}", f"run.name={PIPELINE_RUN}", *_probe_overrides(cfg, chain, [9], [1, 1], 30)]
     seed_run(recipe, items, replace(chain, meta={**chain.meta, RUNTIME_META: {"as": "the probe passes it"}}), seed_profile)
     probe_cfg = load_config(recipe, items).config
-    seeded, reused = ensure_profile(probe_cfg, RunDir(run_dir_path(probe_cfg)), progress=False)
+    seeded, reused = ensure_profile(probe_cfg, RunDir(run_dir_path(probe_cfg)))
     assert reused and seeded.to_json() == chain.to_json()
-    unseeded, reused = ensure_profile(probe_cfg, RunDir(tmp_path / "elsewhere").create(), progress=False)
+    unseeded, reused = ensure_profile(probe_cfg, RunDir(tmp_path / "elsewhere").create())
     assert not reused
 
 

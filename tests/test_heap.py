@@ -93,3 +93,15 @@ def test_no_automatic_collection_while_the_collector_is_paused() -> None:
         finally:
             gc.callbacks.remove(note)
     assert seen == [] and gc.isenabled()
+
+
+def test_heap_frozen_leaves_what_was_there_out_of_the_blocks_collections_and_unfreezes_after() -> None:
+    from pdcli.runtime.heap import heap_frozen
+
+    held = [Node() for _ in range(5_000)]
+    with heap_frozen():
+        assert gc.get_freeze_count() >= len(held)
+        assert not any(o is held[0] for o in gc.get_objects())  # a collection in the block does not walk it
+        made = Node()
+        assert any(o is made for o in gc.get_objects())  # what the block makes it does
+    assert gc.get_freeze_count() == 0 and any(o is held[0] for o in gc.get_objects())

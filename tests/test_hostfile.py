@@ -115,7 +115,7 @@ def test_profiles_of_two_recipes_share_the_host_file(tmp_path: Path, monkeypatch
     def profile(name: str, *extra: str) -> dict:
         cfg = load_config(repo / "recipes" / "quickstart.yaml",
                           [f"run.root={tmp_path}", f"run.name={name}", "train.steps=2", *extra]).config
-        chain, reused = ensure_profile(cfg, RunDir(tmp_path / name).create(), progress=False)
+        chain, reused = ensure_profile(cfg, RunDir(tmp_path / name).create())
         assert not reused
         return chain.meta
 

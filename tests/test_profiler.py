@@ -385,26 +385,26 @@ def small_config(tmp_path: Path) -> Config:
 def test_ensure_profile_reuses_until_inputs_change(tmp_path: Path) -> None:
     cfg = small_config(tmp_path)
     run = RunDir(Path(cfg.run.root) / cfg.run.name)
-    chain, reused = ensure_profile(cfg, run, progress=False)
+    chain, reused = ensure_profile(cfg, run)
     assert not reused and (run / "profile.json").exists()
     assert chain.meta["batch_size"] == cfg.microbatch_size == 4
     assert chain.meta["host_speed_ms"] > 0  # the host's speed as the layers were timed (`pd report` compares a run's)
     assert Chain.from_json(json.loads((run / "profile.json").read_text())) == chain
 
-    again, reused = ensure_profile(cfg, run, progress=False)
+    again, reused = ensure_profile(cfg, run)
     assert reused and again == chain
 
-    _, reused = ensure_profile(cfg, run, force=True, progress=False)
+    _, reused = ensure_profile(cfg, run, force=True)
     assert not reused
 
     changed = dataclasses.replace(cfg, profile=dataclasses.replace(cfg.profile, batch_size=2))
-    remeasured, reused = ensure_profile(changed, run, progress=False)
+    remeasured, reused = ensure_profile(changed, run)
     assert not reused and remeasured.meta["batch_size"] == 2
     assert remeasured.nodes[1].activation_bytes == 2 * 32 * FLOAT32_BYTES  # first Linear, at batch 2
     assert remeasured.meta["config_hash"] != chain.meta["config_hash"]
 
     adam = dataclasses.replace(changed, optim=OptimConfig(name="adam"))
-    with_adam, reused = ensure_profile(adam, run, progress=False)  # the optimizer is an input
+    with_adam, reused = ensure_profile(adam, run)  # the optimizer is an input
     assert not reused and with_adam.meta["optimizer"]["name"] == "adam"
     first_linear = with_adam.nodes[1]
     assert first_linear.optimizer_ms > 0 and first_linear.optimizer_state_bytes == 2 * first_linear.parameter_bytes
@@ -435,10 +435,10 @@ def test_host_speed_times_the_reference_matmul_on_one_thread_and_restores_the_th
 def test_ensure_profile_refuses_a_hand_edited_profile(tmp_path: Path) -> None:
     cfg = small_config(tmp_path)
     run = RunDir(Path(cfg.run.root) / cfg.run.name)
-    ensure_profile(cfg, run, progress=False)
+    ensure_profile(cfg, run)
     (run / "profile.json").write_text((run / "profile.json").read_text().replace('"fwd_ms"', '"fwd_ms" ', 1))
     with pytest.raises(UserError, match="changed after it was written"):
-        ensure_profile(cfg, run, progress=False)
+        ensure_profile(cfg, run)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when CUDA is absent")
@@ -446,7 +446,7 @@ def test_cuda_without_cuda_is_a_user_error(tmp_path: Path) -> None:
     cfg = small_config(tmp_path)
     cfg = dataclasses.replace(cfg, profile=dataclasses.replace(cfg.profile, device="cuda"))
     with pytest.raises(UserError, match="profile.device"):
-        ensure_profile(cfg, RunDir(tmp_path / "r"), progress=False)
+        ensure_profile(cfg, RunDir(tmp_path / "r"))
 
 
 def test_median_ms_runs_setup_outside_every_call_and_takes_the_median() -> None:

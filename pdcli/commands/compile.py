@@ -8,7 +8,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pdcli.commands.common import ForceOpt, OverridesArg, QuietOpt, RecipeArg, RunNameOpt, echo_err, is_tty, load, user_errors
+from pdcli.commands.common import ForceOpt, OverridesArg, QuietOpt, RecipeArg, RunNameOpt, echo_err, load, user_errors
 
 
 @user_errors
@@ -29,7 +29,7 @@ def compile(
 
     cfg = loaded.config
     with reporting(mode_for(quiet)):
-        chain, _ = ensure_profile(cfg, run, progress=is_tty() and not quiet)
+        chain, _ = ensure_profile(cfg, run)
     plan_json, _ = ensure_plan(cfg, run, chain)
     manifest, reused = ensure_stages(cfg, run, plan_json, force=force)
     echo_err(

@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 from typing_extensions import Annotated
 
-from pdcli.commands.common import ForceOpt, FormatOpt, QuietOpt, RunNameOpt, check_format, echo_err, is_tty, load, user_errors
+from pdcli.commands.common import ForceOpt, FormatOpt, QuietOpt, RunNameOpt, check_format, echo_err, load, user_errors
 from pdcli.config.schema import Config
 from pdcli.errors import UserError
 from pdcli.profiler.chain import Chain
@@ -114,7 +114,7 @@ def plan(
         from pdcli.progress import mode_for, reporting
 
         with reporting(mode_for(quiet)):
-            chain, reused = ensure_profile(cfg, run, progress=is_tty() and not quiet)
+            chain, reused = ensure_profile(cfg, run)
         if reused:
             echo_err(f"profile: reused {run / 'profile.json'}")
         if calibrate is not None:

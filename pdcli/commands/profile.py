@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from typing_extensions import Annotated
 
-from pdcli.commands.common import ForceOpt, FormatOpt, OverridesArg, QuietOpt, RecipeArg, RunNameOpt, check_format, echo_err, is_tty, load, user_errors
+from pdcli.commands.common import ForceOpt, FormatOpt, OverridesArg, QuietOpt, RecipeArg, RunNameOpt, check_format, echo_err, load, user_errors
 
 
 @user_errors
@@ -34,7 +34,7 @@ def profile(
     from pdcli.steps.profile import ensure_profile
 
     with reporting(mode_for(quiet)):
-        chain, reused = ensure_profile(loaded.config, run, force=force, progress=is_tty() and fmt != "json" and not quiet,
+        chain, reused = ensure_profile(loaded.config, run, force=force,
                                        recalibrate=recalibrate)
     if export_graph is not None:
         from pdcli.profiler.graphtxt import chain_to_graph, write_graph

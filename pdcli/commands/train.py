@@ -58,7 +58,7 @@ def train(
         if job is None or hosts.node_rank == 0:
             try:
                 with reporting(mode_for(quiet)):
-                    _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err, progress=is_tty() and not quiet)
+                    _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err)
             except BaseException as e:
                 if job is not None:
                     job.fail(e)

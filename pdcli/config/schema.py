@@ -125,6 +125,11 @@ class ProfileConfig:
     pipeline_probe_agree: float = 0.03
     """The pipeline probe stops once two of its runs' steady times are this close (relative; 0:
     every run of `pipeline_probe_runs` trains)."""
+    defer_pipeline_probe: bool = True
+    """`pd train` does not wait for the pipeline probe where the recipe fixes the pipeline's
+    shape (`pdcli.steps.profile.shape_fixed`): the planner then only places the cuts, which
+    the stages measured alone price, and the run is its own measurement. `pd profile` and
+    `pd plan` add the probe to the same profile (false: `pd train` runs it first too)."""
     host_cache: str = ""
     """Where the host calibration file is kept (`pdcli.probe.hostfile`): empty = $PD_CACHE_DIR,
     else ~/.cache/pd; `off` = measure the host in every profile and keep nothing."""

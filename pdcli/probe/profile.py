@@ -18,6 +18,7 @@ from pdcli.progress import current
 from pdcli.torchutil.threads import torch_threads
 
 if TYPE_CHECKING:  # the profiler's modules are imported when measuring
+    from pdcli.probe.hostfile import HostFile
     from pdcli.probe.runtime import RunHooks, StageLayout
     from pdcli.profiler.measure import BatchLike, LossFn
 
@@ -130,7 +131,7 @@ def precision_time_ratios(model: torch.nn.Module, batches: dict[int, BatchLike],
 
 
 def profile_config(
-    cfg: Config, device: torch.device, num_threads: int | None, config_hash: str, progress: bool = True,
+    cfg: Config, device: torch.device, num_threads: int | None, config_hash: str,
     layout_of: Callable[[Chain], StageLayout | None] | None = None, hooks: RunHooks | None = None,
     recalibrate: bool = False,
 ) -> Chain:
@@ -167,7 +168,7 @@ def profile_config(
             device,
             warmup=cfg.profile.warmup,
             repeats=cfg.profile.repeats,
-            progress=progress and current().mode == "off",  # else the phase's bar
+            progress=False,  # the phase's bar or lines (`pdcli.progress`)
             config_hash=config_hash,
             model_name=model_key(cfg).partition("=")[2],
             optimizer_factory=lambda module: build_optimizer(cfg.optim, module),
@@ -197,26 +198,59 @@ def profile_config(
                                                                    cfg.profile.warmup, cfg.profile.repeats)
         if cfg.profile.runtime_probe:
             from pdcli.planner.runtime_costs import RUNTIME_META
-            from pdcli.probe.hostfile import HOST_META, HostFile, cache_root, host_key
-            from pdcli.probe.runtime import probe_pipeline, probe_runtime
+            from pdcli.probe.hostfile import HOST_META
+            from pdcli.probe.runtime import probe_runtime
 
-            host = HostFile(cache_root(cfg.profile.host_cache), host_key(device.type),
-                            cfg.profile.host_cache_max_days, recalibrate)
+            host = host_file(cfg, device, recalibrate)
             # the probe's stages are compiled for the runtime's microbatch, whatever was profiled
             micro = build_data(cfg.data, cfg.data.batch_size).batch(PROFILE_BATCH_INDEX).split(cfg.schedule.num_microbatches)[0]
-            probed = probe_config(cfg)
-            runtime = probe_runtime(probed, model, chain, tuple(t.to(device) for t in micro.inputs),
+            runtime = probe_runtime(probe_config(cfg), model, chain, tuple(t.to(device) for t in micro.inputs),
                                     micro.target.to(device), device, cfg.profile.probe_minibatches, host)
-            pipeline_minibatches = pipeline_probe_minibatches(cfg)
-            if pipeline_minibatches and device.type == "cpu" and cfg.num_devices >= 2:
-                from pdcli.probe.allreduce import with_allreduce
-
-                runtime = with_allreduce(runtime, cpu_threads_per_worker(cfg), host)
-            current().line(host.summary())
-            if pipeline_minibatches:
-                runtime = probe_pipeline(probed, chain, runtime, pipeline_minibatches, layout_of, hooks)
             chain.meta[RUNTIME_META] = runtime.to_json()
             chain.meta[HOST_META] = host.record()
+            if pipeline_probe_minibatches(cfg):
+                chain = with_pipeline_probe(cfg, chain, device, layout_of, hooks, host)
+            else:
+                current().line(host.summary())
         if device.type == "cpu":  # the host's level as its costs were last measured (`pd report` compares a run's)
             chain.meta[HOST_SPEED_META] = host_speed_ms()
     return chain
+
+
+def host_file(cfg: Config, device: torch.device, recalibrate: bool = False) -> HostFile:
+    """This host's calibration file as `cfg.profile` places it (`pdcli.probe.hostfile`)."""
+    from pdcli.probe.hostfile import HostFile, cache_root, host_key
+
+    return HostFile(cache_root(cfg.profile.host_cache), host_key(device.type), cfg.profile.host_cache_max_days,
+                    recalibrate)
+
+
+def with_pipeline_probe(cfg: Config, chain: Chain, device: torch.device,
+                        layout_of: Callable[[Chain], StageLayout | None] | None = None,
+                        hooks: RunHooks | None = None, host: HostFile | None = None) -> Chain:
+    """`chain`, which holds the in-process probe's costs (`meta.runtime`), with the pipeline
+    probe's: the all-reduce of this host's workers where the cluster has 2 CPU devices or more
+    (from `host`, the host file), then `probe_pipeline`'s refit on real runs of the schedule
+    (`layout_of`, `hooks`: as `profile_config`'s). What a profile measured without it (`pd
+    train` deferring the probe, `profile.defer_pipeline_probe`) is completed by it so."""
+    from pdcli.planner.runtime_costs import RUNTIME_META, RuntimeCosts
+    from pdcli.probe.hostfile import HOST_META
+    from pdcli.probe.runtime import probe_pipeline
+
+    runtime = RuntimeCosts.from_meta(chain.meta)
+    if runtime is None:
+        raise ValueError("with_pipeline_probe needs a chain measured with the runtime probe (meta.runtime)")
+    host = host if host is not None else host_file(cfg, device)
+    if device.type == "cpu" and cfg.num_devices >= 2:
+        from pdcli.probe.allreduce import with_allreduce
+
+        runtime = with_allreduce(runtime, cpu_threads_per_worker(cfg), host)
+    current().line(host.summary())
+    runtime = probe_pipeline(probe_config(cfg), chain, runtime, pipeline_probe_minibatches(cfg), layout_of, hooks)
+    record = host.record()
+    before = chain.meta.get(HOST_META)
+    if isinstance(before, dict) and before.get("file") == record["file"]:  # the in-process probe's figures too
+        for field in ("reused", "measured"):
+            record[field] = sorted({*before.get(field, []), *record[field]})
+        record["why"] = record["why"] or before.get("why", "")
+    return dataclasses.replace(chain, meta={**chain.meta, RUNTIME_META: runtime.to_json(), HOST_META: record})

@@ -297,6 +297,7 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
     `host` (the host calibration file), measured where it has none."""
     from pdcli.compiler.build import compile_stages
     from pdcli.models import build_loss
+    from pdcli.runtime.heap import heap_frozen
 
     space = SplitSpace.from_chain(chain)
     profiled = chain.meta.get("batch_size") if isinstance(chain.meta, dict) else None
@@ -315,7 +316,7 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
     gaps: list[float] = []
     switch_interval_s = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as a worker with the socket transport runs
-    with tempfile.TemporaryDirectory(prefix="pd-probe-") as tmp, \
+    with tempfile.TemporaryDirectory(prefix="pd-probe-") as tmp, heap_frozen(), \
             current().phase("profile: runtime probe (stages run by the executor)", total=len(MODE_SCHEDULES) * k) as phase:
         manifest, _ = compile_stages(model, inputs, ranges, tmp, loss=cfg.model.loss, seed=cfg.train.seed)
         io_bytes = _message_bytes(manifest)

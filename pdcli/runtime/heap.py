@@ -25,6 +25,19 @@ def freeze_setup() -> int:
 
 
 @contextmanager
+def heap_frozen() -> Iterator[None]:
+    """What the process holds when the block starts frozen out of the collector for the block
+    (one full collection first): inside it, a collection (`collector_paused`) walks only what
+    the block made. Unfrozen after it, so what the block's caller held can be collected again."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@contextmanager
 def collector_paused() -> Iterator[None]:
     """No automatic collection inside the block (a short timed loop in a process whose heap is
     not frozen: a full collection there would land in one action's time); one collection

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import subprocess
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from pdcli.probe.profile import (
     profile_batch_size,
     profile_config,
     profile_device,
+    with_pipeline_probe,
 )
 from pdcli.probe.runtime import RunHooks
 from pdcli.rundir import RunDir, artifact_inputs_hash, atomic_write_text
@@ -40,9 +41,9 @@ workers' allocator, `pdcli.torchutil.allocator`; 13: the compute's CPU time on s
 directory profiled by an older pd is measured again, not reused."""
 
 
-HOST_FILE_SETTINGS = ("host_cache", "host_cache_max_days")
-"""Profile settings that say where the host's figures are kept, not what is measured: a profile
-copies the figures it used (`pdcli.probe.hostfile`)."""
+UNMEASURED_SETTINGS = ("host_cache", "host_cache_max_days", "defer_pipeline_probe")
+"""Profile settings that say where the host's figures are kept (a profile copies the figures it
+used, `pdcli.probe.hostfile`) or when the pipeline probe runs, not what is measured."""
 TRAINING_ONLY = {"data": ("eval_path", "eval_fraction"), "optim": ("schedule", "clip_grad_norm")}
 """Config fields that change what training computes but not what the profile measures (clipping's
 norm and its small all-reduce per update are not in the profile's optimizer step)."""
@@ -56,7 +57,7 @@ def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | No
         "model": asdict(cfg.model),
         "data": {k: v for k, v in asdict(cfg.data).items() if k not in TRAINING_ONLY["data"]},
         "optim": {k: v for k, v in asdict(cfg.optim).items() if k not in TRAINING_ONLY["optim"]},
-        "profile": {k: v for k, v in asdict(probe_config(cfg).profile).items() if k not in HOST_FILE_SETTINGS},
+        "profile": {k: v for k, v in asdict(probe_config(cfg).profile).items() if k not in UNMEASURED_SETTINGS},
         "microbatch_size": profile_batch_size(cfg),
         "device": device.type,
         "num_threads": num_threads,
@@ -81,22 +82,58 @@ def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | No
     return artifact_inputs_hash(section)
 
 
-def ensure_profile(
-    cfg: Config, run: RunDir, force: bool = False, progress: bool = True, recalibrate: bool = False
-) -> tuple[Chain, bool]:
+def ensure_profile(cfg: Config, run: RunDir, force: bool = False, recalibrate: bool = False,
+                   defer_pipeline: bool = False) -> tuple[Chain, bool]:
     """The run's profile chain and whether it was reused (inputs unchanged, no `force`);
-    `recalibrate` measures the host's own figures again (and so the profile)."""
+    `recalibrate` measures the host's own figures again (and so the profile). With
+    `defer_pipeline` (`pd train` where `profile.defer_pipeline_probe` and `shape_fixed`) a
+    profile without the pipeline probe does: the one there, else one measured so. Without it,
+    such a profile there is completed by the probe (`with_pipeline_probe`) instead of measured again."""
     device = profile_device(cfg)
     num_threads = cpu_threads_per_worker(cfg) if device.type == "cpu" else None
     inputs_hash = profile_inputs_hash(cfg, device, num_threads)
+    layout_of = lambda costed: planned_layout(costed, cfg)  # noqa: E731
+    hooks = RunHooks(seed_profile, train_probe)
     if not (force or recalibrate) and run.fresh(PROFILE_ARTIFACT, inputs_hash):
         return load_profile(run), True
-
-    chain = profile_config(cfg, device, num_threads, inputs_hash, progress=progress,
-                           layout_of=lambda costed: planned_layout(costed, cfg),
-                           hooks=RunHooks(seed_profile, train_probe), recalibrate=recalibrate)
+    alone = without_pipeline_probe(cfg)
+    alone_hash = profile_inputs_hash(alone, device, num_threads) if alone is not cfg else inputs_hash
+    if alone is not cfg and not (force or recalibrate) and run.fresh(PROFILE_ARTIFACT, alone_hash):
+        chain = load_profile(run)
+        if defer_pipeline:
+            return chain, True
+        chain = with_pipeline_probe(cfg, chain, device, layout_of, hooks)
+        run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
+        return chain, False
+    if defer_pipeline:
+        cfg, inputs_hash = alone, alone_hash
+    chain = profile_config(cfg, device, num_threads, inputs_hash, layout_of=layout_of, hooks=hooks,
+                           recalibrate=recalibrate)
     run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
     return chain, False
+
+
+def without_pipeline_probe(cfg: Config) -> Config:
+    """`cfg` as its profile is measured without the pipeline probe (`cfg` itself where the
+    probe is off already: no runtime probe, `profile.pipeline_probe_minibatches=0`)."""
+    if not (cfg.profile.runtime_probe and pipeline_probe_minibatches(cfg)):
+        return cfg
+    return replace(cfg, profile=replace(cfg.profile, pipeline_probe_minibatches=0))
+
+
+def shape_fixed(cfg: Config) -> bool:
+    """The recipe fixes the pipeline's shape, so the planner only places its cuts: no
+    `plan.search`, no virtual stages, the stage count given (`plan.num_stages` or
+    `plan.boundaries`) and each stage's replicas (`plan.replicas`, `plan.straight`, or as many
+    stages as devices). The pipeline probe would then run the layout the run trains and price
+    nothing the planner chooses between (`profile.defer_pipeline_probe`)."""
+    plan = cfg.plan
+    if plan.search or int(cfg.schedule.virtual_stages) != 1:
+        return False
+    stages = plan.num_stages or (len(plan.boundaries) + 1 if plan.boundaries is not None else None)
+    if not stages:
+        return False
+    return bool(plan.straight or plan.replicas is not None or stages >= cfg.num_devices)
 
 
 def seed_profile(cfg: Config, chain: Chain) -> None:
@@ -128,7 +165,7 @@ def train_probe(recipe: Path, overrides: list[str]) -> subprocess.CompletedProce
         run = RunDir(run_dir_path(loaded.config)).create()
         atomic_write_text(run / "config.yaml", loaded.to_yaml())
         with reporting("off"):  # the steps of `pdcli.steps.train.ensure_all`, the profile seeded
-            chain, _ = ensure_profile(loaded.config, run, progress=False)
+            chain, _ = ensure_profile(loaded.config, run)
             plan_json, _ = ensure_plan(loaded.config, run, chain)
             cfg = config_of_plan(loaded.config, plan_json)
             manifest, _ = ensure_stages(cfg, run, plan_json)

@@ -11,7 +11,7 @@ from pdcli.profiler.chain import PROFILE_ARTIFACT, Chain
 from pdcli.rundir import RunDir
 from pdcli.steps.compile import STAGES, ensure_stages
 from pdcli.steps.plan import PLAN, config_of_plan, ensure_plan
-from pdcli.steps.profile import ensure_profile
+from pdcli.steps.profile import ensure_profile, shape_fixed
 
 Echo = Callable[[str], None]
 
@@ -21,11 +21,14 @@ def _quiet(_: str) -> None:
 
 
 def ensure_all(
-    cfg: Config, run: RunDir, force: bool = False, echo: Echo = _quiet, progress: bool = False
+    cfg: Config, run: RunDir, force: bool = False, echo: Echo = _quiet
 ) -> tuple[Chain, dict[str, Any], dict[str, Any]]:
-    """Profile, plan and compile as needed; `force` redoes all three. What `plan.search` left to
-    the planner is compiled as the plan chose it (`config_of_plan`)."""
-    chain, reused = ensure_profile(cfg, run, force=force, progress=progress)
+    """Profile, plan and compile as needed; `force` redoes all three. The profile goes without
+    the pipeline probe where `profile.defer_pipeline_probe` and the recipe fixes the pipeline's
+    shape (`shape_fixed`). What `plan.search` left to the planner is compiled as the plan chose
+    it (`config_of_plan`)."""
+    defer = cfg.profile.defer_pipeline_probe and shape_fixed(cfg)
+    chain, reused = ensure_profile(cfg, run, force=force, defer_pipeline=defer)
     echo(f"profile: {'reused' if reused else 'measured'} {run / PROFILE_ARTIFACT}")
     plan, reused = ensure_plan(cfg, run, chain, force=force)
     echo(f"plan:    {'reused' if reused else 'wrote'} {run / PLAN}")

@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import signal
 import socket
 import subprocess
@@ -144,10 +145,15 @@ def run_pair(commands: Sequence[list[str]], env: dict[str, str], timeout_s: floa
     return errs
 
 
+JOB_SECRET = secrets.token_hex(32)
+"""The secret every `pd train --nnodes 2` of this benchmark is given (`PD_JOB_SECRET`)."""
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "benchmarks"), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PD_JOB_SECRET", JOB_SECRET)  # both hosts' nodes: the same secret, out of band
     return env
 
 

@@ -99,12 +99,30 @@ def test_plan_for_more_devices_than_available(compiled: str, monkeypatch: pytest
     monkeypatch.setattr(launcher, "MIN_CPU_PROCESSES", 1)
     fails("train", QUICKSTART, compiled, "cluster.device=cpu", expect=("needs 2 devices", "only 1", "--nnodes"))
     monkeypatch.undo()
+    monkeypatch.setenv("PD_JOB_SECRET", "given out of band")
     fails("train", QUICKSTART, compiled, "--nnodes", "3", expect=("--nnodes 3", "node 0's address", "--master-addr"))
     with socket.socket() as s:  # a port free now, for node 0's store
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     fails("train", QUICKSTART, compiled, "--nnodes", "3", "--master-addr", "127.0.0.1", "--master-port", port,
           expect=("2 ranks", "--nnodes 3"))
+
+
+def test_several_hosts_without_a_secret_given_out_of_band_are_refused(
+        compiled: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PD_JOB_SECRET", raising=False)
+    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1")
+    fails("train", QUICKSTART, compiled, *nodes, expect=("--nnodes 2", "secret", "--secret-file", "PD_JOB_SECRET",
+                                                         "--insecure-network"))
+    secret = tmp_path / "job.secret"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o644)
+    fails("train", QUICKSTART, compiled, *nodes, "--secret-file", str(secret), expect=("readable by others", "chmod 600"))
+    secret.chmod(0o600)
+    secret.write_text("  \n")
+    fails("train", QUICKSTART, compiled, *nodes, "--secret-file", str(secret), expect=("empty",))
+    fails("train", QUICKSTART, compiled, *nodes, "--secret-file", str(tmp_path / "none"), expect=("cannot be read",))
+    assert "PD_JOB_SECRET" not in __import__("os").environ  # nothing set for a refused job
 
 
 def test_resume_without_a_checkpoint(compiled: str) -> None:

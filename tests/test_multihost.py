@@ -207,8 +207,12 @@ def test_a_listener_without_the_secret_is_not_trusted() -> None:
         handshake.prove_to_listener(a, b"s" * 32, 0, 1)
     a.close()
     b.close()
-    store = HashStore()
-    assert handshake.job_secret(store) == handshake.job_secret(store)  # the first worker's, for everyone
+
+
+@pytest.fixture(autouse=True)
+def job_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The secret every node of these jobs is given out of band (their workers inherit it)."""
+    monkeypatch.setenv(handshake.SECRET_ENV, "the secret of the tests' jobs")
 
 
 # ---- real jobs: two nodes, two network namespaces, strangers --------------------------
@@ -319,6 +323,41 @@ def test_two_nodes_with_their_own_run_directories_train_like_one(
     assert json.loads((a / "mh" / "train" / "summary.json").read_text())["link"] == link
     assert json.loads((b / "mh" / "train" / "link.json").read_text()) == link
     assert "link:    between node 0 and node 1: measured" in err0 or "warning: the link between node 0 and node 1" in err0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S)
+def test_the_secret_from_a_file_or_the_environment_or_the_store_when_the_user_accepts_it(
+    compiled: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 0 reads the secret from --secret-file, node 1 from PD_JOB_SECRET: the same key, one
+    job. Without either, --insecure-network on both shares one through the store: the job
+    trains, each node warns, and its events record it."""
+    secret = tmp_path / "job.secret"
+    secret.write_text("shared out of band\n")
+    secret.chmod(0o600)
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(compiled, a)
+    monkeypatch.delenv(handshake.SECRET_ENV)
+    port = str(free_port())
+    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port)
+    (code0, err0), (code1, err1) = finish(
+        pd("train", RECIPE, f"run.root={a}", *ARGS, *nodes, "--node-rank", "0", "--secret-file", str(secret)),
+        pd("train", RECIPE, f"run.root={b}", *ARGS, *nodes, "--node-rank", "1",
+           env={handshake.SECRET_ENV: "shared out of band"}))
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert "insecure" not in err0 + err1
+
+    port = str(free_port())
+    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--insecure-network")
+    (code0, err0), (code1, err1) = finish(
+        pd("train", RECIPE, f"run.root={a}", *ARGS, *nodes, "--node-rank", "0"),
+        pd("train", RECIPE, f"run.root={b}", *ARGS, *nodes, "--node-rank", "1"))
+    assert (code0, code1) == (0, 0), err0 + err1
+    for err, root in ((err0, a), (err1, b)):
+        assert "warning: --insecure-network" in err and "can read it" in err
+        events = [json.loads(line) for line in (root / "mh" / "train" / "events.jsonl").read_text().splitlines()]
+        assert any(e["event"] == "insecure_network" for e in events)
 
 
 @pytest.mark.slow

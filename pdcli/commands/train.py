@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from pdcli.commands.common import ForceOpt, OverridesArg, QuietOpt, RecipeArg, RunNameOpt, echo_err, is_tty, load, user_errors
 from pdcli.config.schema import Config
+from pdcli.errors import UserError
 from pdcli.rundir import RunDir, atomic_write_text
 
 if TYPE_CHECKING:
@@ -36,6 +37,11 @@ def train(
     rdzv_id: Annotated[Optional[str], typer.Option(
         "--rdzv-id", help="Job id, the same on every host (default: $PET_RDZV_ID or $SLURM_JOB_ID, else from the port).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest complete checkpoint.")] = False,
+    secret_file: Annotated[Optional[Path], typer.Option(
+        "--secret-file", help="Several hosts: the job's secret, the same file on every node (mode 0600; or $PD_JOB_SECRET).")] = None,
+    insecure_network: Annotated[bool, typer.Option(
+        "--insecure-network", help="Several hosts without a secret: share one through the rendezvous store (anyone who "
+                                   "reaches the master port can read it).")] = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Train RECIPE: one process per device of the plan, running the schedule's action lists.
@@ -53,6 +59,7 @@ def train(
     resolve_steps(cfg)  # train.epochs -> train.steps
     plan_evaluation(cfg)  # a held-out split too small to evaluate fails here, before profiling
     hosts = hosts_from_env(nnodes, node_rank, master_addr, master_port, os.environ, rdzv_id)
+    insecure = hosts.nnodes > 1 and secret_out_of_band(hosts.nnodes, secret_file, insecure_network)
     job = join_job(hosts, os.environ) if hosts.nnodes > 1 else None  # node 0 serves the store from here on
     try:
         if job is None or hosts.node_rank == 0:
@@ -75,8 +82,15 @@ def train(
     echo_err(f"train:   {cfg.schedule.name}, {len(plan_json['stages'])} stages, {cfg.train.steps} steps -> {run / 'train'}"
              + (" (resuming)" if resume else ""))
     try:
-        result = run_training(cfg, run, plan_json, manifest, hosts=hosts, progress=is_tty(), resume=resume,
-                              run_id=job.run_id if job else None)
+        try:
+            result = run_training(cfg, run, plan_json, manifest, hosts=hosts, progress=is_tty(), resume=resume,
+                                  run_id=job.run_id if job else None)
+        finally:
+            if insecure:  # after the launch, which starts a fresh run's events anew
+                from pdcli.runtime.events import append_event
+
+                append_event(run / "train", {"event": "insecure_network", "node": hosts.node_rank,
+                                             "detail": "the job's secret was shared through the rendezvous store"})
     except TrainingInterrupted as e:
         echo_err(f"interrupted: {e}; resume with `pd train {recipe} --resume` (same overrides)")
         raise typer.Exit(128 + e.signal_number) from None
@@ -93,6 +107,33 @@ def train(
         echo_err("train:   done; the last stage ran on another node: its run directory holds summary.json and metrics.jsonl")
         return
     typer.echo(format_summary(result))
+
+
+def secret_out_of_band(nnodes: int, secret_file: Path | None, insecure_network: bool) -> bool:
+    """A job on several hosts: its secret from `--secret-file` (0600) or $PD_JOB_SECRET, put in
+    this process's environment for its workers (`pdcli.runtime.handshake`); without one, a
+    UserError (exit 2, before anything starts) unless `--insecure-network`, which warns and is
+    then true (the workers share a secret through the rendezvous store)."""
+    from pdcli.runtime.handshake import INSECURE_ENV, SECRET_ENV, read_secret_file
+
+    if secret_file is not None:
+        try:
+            os.environ[SECRET_ENV] = read_secret_file(secret_file)
+        except ValueError as e:
+            raise UserError(f"--secret-file {e}", hint="write the secret into a file only you can read "
+                            "(`umask 077; head -c 32 /dev/urandom | base64 > job.secret`), the same on every node") from None
+        return False
+    if os.environ.get(SECRET_ENV, "").strip():
+        return False
+    if not insecure_network:
+        raise UserError(f"--nnodes {nnodes}: the job's secret must reach every node outside the network, and none was given",
+                        hint=f"give every node the same secret: --secret-file FILE (mode 0600) or ${SECRET_ENV}; or accept "
+                             "one shared through the rendezvous store, readable by whoever reaches the master port: "
+                             "--insecure-network")
+    echo_err("warning: --insecure-network: the job's secret goes through the rendezvous store; whoever can reach "
+             "the master port can read it and join the job")
+    os.environ[INSECURE_ENV] = "1"
+    return True
 
 
 def exchange_results(job: "Job", run: RunDir, plan_json: dict[str, Any], result: "TrainResult | None",

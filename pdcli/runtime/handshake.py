@@ -1,8 +1,12 @@
 """Proof on connect: a socket between two workers carries messages only once both ends
 showed they hold the job's secret.
 
-The secret is 32 random bytes the first worker to ask puts in the job's rendezvous store
-(`job_secret`); every worker of the job reads the same. The listener speaks first:
+The secret never crosses the network (`job_secret`): on one host `pd train`'s launcher makes 32
+random bytes and hands them to its workers in their environment (PD_JOB_SECRET); on several
+hosts the user gives every node the same secret out of band (PD_JOB_SECRET or `pd train
+--secret-file`). Only where the user said `--insecure-network` (or under torchrun on one host,
+whose workers have no launcher of pd's to give them one) the first worker puts one in the job's
+rendezvous store. The listener speaks first:
 
     listener  -> connector   MAGIC, listener's nonce (16 bytes)
     connector -> listener    claimed rank, connector's nonce, HMAC(secret, "hello" | listener nonce | claimed rank | listener rank)
@@ -19,10 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 import socket
 import struct
-from typing import Protocol
+from pathlib import Path
+from typing import Mapping, Protocol
 
 MAGIC = b"pd-hs-v1"
 NONCE_BYTES = 16
@@ -42,10 +48,55 @@ class KeyStore(Protocol):
     def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes: ...
 
 
-def job_secret(store: KeyStore) -> bytes:
-    """The job's secret: set once by the first worker that asks, the same for every worker."""
-    mine = secrets.token_hex(SECRET_BYTES)
-    return bytes.fromhex(store.compare_set(SECRET_KEY, "", mine).decode())
+SECRET_ENV = "PD_JOB_SECRET"
+"""The job's secret as its workers get it (any text; its sha256 is the key): the same on every node."""
+INSECURE_ENV = "PD_INSECURE_NETWORK"
+"""`1`: the user accepted a secret shared through the rendezvous store (`--insecure-network`)."""
+
+
+class NoSecret(RuntimeError):
+    """A worker of a job on several hosts has no secret given out of band."""
+
+
+def secret_key(text: str) -> bytes:
+    """The HMAC key of a secret given as text (PD_JOB_SECRET, a --secret-file's contents)."""
+    return hashlib.sha256(text.strip().encode()).digest()
+
+
+def new_secret() -> str:
+    """A fresh secret for the workers of one host (`pd train`'s launcher)."""
+    return secrets.token_hex(SECRET_BYTES)
+
+
+def job_secret(store: KeyStore, env: Mapping[str, str] = os.environ) -> bytes:
+    """The job's secret: PD_JOB_SECRET from the worker's environment, never read from the store;
+    where there is none, the store's (set once by the first worker that asks) only under
+    PD_INSECURE_NETWORK=1 or when every rank of the job is on this host (torchrun's
+    LOCAL_WORLD_SIZE == WORLD_SIZE); else NoSecret."""
+    text = env.get(SECRET_ENV, "")
+    if text.strip():
+        return secret_key(text)
+    world = env.get("WORLD_SIZE")
+    if env.get(INSECURE_ENV) == "1" or (world is not None and env.get("LOCAL_WORLD_SIZE") == world):
+        mine = secrets.token_hex(SECRET_BYTES)
+        return bytes.fromhex(store.compare_set(SECRET_KEY, "", mine).decode())
+    raise NoSecret(f"this job runs on several hosts and this worker has no secret: set {SECRET_ENV} (the same "
+                   "on every node) or pass --insecure-network to share one through the rendezvous store")
+
+
+def read_secret_file(path: Path) -> str:
+    """A --secret-file's secret; ValueError where the file is readable by others than its owner
+    (mode 0600 wanted), cannot be read, or is empty."""
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror})") from None
+    if mode & 0o077:
+        raise ValueError(f"{path}: readable by others than its owner (mode {mode & 0o777:o}); `chmod 600 {path}`")
+    if not text.strip():
+        raise ValueError(f"{path}: empty")
+    return text
 
 
 def _mac(secret: bytes, label: bytes, nonce: bytes, first: int, second: int) -> bytes:

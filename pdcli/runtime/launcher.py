@@ -9,13 +9,14 @@ first restarts them all up to N times (`pdcli.runtime.restarts`), each failure a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import signal
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,7 +221,8 @@ def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s:
             events = FailureEvents(train_dir, placement, num_steps)
             try:
                 # the workers start on the heap `pd profile` measured under (torchutil.allocator)
-                with restarting_agent(events.on_failure, events.before_restart), children_on_huge_pages():
+                with restarting_agent(events.on_failure, events.before_restart), children_on_huge_pages(), \
+                        secret_for_workers(one_host=hosts.nnodes == 1):
                     elastic_launch(config, sys.executable)(*args)
                 return
             except DistNetworkError as e:
@@ -238,6 +240,24 @@ def launch_workers(run_dir: Path, placement: Placement, hosts: Hosts, timeout_s:
         raise TrainingFailed(diagnose(train_dir, placement, e, log_dir)) from None
     except SignalException as e:  # Ctrl-C / SIGTERM on the launcher: the agent stopped the workers
         raise TrainingInterrupted(f"interrupted by {e.sigval.name}; all workers were stopped", int(e.sigval)) from None
+
+
+@contextlib.contextmanager
+def secret_for_workers(one_host: bool = True) -> Iterator[None]:
+    """The workers started inside get the job's secret in their environment
+    (`handshake.SECRET_ENV`): the one given (several hosts: the same on every node, `pd train`
+    checked it), else, `one_host`, a new one for this host's workers, never put in the store
+    (several hosts without one: `--insecure-network`, the workers share one through the store)."""
+    from pdcli.runtime.handshake import SECRET_ENV, new_secret
+
+    if os.environ.get(SECRET_ENV, "").strip() or not one_host:
+        yield
+        return
+    os.environ[SECRET_ENV] = new_secret()
+    try:
+        yield
+    finally:
+        os.environ.pop(SECRET_ENV, None)
 
 
 @dataclass

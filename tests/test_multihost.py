@@ -200,6 +200,48 @@ def test_a_stranger_that_connects_first_is_refused_and_the_real_peer_accepted(
     assert _send_one(pair)
 
 
+@pytest.mark.parametrize("hosts", [("a", "a"), ("a", "b")])
+def test_a_flood_of_silent_connections_is_bounded_and_the_real_peer_gets_through(
+    monkeypatch: pytest.MonkeyPatch, hosts: tuple[str, str]
+) -> None:
+    """More strangers than handshakes pending connect the moment the listener exists and say
+    nothing: at most MAX_PENDING_HANDSHAKES handshake threads run (the rest are closed at once),
+    each silent one is dropped after the handshake deadline, and the real rank 0, dialling again
+    while it is closed early, connects."""
+    monkeypatch.setattr(sockets, "HANDSHAKE_TIMEOUT_S", 0.5)
+    flood = sockets.MAX_PENDING_HANDSHAKES + 24
+    strangers: list[socket.socket] = []
+    real_listen = sockets._Acceptor._listen
+
+    def listen_then_flood(self: Any, fam: int, address: Any) -> socket.socket:
+        listener = real_listen(self, fam, address)
+        for _ in range(flood):
+            s = socket.socket(fam, socket.SOCK_STREAM)
+            s.connect(listener.getsockname())
+            strangers.append(s)
+        return listener
+
+    peak = [0]
+    real_check = sockets._Acceptor._check
+
+    def counted(self: Any, conn: socket.socket, peer: Any) -> None:
+        peak[0] = max(peak[0], sum(t.name == "pd-handshake" for t in threading.enumerate()))
+        real_check(self, conn, peer)
+
+    monkeypatch.setattr(sockets._Acceptor, "_listen", listen_then_flood)
+    monkeypatch.setattr(sockets._Acceptor, "_check", counted)
+    log: list[str] = []
+    try:
+        pair = _connect_pair(HashStore(), hosts, log)
+        assert _send_one(pair)
+    finally:
+        for s in strangers:
+            s.close()
+    assert 1 <= peak[0] <= sockets.MAX_PENDING_HANDSHAKES
+    assert any("handshakes pending, closed at once" in line for line in log)
+    assert any("timed out" in line for line in log)  # a silent one, after the deadline
+
+
 def test_a_listener_without_the_secret_is_not_trusted() -> None:
     a, b = socket.socketpair()
     b.sendall(handshake.CHALLENGE.pack(handshake.MAGIC, b"n" * 16) + b"\0" * 32)  # answers without proof

@@ -44,6 +44,10 @@ class Refused(ConnectionError):
     """A handshake that did not prove the other end belongs to this job."""
 
 
+class ClosedEarly(Refused):
+    """The other end closed the connection before its part of the handshake was read."""
+
+
 class KeyStore(Protocol):
     def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes: ...
 
@@ -108,7 +112,7 @@ def _read(sock: socket.socket, size: int, what: str) -> bytes:
     while len(data) < size:
         chunk = sock.recv(size - len(data))
         if not chunk:
-            raise Refused(f"the connection closed during the handshake, {len(data)} of the {size} bytes of {what} read")
+            raise ClosedEarly(f"the connection closed during the handshake, {len(data)} of the {size} bytes of {what} read")
         data += chunk
     return bytes(data)
 

@@ -102,9 +102,40 @@ def _dial(address: str | tuple[str, int], timeout_s: float) -> socket.socket:
     return s
 
 
+MAX_PENDING_HANDSHAKES = 16
+"""Handshakes a listener runs at once; a connection past them is closed at once (its connector,
+if it is a real peer, dials again: `_dial_and_prove`)."""
+HANDSHAKE_TIMEOUT_S = 5.0
+"""The most a connection may take to answer the challenge (at most the transport's timeout)."""
+
+
+def _dial_and_prove(address: str | tuple[str, int], secret: bytes, rank: int, listener_rank: int,
+                    timeout_s: float) -> socket.socket:
+    """A proven connection to `listener_rank`'s listener, dialled again while the listener closes
+    it before its challenge (busy with MAX_PENDING_HANDSHAKES others: strangers flooding it), up
+    to `timeout_s`; a listener that answers without the job's proof is Refused at once."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        s = _dial(address, max(deadline_s - time.monotonic(), 0.1))
+        try:
+            handshake.prove_to_listener(s, secret, rank, listener_rank)
+        except handshake.Refused as e:
+            s.close()
+            if not isinstance(e, handshake.ClosedEarly) or time.monotonic() >= deadline_s:
+                raise
+            time.sleep(0.05)
+            continue
+        except BaseException:
+            s.close()
+            raise
+        s.settimeout(None)
+        return s
+
+
 class _Acceptor:
-    """The listening side of `SocketTransport.connect`: a thread accepts connections, a thread
-    per connection runs the handshake, and the proven ones are kept by rank. A listener per
+    """The listening side of `SocketTransport.connect`: a thread accepts connections, at most
+    MAX_PENDING_HANDSHAKES threads run their handshakes (each within HANDSHAKE_TIMEOUT_S), and
+    the proven ones are kept by rank. A listener per
     kind of peer awaited: an abstract Unix socket with a random name for this host's, TCP on
     `address` (port chosen by the OS) for other hosts'."""
 
@@ -126,6 +157,7 @@ class _Acceptor:
         self.refusals: list[str] = []
         self.cond = threading.Condition()
         self.closed = False
+        self.pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self.thread = threading.Thread(target=self._accept, name="pd-accept", daemon=True)
 
     def _listen(self, family: int, address: Any) -> socket.socket:
@@ -148,12 +180,29 @@ class _Acceptor:
                         conn, peer = key.fileobj.accept()  # type: ignore[union-attr]
                     except OSError:
                         continue
+                    if not self.pending.acquire(blocking=False):
+                        conn.close()
+                        self._refused(f"{_describe_connection(conn, peer)}: over the {MAX_PENDING_HANDSHAKES} "
+                                      "handshakes pending, closed at once")
+                        continue
                     threading.Thread(target=self._check, args=(conn, peer), name="pd-handshake", daemon=True).start()
 
+    def _refused(self, why: str) -> None:
+        message = f"rank {self.rank}: refused a connection from {why}"
+        with self.cond:
+            self.refusals.append(message)
+        self.log(message)
+
     def _check(self, conn: socket.socket, peer: Any) -> None:
+        try:
+            self._prove(conn, peer)
+        finally:
+            self.pending.release()
+
+    def _prove(self, conn: socket.socket, peer: Any) -> None:
         where = _describe_connection(conn, peer)
         try:
-            conn.settimeout(self.timeout_s)
+            conn.settimeout(min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
             with self.cond:
                 awaited = self.wanted - set(self.accepted)
             other = handshake.check_connector(conn, self.secret, self.rank, awaited)
@@ -162,10 +211,7 @@ class _Acceptor:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except (handshake.Refused, OSError) as e:
             conn.close()
-            message = f"rank {self.rank}: refused a connection from {where}: {e}"
-            with self.cond:
-                self.refusals.append(message)
-            self.log(message)
+            self._refused(f"{where}: {e}")
             return
         with self.cond:
             if other in self.accepted:  # two proven connections for one rank: keep the first
@@ -495,9 +541,7 @@ class SocketTransport:
             for other in (r for r in wanted if r > rank):
                 addresses = json.loads(store.get(f"{STORE_PREFIX}/addr/{other}"))
                 local = hosts[other] == place.host_id
-                s = _dial(addresses["unix"] if local else tuple(addresses["tcp"]), timeout_s)
-                handshake.prove_to_listener(s, secret, rank, other)
-                s.settimeout(None)
+                s = _dial_and_prove(addresses["unix"] if local else tuple(addresses["tcp"]), secret, rank, other, timeout_s)
                 peers[other] = _Peer(other, s, expected_bytes.get(other, {}), None if local else addresses["tcp"][0])
             for other, (s, address) in acceptor.result().items():
                 peers[other] = _Peer(other, s, expected_bytes.get(other, {}), None if hosts[other] == place.host_id else address)

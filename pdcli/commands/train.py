@@ -114,7 +114,7 @@ def secret_out_of_band(nnodes: int, secret_file: Path | None, insecure_network: 
     this process's environment for its workers (`pdcli.runtime.handshake`); without one, a
     UserError (exit 2, before anything starts) unless `--insecure-network`, which warns and is
     then true (the workers share a secret through the rendezvous store)."""
-    from pdcli.runtime.handshake import INSECURE_ENV, SECRET_ENV, read_secret_file
+    from pdcli.runtime.handshake import INSECURE_ENV, SECRET_ENV, read_secret_file, secret_given
 
     if secret_file is not None:
         try:
@@ -123,7 +123,7 @@ def secret_out_of_band(nnodes: int, secret_file: Path | None, insecure_network: 
             raise UserError(f"--secret-file {e}", hint="write the secret into a file only you can read "
                             "(`umask 077; head -c 32 /dev/urandom | base64 > job.secret`), the same on every node") from None
         return False
-    if os.environ.get(SECRET_ENV, "").strip():
+    if secret_given():
         return False
     if not insecure_network:
         raise UserError(f"--nnodes {nnodes}: the job's secret must reach every node outside the network, and none was given",

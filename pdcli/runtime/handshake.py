@@ -67,6 +67,11 @@ def secret_key(text: str) -> bytes:
     return hashlib.sha256(text.strip().encode()).digest()
 
 
+def secret_given(env: Mapping[str, str] = os.environ) -> bool:
+    """`env` holds a secret given out of band (PD_JOB_SECRET, not blank)."""
+    return bool(env.get(SECRET_ENV, "").strip())
+
+
 def new_secret() -> str:
     """A fresh secret for the workers of one host (`pd train`'s launcher)."""
     return secrets.token_hex(SECRET_BYTES)
@@ -77,13 +82,11 @@ def job_secret(store: KeyStore, env: Mapping[str, str] = os.environ) -> bytes:
     where there is none, the store's (set once by the first worker that asks) only under
     PD_INSECURE_NETWORK=1 or when every rank of the job is on this host (torchrun's
     LOCAL_WORLD_SIZE == WORLD_SIZE); else NoSecret."""
-    text = env.get(SECRET_ENV, "")
-    if text.strip():
-        return secret_key(text)
+    if secret_given(env):
+        return secret_key(env[SECRET_ENV])
     world = env.get("WORLD_SIZE")
     if env.get(INSECURE_ENV) == "1" or (world is not None and env.get("LOCAL_WORLD_SIZE") == world):
-        mine = secrets.token_hex(SECRET_BYTES)
-        return bytes.fromhex(store.compare_set(SECRET_KEY, "", mine).decode())
+        return bytes.fromhex(store.compare_set(SECRET_KEY, "", new_secret()).decode())
     raise NoSecret(f"this job runs on several hosts and this worker has no secret: set {SECRET_ENV} (the same "
                    "on every node) or pass --insecure-network to share one through the rendezvous store")
 

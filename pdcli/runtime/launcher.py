@@ -248,9 +248,9 @@ def secret_for_workers(one_host: bool = True) -> Iterator[None]:
     (`handshake.SECRET_ENV`): the one given (several hosts: the same on every node, `pd train`
     checked it), else, `one_host`, a new one for this host's workers, never put in the store
     (several hosts without one: `--insecure-network`, the workers share one through the store)."""
-    from pdcli.runtime.handshake import SECRET_ENV, new_secret
+    from pdcli.runtime.handshake import SECRET_ENV, new_secret, secret_given
 
-    if os.environ.get(SECRET_ENV, "").strip() or not one_host:
+    if secret_given() or not one_host:
         yield
         return
     os.environ[SECRET_ENV] = new_secret()

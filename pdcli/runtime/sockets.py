@@ -181,9 +181,9 @@ class _Acceptor:
                     except OSError:
                         continue
                     if not self.pending.acquire(blocking=False):
+                        where = _describe_connection(conn, peer)  # while it is open: its peer's pid, over a Unix socket
                         conn.close()
-                        self._refused(f"{_describe_connection(conn, peer)}: over the {MAX_PENDING_HANDSHAKES} "
-                                      "handshakes pending, closed at once")
+                        self._refused(f"{where}: over the {MAX_PENDING_HANDSHAKES} handshakes pending, closed at once")
                         continue
                     threading.Thread(target=self._check, args=(conn, peer), name="pd-handshake", daemon=True).start()
 

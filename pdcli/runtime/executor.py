@@ -40,7 +40,7 @@ from pdcli.runtime.update import UpdateRule, set_lr
 from pdcli.runtime.watchdog import FAULT_ENV, Heartbeat, inject_fault, parse_fault
 from pdcli.runtime.weights import WeightVersions
 from pdcli.torchutil.allocator import tune_allocator
-from pdcli.torchutil.optim import step_out_of_place, supports_out_of_place
+from pdcli.torchutil.optim import optimizer_step, step_out_of_place, supports_out_of_place
 from pdcli.torchutil.precision import autocast
 from pdcli.torchutil.wgrad import DeferredWeightGrads
 
@@ -510,7 +510,7 @@ class Executor(ActionLoop):
         if self.weights.must_update_out_of_place:
             step_out_of_place(self.ctx.optimizer)  # a stash holds the old storage: no copy
         else:
-            self.ctx.optimizer.step()
+            optimizer_step(self.ctx.optimizer)
         self.ctx.optimizer.zero_grad(set_to_none=True)
         self.weights.stepped()
         self.steps_done += 1

@@ -43,7 +43,7 @@ from pdcli.runtime.tied import tied_copies
 from pdcli.runtime.update import UpdateRule, clips_per_stage
 from pdcli.runtime.watchdog import RESTART_COUNT_ENV, Heartbeat
 from pdcli.torchutil.allocator import HEAP_HUGE_PAGES, heap_on_huge_pages
-from pdcli.torchutil.optim import build_optimizer
+from pdcli.torchutil.optim import build_optimizer, optimizers_without_dynamo
 
 if TYPE_CHECKING:
     from pdcli.config import Config
@@ -207,6 +207,7 @@ def run_session(
     train_dir = run_dir / "train"
     stage_id, replica_id = placement.of(env.rank)
     resolve_steps(cfg)  # train.epochs -> train.steps, as the launcher did
+    optimizers_without_dynamo()  # a worker compiles nothing
     heartbeat.beat(0, "init_process_group")
     device, backend = pick_device(cfg, env.local_rank)
     timeout = timedelta(seconds=cfg.train.timeout_s)

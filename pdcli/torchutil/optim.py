@@ -9,8 +9,12 @@ back to a copy of the parameters before an in-place step (`pdcli.runtime.weights
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 
 from pdcli.config.schema import OptimConfig
 
@@ -27,6 +31,46 @@ def build_optimizer(cfg: OptimConfig, module: nn.Module) -> torch.optim.Optimize
     if cfg.name == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     raise ValueError(f"optim.name: unknown optimizer {cfg.name!r} (sgd, adam, adamw)")
+
+
+DYNAMO_WRAPPED = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
+"""The `torch.optim.Optimizer` methods under `torch._disable_dynamo`, whose first call imports
+`torch._dynamo` (with sympy: ~1.7 s of CPU on a 2-core host, more than the rest of a small
+stage's set-up)."""
+
+
+def optimizers_without_dynamo() -> bool:
+    """Let this process build, step, save and load optimizers without importing `torch._dynamo`;
+    for a process that compiles nothing (a pd worker). `torch._disable_dynamo` keeps a method
+    out of a graph torch.compile traces and changes nothing outside one: each such method is
+    marked as already disabled, which `torch._disable_dynamo` checks before it imports. False
+    (nothing changed) where `torch._dynamo` is loaded already or torch's optimizer is not built
+    as expected; `step` then imports it at the first `optimizer_step`."""
+    if "torch._dynamo" in sys.modules:
+        return False
+    methods = [vars(torch.optim.Optimizer).get(name) for name in DYNAMO_WRAPPED]
+    inner = [getattr(m, "__wrapped__", None) for m in methods]
+    if any(f is None or not callable(f) for f in inner):
+        return False
+    for f in inner:
+        if getattr(f, "__dynamo_disable", None) is None:
+            setattr(f, "__dynamo_disable", f)
+    return True
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer.step()`, without importing `torch._dynamo` when nothing has: the class's own
+    `step` under the grad mode torch's wrapper sets (`torch.optim` wraps every `step` in one that
+    imports `torch._dynamo` to mark graph breaks, and in one that runs the step hooks). Through
+    `optimizer.step()` itself where torch._dynamo is loaded or a step hook is registered."""
+    hooked = (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+              or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+    if "torch._dynamo" in sys.modules or hooked:
+        optimizer.step()
+        return
+    step = inspect.unwrap(type(optimizer).step)
+    with torch.set_grad_enabled(bool(optimizer.defaults.get("differentiable", False))):
+        step(optimizer)
 
 
 def supports_out_of_place(optimizer: torch.optim.Optimizer) -> bool:

@@ -4,8 +4,12 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# Byte-compiled files kept (__pycache__/, ignored by git) even where the environment turns them
+# off: the suite starts hundreds of processes that import the same modules, and pytest compiles
+# its rewritten test modules again at every start without them (6 s of a 12 s collection).
+unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup run test check docs bench clean
+.PHONY: setup run test check docs bench durations clean
 
 setup: $(VENV)/.installed
 
@@ -20,21 +24,31 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(BIN)/pd train recipes/quickstart.yaml
 
+# The fast tier as `make check` runs it, then the slow tier in one process: its multi-process
+# runs pin workers to cores and compare measured times with predictions, so none run beside another.
 test: setup
 	$(BIN)/mypy
 	$(MAKE) --no-print-directory docs
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not slow" -n 2 --dist worksteal
+	$(BIN)/pytest -q -m slow
 
-# mypy and the fast tier: every test not marked slow (under 90 s on 2 cores).
+# mypy and the fast tier: every test not marked slow, in two processes (pytest-xdist; each takes
+# the other's queued tests when its own run out); under 90 s on 2 cores.
 check: setup
 	$(BIN)/mypy
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow" -n 2 --dist worksteal
 
 # The docs site (mkdocs.yml): a broken link or anchor, a missing page or a page left out of the
 # nav fails the build. Neither -q nor -v: in mkdocs 1.6 either keeps --strict from counting the
 # warnings (mkdocs issues 4126, 3991), and the build passes whatever they say.
 docs: setup
 	$(BIN)/mkdocs build --strict -d build/site
+
+# The whole suite in one process, each test's time recorded in tests/durations.json
+# (tests/test_marks.py: a test over 5 s there must be marked slow).
+durations: setup
+	$(BIN)/pytest -q -p no:cacheprovider --junitxml=build/durations.xml
+	$(BIN)/python tests/durations.py build/durations.xml
 
 bench: setup
 	$(BIN)/python benchmarks/bench_planner.py

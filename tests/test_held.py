@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pdcli.compiler.split import split_graph
-from pdcli.planner.memory import stage_memory
+from pdcli.planner.memory import MemorySettings, StageBytes, stage_memory
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import HELD_META
 from pdcli.profiler.measure import profile_model
@@ -101,15 +101,17 @@ def test_measured_copies_replace_the_factor_rule_and_grads_peak_with_the_timelin
     """The bf16 rule of thumb (A / 2 + P / 2 per microbatch) is what stage_memory falls back
     to; given measured copies it uses them; a flush schedule's total is its timeline peak."""
     p, a, m = 4e6, 8e6, 4
-    common = dict(replicas=1, devices_from=2, stages_from=2, num_microbatches=m)
-    rule = stage_memory("pipedream", p, a, **common, precision="bf16")
+    where, sizes = dict(replicas=1, devices_from=2, stages_from=2), StageBytes(parameters=p, activations=a)
+    bf16 = MemorySettings(schedule="pipedream", num_microbatches=m, precision="bf16")
+    rule = stage_memory(bf16, sizes, **where)
     assert rule.activations_bytes == pytest.approx(2 * (0.5 * a / m + 0.5 * p))
-    measured = stage_memory("pipedream", p, a, **common, precision="bf16", copy_bytes=0.0)
+    measured = stage_memory(bf16, StageBytes(parameters=p, activations=a, copies=0.0), **where)
     assert measured.activations_bytes == pytest.approx(2 * a / m)
     # gpipe holds all M microbatches before its first Backward, and no gradients yet
-    gpipe = stage_memory("gpipe", p, a, **common, num_stages=2)
+    gpipe = stage_memory(MemorySettings(schedule="gpipe", num_microbatches=m), sizes, **where, num_stages=2)
     assert gpipe.activations_bytes == pytest.approx(a)
     assert gpipe.total_bytes == pytest.approx(p + max(a, p + a))  # the first Backward's point holds both
-    split = stage_memory("gpipe", p, a, **common, num_stages=2, split_backward=True, waiting_bytes=0.0)
+    split = stage_memory(MemorySettings(schedule="gpipe", num_microbatches=m, split_backward=True),
+                         StageBytes(parameters=p, activations=a, waiting=0.0), **where, num_stages=2)
     assert split.activations_bytes == pytest.approx(a)
     assert split.total_bytes < gpipe.total_bytes  # weight gradients come once Backwards released microbatches

@@ -16,7 +16,7 @@ from pdcli.errors import UserError
 from pdcli.planner import Plan, PlanOptions, Topology, plan_chain, render_plan
 from pdcli.planner.costs import SHARE_DIGITS, bubble_factor, replayed_bubble_factor, split_shares
 from pdcli.planner.evaluate import batch_scale, evaluate_pd, evaluate_pipedream
-from pdcli.planner.memory import split_sets, stage_memory
+from pdcli.planner.memory import MemorySettings, StageBytes, split_sets, stage_memory
 from pdcli.planner.pipedream import PdStage
 from pdcli.planner.search import pd_search
 from pdcli.schedule.simulator import StageCost, simulate
@@ -202,28 +202,27 @@ def test_memory_model_per_schedule() -> None:
     # microbatches one replica has in flight, ceil(4 / 2) (ScheduleSpec.stash_depth)
     expect = {"pipedream": (200, 100, 2 * 20), "2bw": (200, 100, 2 * 20), "1f1b": (200, 0, 3 * 20), "gpipe": (200, 0, 80)}
     for schedule, (weights, stashed, acts) in expect.items():
-        mem = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m)
+        run, where = MemorySettings(schedule=schedule, num_microbatches=m), dict(replicas=2, devices_from=4, stages_from=3)
+        mem = stage_memory(run, StageBytes(parameters=p, activations=a), **where)
         assert (float(mem.weights_bytes), float(mem.stashed_weights_bytes), float(mem.activations_bytes)) == (
             weights, stashed, acts), schedule
         assert float(mem.total_bytes) == weights + stashed + acts
-        with_state = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m,
-                                  optimizer_state_bytes=2 * p)  # Adam: two moments per parameter
+        with_state = stage_memory(run, StageBytes(parameters=p, activations=a, optimizer_state=2 * p),  # Adam: two moments
+                                  **where)
         assert float(with_state.optimizer_state_bytes) == 2 * p
         assert float(with_state.total_bytes) == weights + 2 * p + stashed + acts
         assert float(with_state.stashed_weights_bytes) == stashed  # a stashed version has no state
-        half = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m,
-                            precision="bf16")
+        half = stage_memory(dataclasses.replace(run, precision="bf16"), StageBytes(parameters=p, activations=a), **where)
         sets = acts / (a / m)
         # half-width activations, plus the half-width weight copy each held microbatch keeps
         assert float(half.activations_bytes) == acts / 2 + sets * p / 2 and float(half.weights_bytes) == weights
         # recompute: each held microbatch keeps its inputs (40 bytes per minibatch -> 10 per
         # microbatch), plus one microbatch's activations, less the input it already holds,
         # while its forward is re-run
-        again = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m,
-                             recompute=True, input_bytes=40.0)
+        again = stage_memory(dataclasses.replace(run, recompute=True), StageBytes(parameters=p, activations=a, inputs=40.0), **where)
         assert float(again.activations_bytes) == sets * 10 + a / m - 10
-        both = stage_memory(schedule, p, a, replicas=2, devices_from=4, stages_from=3, num_microbatches=m,
-                            precision="fp16", recompute=True, input_bytes=40.0)
+        both = stage_memory(dataclasses.replace(run, precision="fp16", recompute=True),
+                            StageBytes(parameters=p, activations=a, inputs=40.0), **where)
         assert float(both.activations_bytes) == sets * 10 + a / m / 2 + p / 2 - 10
 
 
@@ -554,10 +553,11 @@ def test_merged_weight_grads_are_replayed_at_the_flush_and_held_until_it() -> No
     assert replayed_bubble_factor("1f1b", m, 2, 1 / 3, 1 / 3, merged=True) != replayed_bubble_factor("1f1b", m, 2, 1 / 3, 1 / 3)
     # memory: every microbatch waits for the flush, whatever the stage count
     for num_stages, stages_from in [(2, 1), (2, 2), (4, 2), (6, 5)]:
-        kw = dict(replicas=1, devices_from=stages_from, stages_from=stages_from, num_microbatches=m,
-                  split_backward=True, num_stages=num_stages)
-        assert float(stage_memory("1f1b", 100.0, 80.0, **kw, merge_weight_grads=True).activations_bytes) == 80.0
-        assert float(stage_memory("1f1b", 100.0, 80.0, **kw).activations_bytes) == min(stages_from + num_stages, m) * 10.0
+        kw = dict(replicas=1, devices_from=stages_from, stages_from=stages_from, num_stages=num_stages)
+        split = MemorySettings(schedule="1f1b", num_microbatches=m, split_backward=True)
+        sizes = StageBytes(parameters=100.0, activations=80.0)
+        assert float(stage_memory(dataclasses.replace(split, merge_weight_grads=True), sizes, **kw).activations_bytes) == 80.0
+        assert float(stage_memory(split, sizes, **kw).activations_bytes) == min(stages_from + num_stages, m) * 10.0
 
 
 @pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
@@ -569,14 +569,14 @@ def test_split_backward_needs_a_flush_schedule(schedule: str) -> None:
 def test_split_backward_memory_holds_1f1b_microbatches_until_their_weight_grads() -> None:
     p, a, m = 100.0, 80.0, 8
     for num_stages, stages_from in [(2, 1), (2, 2), (3, 3), (4, 2), (6, 5)]:
-        mem = stage_memory("1f1b", p, a, replicas=1, devices_from=stages_from, stages_from=stages_from,
-                           num_microbatches=m, split_backward=True, num_stages=num_stages)
+        where, sizes = dict(replicas=1, devices_from=stages_from, stages_from=stages_from), StageBytes(parameters=p, activations=a)
+        mem = stage_memory(MemorySettings(schedule="1f1b", num_microbatches=m, split_backward=True), sizes, **where,
+                           num_stages=num_stages)
         assert float(mem.activations_bytes) == min(stages_from + num_stages, m) * a / m
-        plain = stage_memory("1f1b", p, a, replicas=1, devices_from=stages_from, stages_from=stages_from,
-                             num_microbatches=m)
+        plain = stage_memory(MemorySettings(schedule="1f1b", num_microbatches=m), sizes, **where)
         assert float(plain.activations_bytes) == min(stages_from, m) * a / m
-        gpipe = stage_memory("gpipe", p, a, replicas=1, devices_from=stages_from, stages_from=stages_from,
-                             num_microbatches=m, split_backward=True, num_stages=num_stages)
+        gpipe = stage_memory(MemorySettings(schedule="gpipe", num_microbatches=m, split_backward=True), sizes, **where,
+                             num_stages=num_stages)
         assert float(gpipe.activations_bytes) == a
     # the planner's sets are the runtime's declared stash depth, stage by stage
     for name, num_stages, m in itertools.product(("1f1b", "gpipe"), (2, 3, 4), (2, 4, 8, 16)):
@@ -591,19 +591,18 @@ def test_split_backward_waiting_microbatches_hold_no_weight_copy_nor_only_their_
     # past its Backward a microbatch keeps the Linear inputs and output gradients: not the
     # half-width weight copy autocast made for it, and all of them even under recompute
     p, a, inp, m, num_stages, stages_from = 100.0, 80.0, 8.0, 8, 3, 1
-    common = dict(replicas=1, devices_from=stages_from, stages_from=stages_from, num_microbatches=m)
-    half = stage_memory("1f1b", p, a, **common, precision="bf16", split_backward=True, num_stages=num_stages)
+    where = dict(replicas=1, devices_from=stages_from, stages_from=stages_from, num_stages=num_stages)
+    split = MemorySettings(schedule="1f1b", num_microbatches=m, split_backward=True)
+    half = stage_memory(dataclasses.replace(split, precision="bf16"), StageBytes(parameters=p, activations=a), **where)
     assert float(half.activations_bytes) == 1 * (a / m + p) / 2 + 3 * (a / m) / 2
-    rec = stage_memory("1f1b", p, a, **common, recompute=True, input_bytes=inp, split_backward=True,
-                       num_stages=num_stages)
+    rec = stage_memory(dataclasses.replace(split, recompute=True), StageBytes(parameters=p, activations=a, inputs=inp), **where)
     # (the recomputed microbatch's input is among what it saves: counted once)
     assert float(rec.activations_bytes) == 1 * inp / m + (a / m - inp / m) + 3 * a / m
     # gpipe's last stage: all inputs held after the forwards, but late in the backwards
     # three microbatches wait for their W while the fourth one's forward is recomputed
     m = 4
-    common = dict(replicas=1, devices_from=stages_from, stages_from=stages_from, num_microbatches=m)
-    rec = stage_memory("gpipe", p, a, **common, recompute=True, input_bytes=inp, split_backward=True,
-                       num_stages=num_stages)
+    rec = stage_memory(MemorySettings(schedule="gpipe", num_microbatches=m, recompute=True, split_backward=True),
+                       StageBytes(parameters=p, activations=a, inputs=inp), **where)
     assert float(rec.activations_bytes) == 1 * inp / m + 3 * a / m + (a / m - inp / m) > m * inp / m + a / m - inp / m
 
 

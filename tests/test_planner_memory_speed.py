@@ -16,7 +16,8 @@ import pytest
 from pdcli.planner import PlanOptions, Topology, plan_chain
 from pdcli.planner import search
 from pdcli.planner.costs import bubble_factor, bubble_factor_floor, replayed_bubble_factor
-from pdcli.planner.memory import VerticalSync, held_points, memory_key, split_counts_alike_from, stage_memory
+from pdcli.planner.memory import (MemorySettings, StageBytes, VerticalSync, held_points, memory_key, split_counts_alike_from,
+                                  stage_memory)
 from pdcli.planner.search import LayerCosts, PdCosts, SearchResult, backward_split, pd_search
 from pdcli.planner.costs import SplitShares
 from pdcli.planner.space import SplitSpace
@@ -120,9 +121,10 @@ def test_stage_memory_is_the_same_for_every_pair_with_the_same_memory_key(schedu
         keys = set()
         for d in range(1, 9):
             for r in range(1, d + 1):
-                memory = stage_memory(schedule, space.range_matrix(space.covered_parameter_bytes),
-                                      space.range_matrix(space.covered_activation_bytes), r, d,
-                                      np.arange(1, 5)[:, None, None], 4, vertical_sync=sync).total_bytes
+                memory = stage_memory(MemorySettings(schedule=schedule, num_microbatches=4, vertical_sync=sync),
+                                      StageBytes(parameters=space.range_matrix(space.covered_parameter_bytes),
+                                                 activations=space.range_matrix(space.covered_activation_bytes)),
+                                      replicas=r, devices_from=d, stages_from=np.arange(1, 5)[:, None, None]).total_bytes
                 key = memory_key(schedule, d, r, sync)
                 keys.add(key)
                 if key in seen:
@@ -135,9 +137,10 @@ def test_pd_costs_hold_each_memory_key_once_and_expand_to_every_layer() -> None:
     space = SplitSpace.from_chain(random_chain(4))
     options = PlanOptions(schedule="1f1b", num_microbatches=4, batch_size=8, memory_bytes_per_device=3e7)
     costs = PdCosts(space, Topology.flat(8, 1e9), options, 1.0, 8, 7)
-    full = stage_memory("1f1b", costs.params, costs.acts.held, 1, 8, costs.stages_from, 4, costs.optimizer_state,
-                        num_stages=7, copy_bytes=costs.acts.copies, waiting_bytes=costs.acts.waiting,
-                        eager_sends=costs.eager_sends).total_bytes
+    full = stage_memory(MemorySettings(schedule="1f1b", num_microbatches=4, eager_sends=costs.eager_sends),
+                        StageBytes(parameters=costs.params, activations=costs.acts.held, optimizer_state=costs.optimizer_state,
+                                   copies=costs.acts.copies, waiting=costs.acts.waiting),
+                        replicas=1, devices_from=8, stages_from=costs.stages_from, num_stages=7).total_bytes
     for d, r in ((8, 1), (3, 2), (5, 4)):
         held = costs.memory(d, r)
         assert held.kind is not None and held.values.shape[0] < 7  # layers 4.. hold alike (M = 4)

@@ -17,7 +17,7 @@ import pytest
 import pdcli.planner.minmax as minmax
 import pdcli.planner.pipedream as pipedream
 from pdcli.planner import PlanOptions, Topology, plan_chain
-from pdcli.planner.memory import held_points, stage_memory
+from pdcli.planner.memory import MemorySettings, StageBytes, held_points, stage_memory
 from pdcli.planner.space import SplitSpace
 from pdcli.profiler.chain import Chain, ChainNode
 from pdcli.profiler.graph import Graph, GraphNode
@@ -152,10 +152,12 @@ def test_flush_memory_peaks_match_their_definition(schedule: str, split_backward
     rng = np.random.default_rng(3)
     n, stages, m = 7, 5, 4
     params, held, state, inputs, waiting = (rng.uniform(0, 1e8, (n, n + 1)) for _ in range(5))
+    settings = MemorySettings(schedule=schedule, num_microbatches=m, recompute=recompute, split_backward=split_backward)
     for stages_from in (np.arange(1, stages + 1, dtype=float)[:, None, None],
                         rng.integers(1, stages + 1, size=(n, n + 1)).astype(float)):
-        mem = stage_memory(schedule, params, held, 1, 4, stages_from, m, state, "fp32", recompute, inputs,
-                           split_backward, stages, waiting_bytes=waiting if split_backward else None)
+        mem = stage_memory(settings, StageBytes(parameters=params, activations=held, optimizer_state=state, inputs=inputs,
+                                                waiting=waiting if split_backward else None),
+                           replicas=1, devices_from=4, stages_from=stages_from, num_stages=stages)
         want_shape = np.broadcast_shapes(stages_from.shape, params.shape)
         assert np.shape(mem.total_bytes) == np.shape(mem.activations_bytes) == want_shape
         for index in np.ndindex(*want_shape):
@@ -167,6 +169,7 @@ def test_flush_memory_peaks_match_their_definition(schedule: str, split_backward
                                               split_backward, costs, params[cell] + state[cell])
             assert mem.activations_bytes[index] == pytest.approx(acts, rel=1e-12)
             assert mem.total_bytes[index] == pytest.approx(total, rel=1e-12)
-    one = stage_memory(schedule, 1e8, 4e8, 2, 4, 2, m, 1e7, "fp32", recompute, 1e6, split_backward, stages,
-                       waiting_bytes=1e8 if split_backward else None)  # a report's single stage
+    one = stage_memory(settings, StageBytes(parameters=1e8, activations=4e8, optimizer_state=1e7, inputs=1e6,
+                                            waiting=1e8 if split_backward else None),
+                       replicas=2, devices_from=4, stages_from=2, num_stages=stages)  # a report's single stage
     assert isinstance(one.activations_bytes, float) and one.total_bytes > one.activations_bytes > 0

@@ -12,7 +12,7 @@ from pdcli.planner.costs import (
     MS_PER_S, ActionCosts, backward_work, bubble_factor, pd_stage_terms, replica_allreduce_ms, runtime_action_costs,
     runtime_stage_terms,
 )
-from pdcli.planner.memory import StageMemory, VerticalSync, stage_memory
+from pdcli.planner.memory import MemorySettings, StageBytes, StageMemory, VerticalSync, stage_memory
 from pdcli.planner.options import PlanOptions
 from pdcli.planner.pipedream import ALLREDUCE_FACTOR, TRANSFER_FACTOR, PdStage
 from pdcli.planner.runtime_costs import RuntimeCosts
@@ -150,17 +150,20 @@ def _memory(space: SplitSpace, options: PlanOptions, scale: float, start: int, e
     under vertical sync."""
     acts = space.activations(options.precision, scale)
     sync = VerticalSync(devices, (first_replicas,)) if options.vertical_sync else None
-    mem = stage_memory(
-        options.schedule,
-        space.range_total(space.covered_parameter_bytes, start, end),
-        acts.held[start, end],
-        replicas, devices_from, stages_from, options.num_microbatches,
-        space.range_total(covered_or_zeros(space, space.covered_optimizer_state_bytes), start, end),
-        options.precision, options.recompute, acts.inputs[start, end],
-        split_backward, num_stages, None if acts.copies is None else acts.copies[start, end],
-        None if acts.waiting is None else acts.waiting[start, end], space.eager_sends, sync,
-        options.merges_weight_grads,
+    settings = MemorySettings(schedule=options.schedule, num_microbatches=options.num_microbatches,
+                              precision=options.precision, recompute=options.recompute, split_backward=split_backward,
+                              eager_sends=space.eager_sends, vertical_sync=sync,
+                              merge_weight_grads=options.merges_weight_grads)
+    sizes = StageBytes(
+        parameters=space.range_total(space.covered_parameter_bytes, start, end),
+        activations=acts.held[start, end],
+        optimizer_state=space.range_total(covered_or_zeros(space, space.covered_optimizer_state_bytes), start, end),
+        inputs=acts.inputs[start, end],
+        copies=None if acts.copies is None else acts.copies[start, end],
+        waiting=None if acts.waiting is None else acts.waiting[start, end],
     )
+    mem = stage_memory(settings, sizes, replicas=replicas, devices_from=devices_from, stages_from=stages_from,
+                       num_stages=num_stages)
     return StageMemory(*(float(x) for x in (mem.weights_bytes, mem.stashed_weights_bytes,
                                             mem.activations_bytes, mem.total_bytes,
                                             mem.optimizer_state_bytes)))

@@ -274,36 +274,62 @@ def _pick(pick: np.ndarray, choices: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, replicas: Any,
-                 devices_from: Any, stages_from: Any, num_microbatches: int,
-                 optimizer_state_bytes: Any = 0.0, precision: str = "fp32",
-                 recompute: bool = False, input_bytes: Any = 0.0, split_backward: bool = False,
-                 num_stages: Any = None, copy_bytes: Any = None, waiting_bytes: Any = None,
-                 eager_sends: bool | None = None, vertical_sync: VerticalSync | None = None,
-                 merge_weight_grads: bool = False) -> StageMemory:
-    """A stage's memory. `activation_bytes` and `input_bytes` are per minibatch; with
-    `copy_bytes` (the half-width weight copies one forward keeps, `pdcli.profiler.held`)
-    they are measured at the run's precision, without it they are fp32 and `precision`
-    applies the factor rules above. `waiting_bytes` (per minibatch): what a split backward
-    keeps from a Backward to its WeightGrads, when measured. `eager_sends`: the runtime's
-    send order (`SplitSpace.eager_sends`; None: the larger peak of either). `vertical_sync`:
-    pipedream with vertical sync (its weight versions depend on stage 0's).
-    `merge_weight_grads`: a split backward's WeightGrads wait for their chunk's last Backward
-    and run merged."""
-    params = np.asarray(parameter_bytes, dtype=float)
+@dataclass(frozen=True, kw_only=True)
+class MemorySettings:
+    """What the run's settings say about every stage's memory."""
+
+    schedule: str
+    num_microbatches: int
+    precision: str = "fp32"
+    recompute: bool = False
+    split_backward: bool = False
+    eager_sends: bool | None = None
+    """The runtime's send order (`SplitSpace.eager_sends`); None: the larger peak of either."""
+    vertical_sync: VerticalSync | None = None
+    """pipedream with vertical sync: its weight versions depend on stage 0's."""
+    merge_weight_grads: bool = False
+    """A split backward's WeightGrads wait for their chunk's last Backward and run merged."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageBytes:
+    """A stage's measured sizes (bytes; numbers, or arrays over the search's candidate stages)."""
+
+    parameters: Any
+    activations: Any
+    """Saved for the backward, per minibatch."""
+    optimizer_state: Any = 0.0
+    inputs: Any = 0.0
+    """The stage's input, per minibatch (what recompute keeps instead of `activations`)."""
+    copies: Any = None
+    """The half-width weight copies one forward keeps (`pdcli.profiler.held`), per minibatch.
+    With it `activations` and `inputs` are measured at the run's precision; without it they are
+    fp32 and the precision applies the factor rules above."""
+    waiting: Any = None
+    """What a split backward keeps from a Backward to its WeightGrads, per minibatch, when measured."""
+
+
+def stage_memory(settings: MemorySettings, sizes: StageBytes, *, replicas: Any, devices_from: Any, stages_from: Any,
+                 num_stages: Any = None) -> StageMemory:
+    """A stage's memory under `settings`, of `replicas` with `devices_from` devices and
+    `stages_from` stages from it to the last; `num_stages`: the pipeline's (needed by a flush
+    schedule with a split backward)."""
+    schedule, num_microbatches = settings.schedule, settings.num_microbatches
+    params = np.asarray(sizes.parameters, dtype=float)
     weights = 2.0 * params
-    state = np.asarray(optimizer_state_bytes, dtype=float)
-    versions = weight_versions(schedule, devices_from, replicas, vertical_sync)
+    state = np.asarray(sizes.optimizer_state, dtype=float)
+    versions = weight_versions(schedule, devices_from, replicas, settings.vertical_sync)
     stashed = (versions - 1) * params
-    saved = np.asarray(activation_bytes, dtype=float) / num_microbatches
-    if copy_bytes is not None:
-        per_microbatch = saved + np.asarray(copy_bytes, dtype=float)
-    elif precision != "fp32":  # half-width saved tensors, plus the half-width weight copy
+    saved = np.asarray(sizes.activations, dtype=float) / num_microbatches
+    if sizes.copies is not None:
+        per_microbatch = saved + np.asarray(sizes.copies, dtype=float)
+    elif settings.precision != "fp32":  # half-width saved tensors, plus the half-width weight copy
         saved = HALF_PRECISION_ACTIVATION_FACTOR * saved
         per_microbatch = saved + HALF_PRECISION_ACTIVATION_FACTOR * params
     else:
         per_microbatch = saved
-    held = np.asarray(input_bytes, dtype=float) / num_microbatches if recompute else per_microbatch
+    recompute, split_backward = settings.recompute, settings.split_backward
+    held = np.asarray(sizes.inputs, dtype=float) / num_microbatches if recompute else per_microbatch
     if rules(schedule).flush:
         if num_stages is None:
             if split_backward:
@@ -311,11 +337,11 @@ def stage_memory(schedule: str, parameter_bytes: Any, activation_bytes: Any, rep
             num_stages = int(np.max(stages_from))  # without a split, stages_from is all a list depends on
         # the microbatch its Backward recomputes (its input is already held)
         running = np.maximum(per_microbatch - held, 0.0) if recompute else 0.0
-        if split_backward and waiting_bytes is not None:
-            saved = np.asarray(waiting_bytes, dtype=float) / num_microbatches
+        if split_backward and sizes.waiting is not None:
+            saved = np.asarray(sizes.waiting, dtype=float) / num_microbatches
         activations, total = timeline_peaks(schedule, int(num_stages), num_microbatches, stages_from, split_backward,
-                                            held, saved if split_backward else 0.0, running, params, eager_sends,
-                                            params + state + stashed, merge_weight_grads)
+                                            held, saved if split_backward else 0.0, running, params, settings.eager_sends,
+                                            params + state + stashed, settings.merge_weight_grads)
         return StageMemory(weights, stashed, activations, total, state)
     sets = activation_sets(schedule, devices_from, replicas, num_microbatches)
     activations = sets * held + (np.maximum(per_microbatch - held, 0.0) if recompute else 0.0)

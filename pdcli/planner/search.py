@@ -55,7 +55,8 @@ from pdcli.planner.costs import (
     SplitShares, backward_work, bubble_factor, bubble_factor_floor, compute_calibration, pd_stage_terms,
     runtime_action_costs, runtime_stage_terms, split_shares,
 )
-from pdcli.planner.memory import VerticalSync, memory_key, split_counts_alike_from, stage_memory
+from pdcli.planner.memory import (MemorySettings, StageBytes, VerticalSync, memory_key, split_counts_alike_from,
+                                  stage_memory)
 from pdcli.planner.options import PlanOptions, check_table
 from pdcli.planner.runtime_costs import RuntimeCosts
 from pdcli.planner.space import SplitSpace
@@ -347,11 +348,13 @@ class PdCosts:
         # there, or searches the counts whose stages hold alike (`split_counts_alike_from`) on
         # num_layers of them
         total_stages = o.num_stages if o.num_stages is not None else self.num_layers
-        total = stage_memory(o.schedule, self.params, self.acts.held, r, d, self.stages_from,
-                             o.num_microbatches, self.optimizer_state, o.precision, o.recompute,
-                             self.acts.inputs, o.split_backward, total_stages, self.acts.copies,
-                             self.acts.waiting, self.eager_sends, self.vertical_sync,
-                             o.merges_weight_grads).total_bytes
+        settings = MemorySettings(schedule=o.schedule, num_microbatches=o.num_microbatches, precision=o.precision,
+                                  recompute=o.recompute, split_backward=o.split_backward, eager_sends=self.eager_sends,
+                                  vertical_sync=self.vertical_sync, merge_weight_grads=o.merges_weight_grads)
+        sizes = StageBytes(parameters=self.params, activations=self.acts.held, optimizer_state=self.optimizer_state,
+                           inputs=self.acts.inputs, copies=self.acts.copies, waiting=self.acts.waiting)
+        total = stage_memory(settings, sizes, replicas=r, devices_from=d, stages_from=self.stages_from,
+                             num_stages=total_stages).total_bytes
         total = np.broadcast_to(total, np.broadcast_shapes(np.shape(total), self.valid.shape))
         return LayerCosts(total[None]) if total.ndim == 2 else distinct_layers(total)
 

@@ -235,9 +235,6 @@ class Mailbox:
         work = self.transport.irecv(buf, src_rank, message_tag(kind, microbatch_id, link))
         self.recvs[key] = PostedRecv(buf, work, layout)
 
-    def is_posted(self, kind: str, microbatch_id: int, src_rank: int, link: int = 0) -> bool:
-        return (kind, microbatch_id, src_rank, link) in self.recvs
-
     def take(self, kind: str, microbatch_id: int, src_rank: int, layout: MessageLayout,
              link: int = 0) -> dict[str, Tensor]:
         """Wait for the message (posting it now if it was not posted ahead) and unpack it."""

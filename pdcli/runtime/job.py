@@ -27,6 +27,7 @@ from pdcli.runtime.placement import Placement
 from pdcli.runtime.rendezvous import JOIN_TIMEOUT_S, job_prefix, open_job_store, rendezvous_id
 from pdcli.runtime.restarts import keep_metrics_through, reset_attempt
 from pdcli.runtime.results import ResultsNotReceived, publish_results, receive_results
+from pdcli.runtime.signed import Forged, SignedStore
 from pdcli.schedule import ScheduleSpec, build_for, eval_points
 from pdcli.runtime.metrics import METRICS_FILE, SUMMARY_FILE, TRACE_FILE
 from pdcli.runtime.session import run_spec
@@ -265,17 +266,31 @@ class Job:
     def node0(self) -> str:
         return f"{self.hosts.master_addr}:{self.hosts.master_port}"
 
+    def signed_store(self) -> SignedStore:
+        """pd's keys of this job in node 0's store, every value signed with the job's secret
+        (`pdcli.runtime.signed`; the secret from `handshake.job_secret`: the one given out of
+        band, or under --insecure-network the one the store shares)."""
+        from pdcli.runtime.handshake import job_secret
+
+        store = job_prefix(self.store, self.run_id)
+        return SignedStore(store, job_secret(store), self.run_id)
+
     def share(self, run: RunDir, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Node 0: publish its artifacts (made already). Other nodes: make theirs node 0's.
-        Returns the job's (plan, stages manifest)."""
+        """Node 0: publish its artifacts (made already). Other nodes: make theirs node 0's,
+        refusing any value node 0 did not sign. Returns the job's (plan, stages manifest)."""
         from pdcli import share
         from pdcli.compiler import read_manifest
 
-        store = job_prefix(self.store, self.run_id)
+        store = self.signed_store()
         if self.hosts.node_rank == 0:
             share.publish(store, run, cfg)
         else:
-            share.receive(store, run, cfg, self.node0, JOIN_TIMEOUT_S)
+            try:
+                share.receive(store, run, cfg, self.node0, JOIN_TIMEOUT_S)
+            except Forged as e:
+                raise UserError(f"node 0's ({self.node0}) plan and stages: {e}; nothing it did not sign was written",
+                                hint="give every node the same secret (--secret-file or $PD_JOB_SECRET); if they hold "
+                                     "the same, another process on the network wrote into the job's store") from None
         return run.read_json("plan.json"), read_manifest(run / "stages")
 
     def send_results(self, run: RunDir) -> list[str]:
@@ -283,7 +298,7 @@ class Job:
         trace for node 0 (`pdcli.runtime.results`). Returns the files left out (too large).
         Raises ResultsNotReceived when node 0's store went away."""
         try:
-            return publish_results(job_prefix(self.store, self.run_id), run / "train", self.hosts.node_rank)
+            return publish_results(self.signed_store(), run / "train", self.hosts.node_rank)
         except RuntimeError as e:  # DistNetworkError: node 0 stopped waiting
             raise ResultsNotReceived(f"node 0 ({self.node0}) went away before it got the summary and metrics "
                                      f"({type(e).__name__}); this run directory holds them") from None
@@ -293,7 +308,7 @@ class Job:
         into this run directory, waiting up to `timeout_s`. Returns what it measured and the files
         that node left out. Raises ResultsNotReceived."""
         node = summary_node(Placement.from_plan(plan_json), self.hosts)
-        left_out = receive_results(job_prefix(self.store, self.run_id), run / "train", node, timeout_s)
+        left_out = receive_results(self.signed_store(), run / "train", node, timeout_s)
         return TrainResult.from_train_dir(run / "train"), left_out
 
     def fail(self, error: BaseException) -> None:
@@ -301,7 +316,7 @@ class Job:
         from pdcli import share
 
         if self.hosts.node_rank == 0:
-            share.publish_failure(job_prefix(self.store, self.run_id), str(error) or type(error).__name__)
+            share.publish_failure(self.signed_store(), str(error) or type(error).__name__)
 
 
 def join_job(hosts: Hosts, env: Mapping[str, str]) -> Job:

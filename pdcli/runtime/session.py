@@ -37,6 +37,8 @@ from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossJournal, LossTracker, journal_path, minibatch_losses, summarize
 from pdcli.runtime.resume import Checkpointer
 from pdcli.schedule import ScheduleSpec, build_for, drain_points, replica_for
+from pdcli.runtime.handshake import job_secret
+from pdcli.runtime.signed import RUN_ID_ENV, SignedStore
 from pdcli.runtime.sockets import Place, SocketTransport, socket_transport_possible, transport_from_env
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import tied_copies
@@ -187,13 +189,15 @@ PLAN_KEY = "pd/job/plan"
 def check_same_plan(store: Any, run_dir: Path, rank: int) -> None:
     """Every rank runs rank 0's plan and stages. `pd train --nnodes` gives the other hosts
     node 0's (`pdcli.share`); workers started by torchrun on several hosts read whatever run
-    directory each host has, so they compare the plan and the stages' recorded hash here."""
+    directory each host has, so they compare the plan and the stages' recorded hash here (rank 0's
+    digest signed with the job's secret: `pdcli.runtime.signed`)."""
     from pdcli.rundir import RunDir, hash_obj
     from pdcli.share import copy_command
 
     run = RunDir(run_dir)
     record = run.record("stages")
     digest = hash_obj({"plan": read_plan(run_dir), "stages": record.sha256 if record else run.content_hash("stages")})
+    store = SignedStore(store, job_secret(store), os.environ.get(RUN_ID_ENV, ""))  # rank 0's digest, no one else's
     if rank == 0:
         store.set(PLAN_KEY, digest)
     elif store.get(PLAN_KEY).decode() != digest:

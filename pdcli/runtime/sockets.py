@@ -38,6 +38,7 @@ from pdcli.config.schema import TRANSPORTS
 from pdcli.errors import UserError
 from pdcli.runtime import handshake
 from pdcli.runtime.comm import tag_kind
+from pdcli.runtime.signed import RUN_ID_ENV, SignedStore
 
 HEADER = struct.Struct("<QQ")  # tag, payload bytes
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -522,12 +523,14 @@ class SocketTransport:
 
         A peer on this host (same `Place.host_id`) is reached through an abstract Unix socket,
         a peer on another host over TCP at the address of the interface that reaches it
-        (`Place.address`). Listeners have random names and ports, published in the store; a
+        (`Place.address`). Listeners have random names and ports, published in the store
+        signed with the job's secret (`pdcli.runtime.signed`); a
         connection that does not prove to be an awaited rank is refused, passed to `log`, and
         the listener goes on waiting for the real peer. `expected_bytes`: peer rank -> message
         kind -> bytes this rank receives from it (a peer it only sends to is absent: nothing
         from it is accepted)."""
         secret = handshake.job_secret(store)
+        store = SignedStore(store, secret, os.environ.get(RUN_ID_ENV, ""))  # addresses only a peer wrote
         wanted = sorted(set(peer_ranks) - {rank})
         store.set(f"{STORE_PREFIX}/host/{rank}", place.host_id)
         hosts = {r: store.get(f"{STORE_PREFIX}/host/{r}").decode() for r in wanted}

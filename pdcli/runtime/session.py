@@ -8,6 +8,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
@@ -205,20 +206,32 @@ def check_same_plan(store: Any, run_dir: Path, rank: int) -> None:
                            f"({copy_command(run_dir)}), or start every node with `pd train --nnodes`, which shares it")
 
 
-def run_session(
-    cfg: "Config", run_dir: Path, placement: Placement, env: "WorkerEnv", heartbeat: Heartbeat, logger: logging.Logger
-) -> None:
-    train_dir = run_dir / "train"
-    stage_id, replica_id = placement.of(env.rank)
-    resolve_steps(cfg)  # train.epochs -> train.steps, as the launcher did
-    optimizers_without_dynamo()  # a worker compiles nothing
+@dataclass(frozen=True)
+class Joined:
+    """A worker in its job: what `join_job_group` set up before the stages load."""
+
+    device: torch.device
+    link: dict[str, Any] | None
+    """The link between hosts as measured at the start (several hosts, `train.measure_link`)."""
+    groups: dict[int, Any]
+    """A process group per replicated stage (`replica_groups`)."""
+    clip_group: Any
+    """The group of the global gradient norm, or None (`global_clip_group`)."""
+    cores: int
+    """The host's cores (not this worker's share)."""
+
+
+def join_job_group(cfg: "Config", run_dir: Path, placement: Placement, env: "WorkerEnv", heartbeat: Heartbeat,
+                   logger: logging.Logger) -> Joined:
+    """The process group, rank 0's plan checked, the link measured, the groups every rank
+    creates in the same order, this worker's threads and cores, its seed."""
     heartbeat.beat(0, "init_process_group")
     device, backend = pick_device(cfg, env.local_rank)
     timeout = timedelta(seconds=cfg.train.timeout_s)
     collectives_on_the_peers_interface(env.world_size == env.local_world_size)
     dist.init_process_group(backend, timeout=timeout, store=attempt_store(env, timeout), rank=env.rank, world_size=env.world_size)
     check_same_plan(job_store(), run_dir, env.rank)
-    link = measure_link(cfg, train_dir, run_dir, env, device) if cfg.train.measure_link else None
+    link = measure_link(cfg, run_dir / "train", run_dir, env, device) if cfg.train.measure_link else None
     if link is not None:
         logger.info("link %s", link_text(link))
     groups = replica_groups(placement)
@@ -230,16 +243,42 @@ def run_session(
         if pinned is not None:
             logger.info("pinned to cores %s", pinned)
     torch.manual_seed(cfg.train.seed + env.rank)
+    return Joined(device, link, groups, clip_group, cores)
+
+
+def loss_tracker(cfg: "Config", placement: Placement, env: "WorkerEnv", train_dir: Path, replica_id: int,
+                 resume_step: int | None) -> LossTracker:
+    """The last stage's record of its losses (the metrics file on the rank that writes it)."""
+    num_stages, m = placement.num_stages, cfg.schedule.num_microbatches
+    r = placement.replicas[num_stages - 1]
+    writer_rank = placement.rank(num_stages - 1, 0)
+    return LossTracker(
+        num_microbatches=m, num_minibatches=cfg.train.steps, log_every=cfg.train.log_every,
+        batch_size=cfg.data.batch_size,
+        own_per_minibatch=lambda t: sum(1 for mb in range(t * m, (t + 1) * m) if replica_for(mb, r) == replica_id),
+        writer=MetricsLog(train_dir / METRICS_FILE, append=resume_step is not None,
+                          tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard)) if env.rank == writer_rank else None,
+        guard=loss_guard(cfg, num_stages - 1),
+        journal=LossJournal(journal_path(train_dir, replica_id), resume_step * m if resume_step else None),
+    )
+
+
+def run_session(
+    cfg: "Config", run_dir: Path, placement: Placement, env: "WorkerEnv", heartbeat: Heartbeat, logger: logging.Logger
+) -> None:
+    """One worker's run: join the job's process group, load its stages, connect to its peers,
+    run its action list with checkpoints, gather the reports on the writer, leave."""
+    train_dir = run_dir / "train"
+    stage_id, replica_id = placement.of(env.rank)
+    resolve_steps(cfg)  # train.epochs -> train.steps, as the launcher did
+    optimizers_without_dynamo()  # a worker compiles nothing
+    joined = join_job_group(cfg, run_dir, placement, env, heartbeat, logger)
+    device, groups, clip_group, cores = joined.device, joined.groups, joined.clip_group, joined.cores
 
     heartbeat.beat(0, "load_stage")
-    stages_dir = run_dir / "stages"
-    manifest = read_manifest(stages_dir)
+    manifest = read_manifest(run_dir / "stages")
     chunks = placement.chunks_of(env.rank)  # (stage_id,) without virtual stages
-    loaded = {k: load_stage(stages_dir, k) for k in chunks}
-    for module, _ in loaded.values():
-        module.to(device).train()
-    if device.type == "cpu" and heap_on_huge_pages():
-        logger.info("heap on transparent huge pages (%s)", HEAP_HUGE_PAGES)
+    loaded = load_stages(run_dir / "stages", chunks, device, logger)
     module, entry = loaded[stage_id]
     tied = tied_copies(manifest, placement, stage_id, module, entry)  # collective: every rank (none with chunks)
     ios = {k: StageIO.from_manifest(manifest, k) for k in chunks}
@@ -249,20 +288,8 @@ def run_session(
     spec = run_spec(cfg, placement, evaluation, resume_step)
     schedule_stage = spec.stage_replica_of(env.rank)[0] if spec.chunked else stage_id  # the device's place
     is_last = num_stages - 1 in chunks
-    writer_rank = placement.rank(num_stages - 1, 0)
     timeline = Timeline(env.rank, stage_id, replica_id, torch.get_num_threads())
-    tracker = None
-    if is_last:
-        r = placement.replicas[num_stages - 1]
-        tracker = LossTracker(
-            num_microbatches=m, num_minibatches=cfg.train.steps, log_every=cfg.train.log_every,
-            batch_size=cfg.data.batch_size,
-            own_per_minibatch=lambda t: sum(1 for mb in range(t * m, (t + 1) * m) if replica_for(mb, r) == replica_id),
-            writer=MetricsLog(train_dir / METRICS_FILE, append=resume_step is not None,
-                              tensorboard=open_tensorboard(train_dir, cfg.train.tensorboard)) if env.rank == writer_rank else None,
-            guard=loss_guard(cfg, num_stages - 1),
-            journal=LossJournal(journal_path(train_dir, replica_id), resume_step * m if resume_step else None),
-        )
+    tracker = loss_tracker(cfg, placement, env, train_dir, replica_id, resume_step) if is_last else None
     heartbeat.beat(0, "connect")
     transport = make_transport(placement, list(ios.values()), env.rank, device, cfg.train.timeout_s, cfg.train.transport,
                                logger.warning)
@@ -307,17 +334,7 @@ def run_session(
                                parts=tuple((k, loaded[k][1], loaded[k][0], executors[k].ctx.optimizer) for k in chunks))
     checkpoints.start(executor, resume_step)
 
-    def on_step(steps_done: int) -> None:
-        if steps_done % cfg.train.log_every == 0:
-            st = timeline.stats
-            logger.info(
-                "optimizer step %d: compute %.1f ms, comm %.1f ms, idle %.1f ms so far, %d weight versions held, "
-                "lr %.4g, gradient norm before clipping %s", steps_done, st.compute_ms, st.comm_ms, st.idle_ms,
-                executor.weights.max_versions_held, executor.last_lr,
-                "-" if executor.last_grad_norm is None else f"{executor.last_grad_norm:.4g}",
-            )
-        checkpoints.after_step(executor)  # at drain points (train.checkpoint_every): a consistent cut
-
+    on_step = after_each_step(cfg.train.log_every, executor, timeline, checkpoints, logger)
     if tracker is not None:
         tracker.restart_clock()
     logger.info("%d objects of the setup frozen out of the garbage collector", freeze_setup())
@@ -330,23 +347,64 @@ def run_session(
         checkpoints.save(cfg.train.steps, executor)
 
         heartbeat.beat(executor.steps_done, "report")
-        stats = timeline.finish()
-        stats.wall_ms -= executor.eval_s * S_TO_MS
-        stats.num_weight_versions_max = executor.weights.max_versions_held
-        report = {"stats": stats, "losses": tracker.all_records() if tracker else {}, "link": link}
-        if tracker is not None and tracker.journal is not None:
-            tracker.journal.close()
-        gathered: list[Any] | None = [None] * placement.world_size if env.rank == writer_rank else None
-        dist.gather_object(report, gathered, dst=writer_rank)
-        if gathered is not None:  # every rank is done training: the host's speed as the profile measured it
-            host_speed = host_speed_ms() if device.type == "cpu" else None
-            write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=resume_step or 0, eval_s=executor.eval_s,
-                          host_speed=host_speed, start_time=start_time,
-                          link=next((g["link"] for g in gathered if g.get("link") is not None), None))
+        gather_reports(cfg, train_dir, placement, env.rank, executor, timeline, tracker, joined, loop_s, start_time,
+                       first_step=resume_step or 0)
         dist.barrier()
     if isinstance(transport, SocketTransport):
         transport.close()
     dist.destroy_process_group()
+
+
+def load_stages(stages_dir: Path, chunks: Sequence[int], device: torch.device, logger: logging.Logger) -> dict[int, Any]:
+    """This rank's stages (its chunks under virtual stages): stage id -> (module on `device`,
+    in training mode; its manifest entry)."""
+    loaded = {k: load_stage(stages_dir, k) for k in chunks}
+    for module, _ in loaded.values():
+        module.to(device).train()
+    if device.type == "cpu" and heap_on_huge_pages():
+        logger.info("heap on transparent huge pages (%s)", HEAP_HUGE_PAGES)
+    return loaded
+
+
+def after_each_step(log_every: int, executor: "Executor | ChunkRunner", timeline: Timeline, checkpoints: Checkpointer,
+                    logger: logging.Logger) -> Callable[[int], None]:
+    """What the loop runs after each optimizer step: a log line every `log_every` steps, and
+    the checkpoint of a drain point (`train.checkpoint_every`: a consistent cut)."""
+
+    def on_step(steps_done: int) -> None:
+        if steps_done % log_every == 0:
+            st = timeline.stats
+            logger.info(
+                "optimizer step %d: compute %.1f ms, comm %.1f ms, idle %.1f ms so far, %d weight versions held, "
+                "lr %.4g, gradient norm before clipping %s", steps_done, st.compute_ms, st.comm_ms, st.idle_ms,
+                executor.weights.max_versions_held, executor.last_lr,
+                "-" if executor.last_grad_norm is None else f"{executor.last_grad_norm:.4g}",
+            )
+        checkpoints.after_step(executor)
+
+    return on_step
+
+
+def gather_reports(cfg: "Config", train_dir: Path, placement: Placement, rank: int, executor: "Executor | ChunkRunner",
+                   timeline: Timeline, tracker: LossTracker | None, joined: Joined, loop_s: float, start_time: float,
+                   first_step: int) -> None:
+    """Every rank's stats, losses and link gathered on the last stage's first replica, which
+    writes the run's reports (after every rank is done training: with the host's speed as the
+    profile measured it)."""
+    writer_rank = placement.rank(placement.num_stages - 1, 0)
+    stats = timeline.finish()
+    stats.wall_ms -= executor.eval_s * S_TO_MS
+    stats.num_weight_versions_max = executor.weights.max_versions_held
+    report = {"stats": stats, "losses": tracker.all_records() if tracker else {}, "link": joined.link}
+    if tracker is not None and tracker.journal is not None:
+        tracker.journal.close()
+    gathered: list[Any] | None = [None] * placement.world_size if rank == writer_rank else None
+    dist.gather_object(report, gathered, dst=writer_rank)
+    if gathered is not None:
+        host_speed = host_speed_ms() if joined.device.type == "cpu" else None
+        write_reports(train_dir, cfg, gathered, loop_s, tracker, first_step=first_step, eval_s=executor.eval_s,
+                      host_speed=host_speed, start_time=start_time,
+                      link=next((g["link"] for g in gathered if g.get("link") is not None), None))
 
 
 @contextlib.contextmanager

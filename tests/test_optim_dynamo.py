@@ -1,5 +1,5 @@
 """A worker's optimizers never import torch._dynamo (`pdcli.torchutil.optim.optimizers_without_dynamo`
-and `optimizer_step`), and step, save and load exactly as `torch.optim` does through its wrappers.
+and `optimizer_step`), and step, save and load exactly as `torch.optim` does through its wrappers (an LR scheduler's step counter included).
 
 The path without torch._dynamo only runs in a process that has not loaded it, so it runs in a
 fresh interpreter; the same steps through `optimizer.step()` run here."""
@@ -50,13 +50,25 @@ import json, sys
 from pdcli.torchutil.optim import optimizers_without_dynamo, optimizer_step
 applied = optimizers_without_dynamo()
 out = {{key: train(name, kwargs, optimizer_step) for key, (name, kwargs) in {CASES!r}.items()}}
-print(json.dumps({{"applied": applied, "dynamo": "torch._dynamo" in sys.modules, "weights": out}}))
+dynamo = "torch._dynamo" in sys.modules
+import warnings
+model = torch.nn.Linear(2, 1)
+plain = torch.optim.SGD(model.parameters(), lr=0.1)
+scheduler = torch.optim.lr_scheduler.StepLR(plain, 1)  # it wraps the instance's step to count its calls
+model(torch.ones(1, 2)).sum().backward()
+optimizer_step(plain)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    scheduler.step()  # warns "lr_scheduler.step() before optimizer.step()" where the counter was skipped
+print(json.dumps({{"applied": applied, "dynamo": dynamo, "weights": out,
+                  "warnings": [str(w.message) for w in caught]}}))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     got = json.loads(result.stdout)
     assert got["applied"] is True
     assert got["dynamo"] is False  # built, stepped, clipped, saved and loaded without it
+    assert got["warnings"] == []  # an LR scheduler's step counter saw the step
     for key, (name, kwargs) in CASES.items():
         assert got["weights"][key] == _train_here(name, kwargs, lambda opt: opt.step()), key
 

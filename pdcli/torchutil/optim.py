@@ -62,10 +62,12 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     """`optimizer.step()`, without importing `torch._dynamo` when nothing has: the class's own
     `step` under the grad mode torch's wrapper sets (`torch.optim` wraps every `step` in one that
     imports `torch._dynamo` to mark graph breaks, and in one that runs the step hooks). Through
-    `optimizer.step()` itself where torch._dynamo is loaded or a step hook is registered."""
-    hooked = (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-              or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
-    if "torch._dynamo" in sys.modules or hooked:
+    `optimizer.step()` itself where torch._dynamo is loaded, a step hook is registered, or the
+    instance's own `step` was replaced (an LR scheduler's call counter)."""
+    hooked = any(getattr(owner, name, None) for owner, name in (
+        (optimizer, "_optimizer_step_pre_hooks"), (optimizer, "_optimizer_step_post_hooks"),
+        (torch_optimizer, "_global_optimizer_pre_hooks"), (torch_optimizer, "_global_optimizer_post_hooks")))
+    if "torch._dynamo" in sys.modules or hooked or "step" in vars(optimizer):
         optimizer.step()
         return
     step = inspect.unwrap(type(optimizer).step)

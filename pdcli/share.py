@@ -9,6 +9,8 @@ under node 0's record). So two hosts never train two plans, and the other nodes 
 profile nor plan: their measurements would differ from node 0's, and they would wait for
 the slowest profile. Artifacts larger than MAX_SENT_BYTES in all are not sent (the store
 holds them in memory): then a node whose files differ is told to copy node 0's run directory.
+`Job.share` hands these functions a `pdcli.runtime.signed.SignedStore`: every value they put
+is signed with the job's secret, and one a stranger wrote is refused as it is read.
 """
 
 from __future__ import annotations

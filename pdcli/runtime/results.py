@@ -6,7 +6,8 @@ files' bytes in the job's store (node 0's, under the job's prefix, the store nod
 train` serves), then a listing of their sizes and SHA-256 hashes. Node 0 waits for the listing
 up to `train.timeout_s`, takes a file only when it is listed at most MAX_RESULT_BYTES and
 arrives with that size and hash (the summary must be a JSON object too), and writes each
-atomically under its own name: nothing read from the store names a path. A file over
+atomically under its own name: nothing read from the store names a path. `Job` passes a
+`pdcli.runtime.signed.SignedStore`, so the listing and the bytes are the other node's. A file over
 MAX_RESULT_BYTES is left on its node and said so (the summary over it: none are taken).
 """
 

@@ -38,8 +38,7 @@ from pdcli.runtime.placement import Placement
 from pdcli.runtime.progress import LossJournal, LossTracker, journal_path, minibatch_losses, summarize
 from pdcli.runtime.resume import Checkpointer
 from pdcli.schedule import ScheduleSpec, build_for, drain_points, replica_for
-from pdcli.runtime.handshake import job_secret
-from pdcli.runtime.signed import RUN_ID_ENV, SignedStore
+from pdcli.runtime.signed import SignedStore, worker_store
 from pdcli.runtime.sockets import Place, SocketTransport, socket_transport_possible, transport_from_env
 from pdcli.runtime.stageio import StageIO
 from pdcli.runtime.tied import tied_copies
@@ -160,14 +159,15 @@ def global_clip_group(cfg: "Config", placement: Placement) -> Any:
 
 def make_transport(
     placement: Placement, io: StageIO | Sequence[StageIO], rank: int, device: torch.device, timeout_s: float,
-    preference: str = "auto", log: Callable[[str], None] = lambda _: None,
+    preference: str = "auto", log: Callable[[str], None] = lambda _: None, store: SignedStore | None = None,
 ) -> Transport:
     """The socket transport between CPU ranks (one message ~15 us on one host instead of gloo's
     ~1.5 ms): an abstract Unix socket to a rank of this host, TCP to a rank of another host,
     each connection proven with the job's secret; else torch.distributed (gloo / NCCL).
     `train.transport` picks one; the `PD_TRANSPORT=gloo|socket` environment variable overrides
     it; every rank makes the same choice. `log` gets every refused connection. `io`: the stage's,
-    or every chunk's of this rank (virtual stages; messages between them stay in the process)."""
+    or every chunk's of this rank (virtual stages; messages between them stay in the process).
+    `store`: the worker's signed job store (`Joined.store`), else built from the default group's."""
     default = "socket" if device.type == "cpu" and socket_transport_possible() else "gloo"
     choice = transport_from_env(os.environ) or (default if preference == "auto" else preference)
     if choice == "socket":
@@ -180,7 +180,7 @@ def make_transport(
                     for kind, n in sizes.items():
                         expected.setdefault(r, {}).setdefault(kind, set()).add(n)
         place = Place(network_host_id(), reach_address(os.environ["MASTER_ADDR"]))
-        return SocketTransport.connect(rank, peers, timeout_s, expected, job_store(), place, log)
+        return SocketTransport.connect(rank, peers, timeout_s, expected, store or job_store(), place, log)
     return TorchDistTransport()
 
 
@@ -198,7 +198,8 @@ def check_same_plan(store: Any, run_dir: Path, rank: int) -> None:
     run = RunDir(run_dir)
     record = run.record("stages")
     digest = hash_obj({"plan": read_plan(run_dir), "stages": record.sha256 if record else run.content_hash("stages")})
-    store = SignedStore(store, job_secret(store), os.environ.get(RUN_ID_ENV, ""))  # rank 0's digest, no one else's
+    if not isinstance(store, SignedStore):
+        store = worker_store(store)  # rank 0's digest, no one else's
     if rank == 0:
         store.set(PLAN_KEY, digest)
     elif store.get(PLAN_KEY).decode() != digest:
@@ -219,6 +220,8 @@ class Joined:
     """The group of the global gradient norm, or None (`global_clip_group`)."""
     cores: int
     """The host's cores (not this worker's share)."""
+    store: SignedStore
+    """The job's store, pd's values in it signed (`pdcli.runtime.signed.worker_store`)."""
 
 
 def join_job_group(cfg: "Config", run_dir: Path, placement: Placement, env: "WorkerEnv", heartbeat: Heartbeat,
@@ -230,7 +233,8 @@ def join_job_group(cfg: "Config", run_dir: Path, placement: Placement, env: "Wor
     timeout = timedelta(seconds=cfg.train.timeout_s)
     collectives_on_the_peers_interface(env.world_size == env.local_world_size)
     dist.init_process_group(backend, timeout=timeout, store=attempt_store(env, timeout), rank=env.rank, world_size=env.world_size)
-    check_same_plan(job_store(), run_dir, env.rank)
+    store = worker_store(job_store())
+    check_same_plan(store, run_dir, env.rank)
     link = measure_link(cfg, run_dir / "train", run_dir, env, device) if cfg.train.measure_link else None
     if link is not None:
         logger.info("link %s", link_text(link))
@@ -243,7 +247,7 @@ def join_job_group(cfg: "Config", run_dir: Path, placement: Placement, env: "Wor
         if pinned is not None:
             logger.info("pinned to cores %s", pinned)
     torch.manual_seed(cfg.train.seed + env.rank)
-    return Joined(device, link, groups, clip_group, cores)
+    return Joined(device, link, groups, clip_group, cores, store)
 
 
 def loss_tracker(cfg: "Config", placement: Placement, env: "WorkerEnv", train_dir: Path, replica_id: int,
@@ -292,7 +296,7 @@ def run_session(
     tracker = loss_tracker(cfg, placement, env, train_dir, replica_id, resume_step) if is_last else None
     heartbeat.beat(0, "connect")
     transport = make_transport(placement, list(ios.values()), env.rank, device, cfg.train.timeout_s, cfg.train.transport,
-                               logger.warning)
+                               logger.warning, joined.store)
     logger.info("transport: %s", transport.describe() if isinstance(transport, SocketTransport) else "torch.distributed")
     # eager sends: the next stage gets its input before this one waits (see sends_first)
     actions = build_for(spec, schedule_stage, replica_id, start_minibatch=resume_step or 0,

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -39,12 +41,13 @@ class SignedStore:
         if not secret:
             raise ValueError("a SignedStore needs the job's secret")
         self.store = store
-        self._secret = secret
+        self.secret = secret
+        """The job's secret: the socket transport's handshake proves it too."""
         self._context = context.encode()
 
     def _mac(self, key: str, value: bytes) -> bytes:
         message = DOMAIN + self._context + b"\0" + key.encode() + b"\0" + value
-        return hmac.new(self._secret, message, hashlib.sha256).digest()
+        return hmac.new(self.secret, message, hashlib.sha256).digest()
 
     def set(self, key: str, value: str | bytes) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
@@ -63,3 +66,12 @@ class SignedStore:
             self.store.wait(keys)
         else:
             self.store.wait(keys, timeout)
+
+
+def worker_store(store: Any, env: Mapping[str, str] = os.environ) -> SignedStore:
+    """A worker's signed view of its job's rendezvous `store`: the job's secret
+    (`handshake.job_secret`) and the job its elastic agent names (`RUN_ID_ENV`) as the context.
+    A worker builds it once and hands it to whatever reads or writes pd's values there."""
+    from pdcli.runtime.handshake import job_secret
+
+    return SignedStore(store, job_secret(store, env), env.get(RUN_ID_ENV, ""))

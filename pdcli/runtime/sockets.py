@@ -38,7 +38,7 @@ from pdcli.config.schema import TRANSPORTS
 from pdcli.errors import UserError
 from pdcli.runtime import handshake
 from pdcli.runtime.comm import tag_kind
-from pdcli.runtime.signed import RUN_ID_ENV, SignedStore
+from pdcli.runtime.signed import SignedStore, worker_store
 
 HEADER = struct.Struct("<QQ")  # tag, payload bytes
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -529,8 +529,9 @@ class SocketTransport:
         the listener goes on waiting for the real peer. `expected_bytes`: peer rank -> message
         kind -> bytes this rank receives from it (a peer it only sends to is absent: nothing
         from it is accepted)."""
-        secret = handshake.job_secret(store)
-        store = SignedStore(store, secret, os.environ.get(RUN_ID_ENV, ""))  # addresses only a peer wrote
+        if not isinstance(store, SignedStore):
+            store = worker_store(store)  # addresses only a peer wrote
+        secret = store.secret
         wanted = sorted(set(peer_ranks) - {rank})
         store.set(f"{STORE_PREFIX}/host/{rank}", place.host_id)
         hosts = {r: store.get(f"{STORE_PREFIX}/host/{r}").decode() for r in wanted}

@@ -24,13 +24,15 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(BIN)/pd train recipes/quickstart.yaml
 
-# The fast tier as `make check` runs it, then the slow tier in one process: its multi-process
-# runs pin workers to cores and compare measured times with predictions, so none run beside another.
+# The fast tier as `make check` runs it, the slow tier in two processes as well (its runs mostly
+# wait: on each other, on timeouts, on shaped links), then the slow tests marked serial alone:
+# they hold a run's measured times to a fit of them, which a run beside them would disturb.
 test: setup
 	$(BIN)/mypy
 	$(MAKE) --no-print-directory docs
 	$(BIN)/pytest -q -m "not slow" -n 2 --dist worksteal
-	$(BIN)/pytest -q -m slow
+	$(BIN)/pytest -q -m "slow and not serial" -n 2 --dist worksteal
+	$(BIN)/pytest -q -m "slow and serial"
 
 # mypy and the fast tier: every test not marked slow, in two processes (pytest-xdist; each takes
 # the other's queued tests when its own run out); under 90 s on 2 cores.

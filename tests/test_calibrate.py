@@ -24,6 +24,7 @@ runner = CliRunner()
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(240)
 def test_calibrated_plan_predicts_the_run_it_was_fitted_to(tmp_path: Path) -> None:
     args = [*RUN, f"run.root={tmp_path}"]
@@ -105,6 +106,7 @@ def test_a_receive_is_priced_by_what_it_ran_after_its_message_was_sent_not_by_it
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_calibrate_needs_a_run_directory(tmp_path: Path) -> None:
     result = runner.invoke(app, ["plan", RECIPE, f"run.root={tmp_path}", "profile.repeats=2", "profile.probe_minibatches=4",
                                  "--calibrate", str(tmp_path / "missing")])
@@ -112,6 +114,7 @@ def test_calibrate_needs_a_run_directory(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(240)
 def test_pipeline_probe_refits_the_profile_to_a_real_two_worker_run(tmp_path: Path) -> None:
     """`pd profile` runs the schedule on two workers three times and refits its costs to the
@@ -167,6 +170,7 @@ def test_pipeline_probe_run_reuses_the_probes_profile(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(240)
 def test_pipeline_probe_of_a_searched_recipe_runs_its_stand_ins(tmp_path: Path) -> None:
     """With the schedule, microbatches and precision left to the planner (`auto`), the probe's
@@ -188,6 +192,7 @@ def test_pipeline_probe_of_a_searched_recipe_runs_its_stand_ins(tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("planned_shares", [False, True], ids=["planned-on-a-core-each", "planned-sharing"])
 def test_pipeline_probe_measures_what_sharing_the_cores_costs(tmp_path: Path, planned_shares: bool) -> None:
@@ -248,6 +253,7 @@ def test_pipeline_probe_measures_what_sharing_the_cores_costs(tmp_path: Path, pl
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(240)
 def test_pipeline_probe_of_virtual_stages_runs_their_chunks(tmp_path: Path) -> None:
     """The probe trains the chunked schedule itself (each worker several chunks) and refits
@@ -268,6 +274,7 @@ def test_pipeline_probe_of_virtual_stages_runs_their_chunks(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(240)
 def test_calibrated_plan_of_virtual_stages_predicts_its_run(tmp_path: Path) -> None:
     """A run of chunks refits per chunk (a rank's trace holds several); re-planning it predicts the run."""
@@ -291,6 +298,7 @@ def test_calibrated_plan_of_virtual_stages_predicts_its_run(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(300)
 def test_calibration_on_shared_cores_matches_the_runs_time_and_compute(tmp_path: Path) -> None:
     """More workers than cores: the calibrated replay (ranks queued for the cores) takes the

@@ -24,3 +24,11 @@ def test_the_recorded_ids_are_pytests_ids() -> None:
     assert node_id("tests.test_marks", "test_x[a-b]") == "tests/test_marks.py::test_x[a-b]"
     recorded = json.loads(DURATIONS.read_text())
     assert recorded and all(k.startswith("tests/test_") and ".py::" in k for k in recorded)
+
+
+def test_every_serial_test_is_slow(request: pytest.FixtureRequest) -> None:
+    """The fast tier runs in two processes whatever a test's marks; only the slow tier's serial
+    pass runs a test alone."""
+    loose = [item.nodeid for item in request.session.items
+             if item.get_closest_marker("serial") is not None and item.get_closest_marker("slow") is None]
+    assert not loose, f"marked serial but not slow, so they run beside other tests: {loose}"

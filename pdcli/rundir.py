@@ -182,9 +182,10 @@ def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:
         raise UserError(f"{what} not found: {path}")
     try:
         return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else f"bytes that are not UTF-8 at {e.start}"
         raise UserError(
-            f"{path}: not valid JSON ({e.msg} at line {e.lineno})",
+            f"{path}: not valid JSON ({where})",
             hint="the file is corrupt; delete it and re-run the step that makes it (or pass --force)",
         ) from None
 
@@ -224,10 +225,19 @@ class RunDir:
 
     # -- manifest ---------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:
+        """The run's manifest.json; UserError naming it where it is not one pd wrote (each
+        artifact's entry a `sha256` and an `inputs_hash`, both strings)."""
         p = self.path / MANIFEST
         if not p.exists():
             return {"version": 1, "artifacts": {}}
-        return read_json(p, "run manifest")
+        manifest = read_json(p, "run manifest")
+        artifacts = manifest.get("artifacts") if isinstance(manifest, dict) else None
+        if not isinstance(artifacts, dict) or not all(
+                isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("inputs_hash"), str)
+                for e in artifacts.values()):
+            raise UserError(f"{p}: not a pd run manifest (each artifact needs its sha256 and inputs_hash)",
+                            hint=f"delete {p}: pd then makes every artifact of {self.path} again")
+        return manifest
 
     def record(self, name: str) -> ArtifactRecord | None:
         entry = self._manifest()["artifacts"].get(name)

@@ -179,6 +179,22 @@ def test_outputs_that_cannot_be_written(checkpointed: Path, tmp_path: Path) -> N
     assert result.exit_code == 0 and (tmp_path / "ok.pt").is_file(), result.output
 
 
+def test_a_checkpoint_changed_after_it_was_written_is_refused_by_pd_export(checkpointed: Path, tmp_path: Path) -> None:
+    """A weight of a stage file changed in place (still a valid torch file): the marker's sha256
+    refuses it, naming the file, where torch would load the changed weight."""
+    import torch
+
+    from pdcli.runtime import checkpoint
+
+    path = checkpoint.stage_file(checkpointed / "train", 1, 0)
+    payload = torch.load(path, weights_only=True)
+    payload["model"]["weight"][0, 0] += 1.0
+    torch.save(payload, path)
+    fails("export", str(checkpointed), "-o", str(tmp_path / "m.pt"),
+          expect=(f"checkpoint file {path} is corrupt: changed or damaged after it was written", "delete"))
+    assert not (tmp_path / "m.pt").exists()
+
+
 def test_a_model_and_a_data_set_that_do_not_fit(tmp_path: Path) -> None:
     fails("train", QUICKSTART, f"run.root={tmp_path}", "data=synthetic_images",
           expect=("model.name=mlp does not fit data.name=synthetic_images", "(16, 3, 32, 32) float32",

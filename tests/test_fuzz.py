@@ -1,7 +1,8 @@
 """Hostile input, generated (hypothesis): the handshake's framing, the stage messages' framing,
-the config loader and the profile loader each end in their own clear refusal, never another
-exception, a hang, or an allocation a header merely announces. Every suite is bounded
-(`max_examples`), a few seconds each."""
+the config loader, the profile loader, `pd plan diff` on any two files, the run directory's
+manifest.json and a checkpoint's files each end in their own clear refusal (or a correct
+answer), never another exception, a hang, or an allocation a header merely announces. Every
+suite is bounded (`max_examples`), a few seconds each."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pdcli.runtime import handshake, sockets  # noqa: E402
 from pdcli.runtime.comm import message_tag  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow  # seven suites of 60 inputs each, ~15 s in all: CI runs them (PD_FUZZ_EXAMPLES=N for more, random)
+pytestmark = pytest.mark.slow  # twelve suites of 60 inputs each: CI runs them (PD_FUZZ_EXAMPLES=N for more, random)
 SECRET = bytes(range(32))
 TIMEOUT_S = 5.0
 BOUNDED = settings(max_examples=int(os.environ.get("PD_FUZZ_EXAMPLES", "60")), deadline=None, derandomize=os.environ.get("PD_FUZZ_EXAMPLES") is None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -255,3 +256,170 @@ def test_a_profile_truncated_or_changed_on_disk_is_refused(cut: int, flip: int, 
     (run / "profile.json").write_bytes(bytes(changed))
     with pytest.raises(UserError, match="profile.json"):
         load_profile(run)
+
+
+def _edited(obj: Any, data: st.DataObject) -> Any:
+    """`obj` (JSON) changed at one place drawn from `data`: a value of another type, or a key dropped."""
+    obj = copy.deepcopy(obj)
+    path = data.draw(st.sampled_from(_paths(obj)[1:]))
+    parent = obj
+    for key in path[:-1]:
+        parent = parent[key]
+    if data.draw(st.booleans()) and isinstance(parent, dict):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = data.draw(json_values())
+    return json.loads(json.dumps(obj))
+
+
+def _damaged(raw: bytes, cut: int, flip: int) -> bytes:
+    """`raw` cut short (odd `cut`) or with one bit flipped (even `cut`)."""
+    if cut % 2:
+        return raw[:cut % len(raw)]
+    changed = bytearray(raw)
+    changed[flip % len(raw)] ^= 0x01
+    return bytes(changed)
+
+
+# -- plan.json (`pd plan diff` takes any two files) ------------------------------------------
+
+@pytest.fixture(scope="module")
+def real_plan() -> dict[str, Any]:
+    from pdcli.planner import PlanOptions, Topology, plan_chain
+    from pdcli.profiler.chain import Chain, ChainNode
+
+    nodes = tuple(ChainNode(f"n{i}", f"layer{i}", 1.0 + i, 2.0, 1000, 100) for i in range(6))
+    chain = Chain(nodes=nodes, cut_bytes=(10,) * 5)
+    return plan_chain(chain, Topology.flat(3), PlanOptions(schedule="1f1b", num_microbatches=2)).to_json()
+
+
+@BOUNDED
+@given(data=st.data(), fmt=st.sampled_from(["text", "json", "markdown"]))
+def test_pd_plan_diff_of_a_plan_edited_at_random_diffs_or_refuses_it_naming_the_file(
+        data: st.DataObject, fmt: str, real_plan: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> None:
+    from typer.testing import CliRunner
+
+    from pdcli.cli import app
+
+    d = tmp_path_factory.mktemp("plans")
+    (d / "a.json").write_text(json.dumps(real_plan))
+    (d / "b.json").write_text(json.dumps(_edited(real_plan, data)))
+    result = CliRunner().invoke(app, ["plan", "diff", str(d / "a.json"), str(d / "b.json"), "--format", fmt,
+                                      "--fail-on-regression", "5"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code in (0, 1, 2), result.output
+    if result.exit_code == 2:
+        assert "b.json: not a pd plan" in result.output
+
+
+@BOUNDED
+@given(cut=st.integers(0, 10_000), flip=st.integers(0, 10_000))
+def test_pd_plan_diff_of_a_truncated_or_changed_plan_diffs_or_refuses_it(
+        cut: int, flip: int, real_plan: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> None:
+    from typer.testing import CliRunner
+
+    from pdcli.cli import app
+
+    d = tmp_path_factory.mktemp("plans")
+    (d / "a.json").write_text(json.dumps(real_plan))
+    (d / "b.json").write_bytes(_damaged(json.dumps(real_plan).encode(), cut, flip))
+    result = CliRunner().invoke(app, ["plan", "diff", str(d / "a.json"), str(d / "b.json")])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code in (0, 1, 2), result.output
+    if result.exit_code == 2:
+        assert "b.json" in result.output
+
+
+# -- the run directory's manifest.json ----------------------------------------------------
+
+def _run_with_profile(root: Path, real_profile: dict[str, Any]) -> Any:
+    from pdcli.rundir import RunDir
+
+    run = RunDir(root).create()
+    run.write_json("profile.json", real_profile, "h")
+    return run
+
+
+@BOUNDED
+@given(data=st.data())
+def test_a_run_manifest_edited_at_random_is_read_or_refused_naming_it(
+        data: st.DataObject, real_profile: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """What every step asks of the run directory (`fresh`, `read_json`) with its manifest.json
+    changed at one place: an answer, or a UserError naming a file of the run."""
+    from pdcli.rundir import MANIFEST
+
+    run = _run_with_profile(tmp_path_factory.mktemp("run"), real_profile)
+    manifest = json.loads((run / MANIFEST).read_text())
+    (run / MANIFEST).write_text(json.dumps(_edited(manifest, data)))
+    try:
+        if run.fresh("profile.json", "h"):
+            run.read_json("profile.json")
+    except UserError as e:
+        assert str(run.path) in str(e)
+
+
+@BOUNDED
+@given(cut=st.integers(0, 10_000), flip=st.integers(0, 10_000))
+def test_a_run_manifest_truncated_or_changed_on_disk_is_read_or_refused_naming_it(
+        cut: int, flip: int, real_profile: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> None:
+    from pdcli.rundir import MANIFEST
+
+    run = _run_with_profile(tmp_path_factory.mktemp("run"), real_profile)
+    (run / MANIFEST).write_bytes(_damaged((run / MANIFEST).read_bytes(), cut, flip))
+    try:
+        if run.fresh("profile.json", "h"):
+            run.read_json("profile.json")
+    except UserError as e:
+        assert str(run.path) in str(e)
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """A complete two-stage checkpoint as pd writes it: each stage file's bytes and the marker's."""
+    from torch import nn
+
+    from pdcli.runtime import checkpoint
+
+    train_dir = tmp_path_factory.mktemp("train")
+    for k in range(2):
+        module = nn.Linear(4, 4)
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        module(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        checkpoint.save_stage(train_dir, 3, k, module, {}, optimizer, 3, {"num_optimizer_steps": 3})
+    checkpoint.mark_complete(train_dir, 3, num_stages=2, keep=1)
+    d = checkpoint.checkpoint_dir(train_dir, 3)
+    return {p.name: p.read_bytes() for p in d.iterdir()}
+
+
+@BOUNDED
+@given(name=st.sampled_from(["stage_0.pt", "stage_1.pt", "COMPLETE"]), cut=st.integers(0, 1 << 20),
+       flip=st.integers(0, 1 << 20))
+def test_a_checkpoint_truncated_or_changed_is_refused_naming_the_file(
+        name: str, cut: int, flip: int, checkpoint_files: dict[str, bytes], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One file of a complete checkpoint cut short or with one bit flipped: reading each stage
+    back (as `pd train --resume` does before any worker starts, and `pd export`) is refused with a
+    UserError naming the damaged file or its marker, never loaded."""
+    from pdcli.runtime import checkpoint
+
+    train_dir = tmp_path_factory.mktemp("train")
+    d = checkpoint.checkpoint_dir(train_dir, 3)
+    d.mkdir(parents=True)
+    for n, raw in checkpoint_files.items():
+        (d / n).write_bytes(_damaged(raw, cut, flip) if n == name else raw)
+    try:
+        payloads = [checkpoint.load_stage_file(train_dir, 3, k) for k in range(2)]
+    except UserError as e:
+        assert name in str(e)
+        return
+    # read as written: only where the flipped bit fell in what the loads do not use (a key of the
+    # marker they ignore), never in a stage file (its sha256 in the marker changes with any bit)
+    assert name == "COMPLETE"
+    for k, payload in enumerate(payloads):
+        path = tmp_path_factory.mktemp("orig") / "stage.pt"
+        path.write_bytes(checkpoint_files[f"stage_{k}.pt"])
+        want = torch.load(path, weights_only=True)
+        assert payload["model"].keys() == want["model"].keys()
+        assert all(torch.equal(payload["model"][n], want["model"][n]) for n in want["model"])

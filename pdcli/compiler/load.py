@@ -22,9 +22,12 @@ def read_manifest(stages_dir: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise UserError(f"no stage manifest at {path}", hint="run `pd compile` first")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e.msg})", hint="re-run `pd compile --force`") from None
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e})", hint="re-run `pd compile --force`") from None
+    if not isinstance(manifest, dict):
+        raise UserError(f"{path}: not a pd stage manifest (not a mapping)", hint="re-run `pd compile --force`")
+    return manifest
 
 
 def tied_holders(manifest: dict[str, Any]) -> list[dict[int, str]]:

@@ -172,3 +172,46 @@ class Plan:
             warnings=tuple(obj.get("warnings", ())),
             search=obj.get("search"),
         )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+def plan_shape_error(plan: Any) -> str | None:
+    """What makes `plan` (a plan.json read back) unlike one pd writes, in the fields `pd plan
+    diff` and the runtime read (each stage's ids, positions, replicas, ranks and predicted
+    times and bytes; the pipeline's and the inputs' mappings): the first such key and why, or
+    None where they all have their types."""
+    if not isinstance(plan, dict):
+        return "the plan is not a mapping"
+    stages = plan.get("stages")
+    if not isinstance(stages, list) or not stages:
+        return "`stages` is not a non-empty list"
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, dict):
+            return f"stages[{i}] is not a mapping"
+        for key in ("stage_id", "start", "end", "replicas"):
+            if not _is_int(stage.get(key)):
+                return f"stages[{i}].{key} is not an integer"
+        ranks = stage.get("ranks")
+        if not isinstance(ranks, list) or not all(_is_int(r) for r in ranks):
+            return f"stages[{i}].ranks is not a list of integers"
+        predicted = stage.get("predicted", {})
+        if not isinstance(predicted, dict):
+            return f"stages[{i}].predicted is not a mapping"
+        for key in ("stage_time_ms", "total_bytes"):
+            if predicted.get(key) is not None and not _is_number(predicted[key]):
+                return f"stages[{i}].predicted.{key} is not a number"
+    for section in ("pipeline", "inputs"):
+        if not isinstance(plan.get(section, {}), dict):
+            return f"`{section}` is not a mapping"
+    pipeline = plan.get("pipeline", {})
+    for key in ("time_per_minibatch_ms", "throughput_samples_per_s"):
+        if pipeline.get(key) is not None and not _is_number(pipeline[key]):
+            return f"pipeline.{key} is not a number"
+    return None

@@ -8,7 +8,10 @@ model), its optimizer state, the data position (the next minibatch index, n), th
 state of every replica and, on the last stage, the loss records the metrics continue
 from. After a barrier, the first rank of each host writes `COMPLETE` last, for the stages
 saved on that host (on one host: rank 0, for all): a directory without it is an
-interrupted checkpoint, never resumed from and never counted among the kept ones.
+interrupted checkpoint, never resumed from and never counted among the kept ones. The marker
+records each of those stage files' SHA-256; a stage file read back is checked against it, so a
+file changed, truncated or swapped since it was written is refused by name (`CheckpointCorrupt`)
+before any worker starts, not loaded.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 
 from pdcli.compiler.load import MANIFEST_NAME, read_manifest, with_tied_names
 from pdcli.errors import UserError
-from pdcli.rundir import atomic_save, atomic_write_json
+from pdcli.rundir import atomic_save, atomic_write_json, sha256_file
 from pdcli.runtime.divergence import check_finite_state
 
 COMPLETE = "COMPLETE"
@@ -83,7 +86,9 @@ def mark_complete(train_dir: Path, step: int, num_stages: int, keep: int, meta: 
     missing = [k for k in stage_ids if not stage_file(train_dir, step, k).exists()]
     if missing:
         raise RuntimeError(f"checkpoint {d} lacks stage files {missing}; not marking it complete")
-    atomic_write_json(d / COMPLETE, {"step": step, "num_stages": num_stages, "stage_ids": list(stage_ids), **(meta or {})})
+    hashes = {str(k): sha256_file(stage_file(train_dir, step, k)) for k in stage_ids}
+    atomic_write_json(d / COMPLETE, {"step": step, "num_stages": num_stages, "stage_ids": list(stage_ids),
+                                     "sha256": hashes, **(meta or {})})
     for old in complete_steps(train_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(checkpoint_dir(train_dir, old), ignore_errors=True)
     for old, complete in _step_dirs(train_dir):
@@ -120,19 +125,39 @@ def last_good(train_dir: Path) -> str:
 
 
 def read_info(train_dir: Path, step: int) -> dict[str, Any]:
-    """The COMPLETE marker's record (step, num_stages, schedule, ...)."""
+    """The COMPLETE marker's record (step, num_stages, schedule, the stage files' sha256, ...);
+    UserError naming the marker where it is unreadable or not a marker of this step."""
     path = checkpoint_dir(train_dir, step) / COMPLETE
+    hint = f"delete {path.parent} to resume from the previous checkpoint"
     try:
-        return dict(json.loads(path.read_text()))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"checkpoint marker {path} is unreadable ({e})", hint=f"delete {path.parent}") from None
+        info = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint marker {path} is unreadable ({e})", hint=hint) from None
+    hashes = info.get("sha256", {}) if isinstance(info, dict) else None
+    if (not isinstance(info, dict) or info.get("step") != step or not _count(info.get("num_stages"))
+            or not isinstance(hashes, dict) or not all(isinstance(h, str) for h in hashes.values())):
+        raise UserError(f"checkpoint marker {path} is not the COMPLETE marker of step {step} "
+                        "(it needs its step, num_stages and each stage file's sha256)", hint=hint)
+    return dict(info)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+class CheckpointCorrupt(UserError):
+    """A stage file that does not hold what its checkpoint's marker recorded."""
 
 
 def load_stage_file(train_dir: Path, step: int, stage_id: int) -> dict[str, Any]:
-    """One stage file of a checkpoint; UserError if it is missing or corrupt."""
+    """One stage file of a complete checkpoint, its bytes checked against the sha256 its marker
+    recorded (markers written before pd recorded them: not checked); UserError if it is
+    missing, changed or corrupt."""
     path = stage_file(train_dir, step, stage_id)
+    recorded = read_info(train_dir, step).get("sha256", {}).get(str(stage_id))
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        actual = sha256_file(path) if recorded is not None else None
+        payload = torch.load(path, map_location="cpu", weights_only=True) if actual == recorded else None
     except FileNotFoundError:
         raise UserError(f"checkpoint {path.parent} has no {path.name}", hint=f"delete {path.parent}") from None
     except Exception as e:  # noqa: BLE001 - torch.load raises many types on garbage
@@ -140,7 +165,12 @@ def load_stage_file(train_dir: Path, step: int, stage_id: int) -> dict[str, Any]
             f"checkpoint file {path} is corrupt ({type(e).__name__}: {str(e)[:120]})",
             hint=f"delete {path.parent} to resume from the previous checkpoint, or start fresh without --resume",
         ) from None
-    if not isinstance(payload, dict) or "model" not in payload:
+    if actual != recorded:
+        raise CheckpointCorrupt(
+            f"checkpoint file {path} is corrupt: changed or damaged after it was written (sha256 {str(actual)[:12]}, "
+            f"its {COMPLETE} marker recorded {str(recorded)[:12]})",
+            hint=f"delete {path.parent} to resume from the previous checkpoint, or start fresh without --resume")
+    if not isinstance(payload, dict) or not isinstance(payload.get("model"), dict):
         raise UserError(f"{path} is not a pd stage checkpoint", hint=f"delete {path.parent}")
     return payload
 

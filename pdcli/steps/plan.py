@@ -223,7 +223,10 @@ def load_plan_file(path: Path) -> dict[str, Any]:
     """A plan from a plan.json or a run directory holding one."""
     if path.is_dir():
         path = path / PLAN
+    from pdcli.planner.plan import plan_shape_error
+
     plan = read_json(path, "plan")
-    if not isinstance(plan, dict) or "stages" not in plan:
-        raise UserError(f"{path}: not a pd plan (no `stages`)", hint="pass a plan.json written by `pd plan`")
+    problem = plan_shape_error(plan)
+    if problem is not None:
+        raise UserError(f"{path}: not a pd plan ({problem})", hint="pass a plan.json written by `pd plan`")
     return plan

@@ -578,3 +578,58 @@ def test_strangers_racing_the_set_up_are_refused_and_the_numbers_unchanged(
     assert log.count(f"refused a connection from pid {os.getpid()} ") == 2, log
     assert "claimed rank 0 without this job's proof" in log and "closed during the handshake" in log
     assert_same_weights(final_weights(root, [0, 1]), one_node)
+
+
+JUNK_CONNECTIONS = 1000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+def test_a_thousand_junk_connections_during_training_change_nothing(
+    compiled: Path, one_node: dict[int, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Mid-training (rank 1 holds itself stopped after 6 minibatches: PD_TEST_FAULT=1:6:stop), 1,000
+    connections to the TCP ports the job listens on (the rendezvous store's, torch's process
+    group's: pd's own listeners closed after the set-up), all held open at once, a third silent,
+    a third sending random bytes, a third a flood of bytes: the job ends as the undisturbed run,
+    and no process of it gained a thread per connection."""
+    import resource
+
+    from pdcli.testing.flood import listening_tcp_ports, open_junk, threads_of
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < JUNK_CONNECTIONS + 200:
+        pytest.skip(f"the open-file limit ({hard}) is below the {JUNK_CONNECTIONS} connections")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # this process's end of each connection
+    root = tmp_path / "root"
+    shutil.copytree(compiled, root)
+    proc = pd("train", RECIPE, f"run.root={root}", *ARGS, "train.timeout_s=120", env={"PD_TEST_FAULT": "1:6:stop"})
+    junk: list[socket.socket] = []
+    try:
+        deadline_s = time.monotonic() + JOB_TIMEOUT_S
+        stopped = None
+        while stopped is None and time.monotonic() < deadline_s and proc.poll() is None:
+            pids = worker_pids(root / "mh")
+            states = {r: Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for r, p in pids.items() if Path(f"/proc/{p}/stat").exists()}
+            stopped = pids[1] if states.get(1) == "T" and len(pids) == 2 else None
+            time.sleep(0.05)
+        assert stopped is not None, "rank 1 never stopped itself mid-training"
+        job = [proc.pid, *worker_pids(root / "mh").values()]
+        ports = listening_tcp_ports(job)
+        assert ports, "the job listens on no TCP port (its rendezvous store at least)"
+        before = {pid: threads_of(pid) for pid in job}
+        junk = open_junk(ports, JUNK_CONNECTIONS)
+        time.sleep(1.0)  # the listeners' threads see every connection
+        during = {pid: threads_of(pid) for pid in job}
+        assert all(during[p] <= before[p] + sockets.MAX_PENDING_HANDSHAKES for p in job), (before, during)
+        os.kill(stopped, signal.SIGCONT)
+        (code, err), = finish(proc)
+    finally:
+        for s in junk:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert code == 0, err[-3000:]
+    assert_same_weights(final_weights(root, [0, 1]), one_node)

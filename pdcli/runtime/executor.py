@@ -146,7 +146,8 @@ class ActionLoop:
             if self.ctx.heartbeat is not None:
                 self.ctx.heartbeat.beat(self.steps_done, text)
             if self._fault is not None and self.steps_done >= self._fault[0] and isinstance(action, (S.Forward, S.Backward)):
-                inject_fault(self._fault[1])  # in compute: a hang there is the cause, not a symptom
+                mode, self._fault = self._fault[1], None  # once: a continued `stop` trains on
+                inject_fault(mode)  # in compute: a hang there is the cause, not a symptom
             category = action_category(action)
             counted = category != IDLE  # compute and comm actions' CPU time is counted, not waiting
             start_s, cpu_s = tl.now(), tl.cpu_now() if counted else 0.0

@@ -46,8 +46,9 @@ whose sign of life is this old (the watchdog thread of a running process writes 
 PR_SET_PDEATHSIG = 1
 FAULT_ENV = "PD_TEST_FAULT"
 """Tests only: `<rank>:<step>:exit|hang|kill|stop` makes that rank exit (code 3), hang, SIGKILL
-or SIGSTOP itself in its first Forward/Backward once it has taken `step` optimizer steps, in the first
-attempt of the job only (a restarted job, `train.max_restarts`, runs clean)."""
+or SIGSTOP itself (going on where a SIGCONT continues it) in its first Forward/Backward once it has
+taken `step` optimizer steps, in the first attempt of the job only (a restarted job,
+`train.max_restarts`, runs clean)."""
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 """Set by torch's elastic agent in each worker: how many times the job was restarted."""
 CHECKPOINT_FAULT_ENV = "PD_TEST_CHECKPOINT_FAULT"
@@ -307,6 +308,8 @@ def inject_fault(mode: str) -> None:
         os._exit(3)
     if mode in ("kill", "stop"):
         os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+    if mode == "stop":
+        return  # continued (SIGCONT): it trains on as if it had been slow
     while True:  # "hang": the watchdog must end this process
         time.sleep(3600)
 

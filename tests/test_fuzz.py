@@ -223,17 +223,8 @@ def test_a_profile_edited_at_random_loads_or_is_refused_naming_the_file(
     from pdcli.rundir import RunDir
     from pdcli.steps.profile import load_profile
 
-    obj = copy.deepcopy(real_profile)
-    path = data.draw(st.sampled_from(_paths(obj)[1:]))
-    parent = obj
-    for key in path[:-1]:
-        parent = parent[key]
-    if data.draw(st.booleans()) and isinstance(parent, dict):
-        del parent[path[-1]]
-    else:
-        parent[path[-1]] = data.draw(json_values())
     run = RunDir(tmp_path_factory.mktemp("run")).create()
-    run.write_json("profile.json", json.loads(json.dumps(obj)), "h")
+    run.write_json("profile.json", _edited(real_profile, data), "h")
     try:
         load_profile(run)
     except UserError as e:

@@ -524,15 +524,9 @@ def processes_mentioning(text: str) -> list[int]:
 
 def listening_unix_names(pids: list[int]) -> list[str]:
     """Abstract names (`pd-...`) of the Unix sockets listening in processes `pids` (/proc)."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    inodes.add(target[len("socket:["):-1])
-        except OSError:
-            continue
+    from pdcli.testing.flood import socket_inodes
+
+    inodes = socket_inodes(pids)
     names = []
     for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
         fields = line.split()

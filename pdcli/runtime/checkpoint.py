@@ -155,21 +155,19 @@ def load_stage_file(train_dir: Path, step: int, stage_id: int) -> dict[str, Any]
     missing, changed or corrupt."""
     path = stage_file(train_dir, step, stage_id)
     recorded = read_info(train_dir, step).get("sha256", {}).get(str(stage_id))
+    hint = f"delete {path.parent} to resume from the previous checkpoint, or start fresh without --resume"
     try:
         actual = sha256_file(path) if recorded is not None else None
-        payload = torch.load(path, map_location="cpu", weights_only=True) if actual == recorded else None
+        if actual != recorded:
+            raise CheckpointCorrupt(f"checkpoint file {path} is corrupt: changed or damaged after it was written "
+                                    f"(sha256 {actual[:12]}, its {COMPLETE} marker recorded {recorded[:12]})", hint=hint)
+        payload = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"checkpoint {path.parent} has no {path.name}", hint=f"delete {path.parent}") from None
+    except CheckpointCorrupt:
+        raise
     except Exception as e:  # noqa: BLE001 - torch.load raises many types on garbage
-        raise UserError(
-            f"checkpoint file {path} is corrupt ({type(e).__name__}: {str(e)[:120]})",
-            hint=f"delete {path.parent} to resume from the previous checkpoint, or start fresh without --resume",
-        ) from None
-    if actual != recorded:
-        raise CheckpointCorrupt(
-            f"checkpoint file {path} is corrupt: changed or damaged after it was written (sha256 {str(actual)[:12]}, "
-            f"its {COMPLETE} marker recorded {str(recorded)[:12]})",
-            hint=f"delete {path.parent} to resume from the previous checkpoint, or start fresh without --resume")
+        raise UserError(f"checkpoint file {path} is corrupt ({type(e).__name__}: {str(e)[:120]})", hint=hint) from None
     if not isinstance(payload, dict) or not isinstance(payload.get("model"), dict):
         raise UserError(f"{path} is not a pd stage checkpoint", hint=f"delete {path.parent}")
     return payload

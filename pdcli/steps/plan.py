@@ -221,10 +221,10 @@ def ensure_plan(cfg: Config, run: RunDir, chain: Chain, force: bool = False) -> 
 
 def load_plan_file(path: Path) -> dict[str, Any]:
     """A plan from a plan.json or a run directory holding one."""
-    if path.is_dir():
-        path = path / PLAN
     from pdcli.planner.plan import plan_shape_error
 
+    if path.is_dir():
+        path = path / PLAN
     plan = read_json(path, "plan")
     problem = plan_shape_error(plan)
     if problem is not None:

@@ -200,6 +200,46 @@ def test_a_stranger_that_connects_first_is_refused_and_the_real_peer_accepted(
     assert _send_one(pair)
 
 
+def test_a_connection_from_an_address_no_awaited_rank_published_is_closed_before_any_handshake(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 published 127.0.0.1 as its place and dials from it; a stranger from 127.0.0.2
+    (another address of this host's loopback) connects first and is closed without a challenge:
+    no handshake thread, nothing sent to it. The real rank 0 gets through."""
+    strangers: list[socket.socket] = []
+    real_listen = sockets._Acceptor._listen
+    handshakes = [0]
+    real_check = sockets._Acceptor._check
+
+    def listen_then_stranger(self: Any, fam: int, address: Any) -> socket.socket:
+        listener = real_listen(self, fam, address)
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.bind(("127.0.0.2", 0))
+        s.connect(listener.getsockname())
+        _stranger_hello(s)
+        strangers.append(s)
+        return listener
+
+    def counted(self: Any, conn: socket.socket, peer: Any) -> None:
+        handshakes[0] += 1
+        real_check(self, conn, peer)
+
+    monkeypatch.setattr(sockets._Acceptor, "_listen", listen_then_stranger)
+    monkeypatch.setattr(sockets._Acceptor, "_check", counted)
+    log: list[str] = []
+    pair = _connect_pair(HashStore(), ("a", "b"), log)
+    assert pair[1].peers[0].sock.getpeername()[0] == "127.0.0.1"
+    assert handshakes[0] == 1  # rank 0's only
+    assert len(log) == 1 and log[0].startswith("rank 1: refused a connection from 127.0.0.2:"), log
+    assert "not the address of a rank it awaits, closed at once" in log[0]
+    strangers[0].settimeout(10)
+    try:
+        assert strangers[0].recv(1) == b""  # closed, not even challenged
+    except ConnectionResetError:  # closed with its hello unread
+        pass
+    assert _send_one(pair)
+
+
 @pytest.mark.parametrize("hosts", [("a", "a"), ("a", "b")])
 def test_a_flood_of_silent_connections_is_bounded_and_the_real_peer_gets_through(
     monkeypatch: pytest.MonkeyPatch, hosts: tuple[str, str]
@@ -627,3 +667,153 @@ def test_a_thousand_junk_connections_during_training_change_nothing(
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert code == 0, err[-3000:]
     assert_same_weights(final_weights(root, [0, 1]), one_node)
+
+
+# ---- a third host: a stranger on the job's network --------------------------------------
+
+
+SECRET_TEXT = "the secret of the tests' jobs"
+
+
+@pytest.fixture
+def lan() -> Any:
+    """Three namespaces on one bridged segment: node 0, node 1 and a stranger; removed after."""
+    from pdcli.testing import netns
+
+    why = netns.available()
+    if why is not None:
+        pytest.skip(why)
+    before = set(netns.existing())
+    with netns.Lan(3) as made:
+        yield made.hosts
+    assert set(netns.existing()) <= before
+
+
+def stranger(host: Any, *args: str) -> subprocess.Popen[str]:
+    """`python -m pdcli.testing.stranger ARGS` inside the stranger's namespace."""
+    return subprocess.Popen([*host.prefix(), sys.executable, "-m", "pdcli.testing.stranger", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**{k: v for k, v in os.environ.items() if k != handshake.SECRET_ENV},
+                                 "PYTHONPATH": str(REPO)})
+
+
+def stranger_says(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    """The stranger's next JSON line (it has at most JOB_TIMEOUT_S to say it)."""
+    assert proc.stdout is not None
+    ready: list[str] = []
+    reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    reader.join(JOB_TIMEOUT_S)
+    assert ready and ready[0], f"the stranger said nothing: {proc.stderr.read() if proc.poll() is not None else ''}"  # type: ignore[union-attr]
+    return dict(json.loads(ready[0]))
+
+
+def assert_no_secret_in(values: dict[str, str]) -> None:
+    import base64
+
+    key = handshake.secret_key(SECRET_TEXT)
+    for name, value in values.items():
+        raw = base64.b64decode(value)
+        for secret in (SECRET_TEXT.encode(), key, key.hex().encode()):
+            assert secret not in raw, f"the store's {name!r} holds the job's secret"
+    assert not any(name.endswith(handshake.SECRET_KEY) for name in values)
+
+
+def only_key(values: dict[str, str], suffix: str) -> str:
+    found = [k for k in values if k.endswith(suffix)]
+    assert len(found) == 1, (suffix, sorted(values))
+    return found[0]
+
+
+def node_pair(lan: Any, roots: tuple[Path, Path], port: int, *extra: str,
+              env1: dict[str, str] | None = None, start1: bool = True) -> list[subprocess.Popen[str]]:
+    common = ("--nnodes", "2", "--master-addr", lan[0].addr, "--master-port", str(port), "train.timeout_s=20", *extra)
+    procs = [pd("train", RECIPE, f"run.root={roots[0]}", *ARGS, *common, "--node-rank", "0", ns=lan[0].ns)]
+    if start1:
+        procs.append(pd("train", RECIPE, f"run.root={roots[1]}", *ARGS, *common, "--node-rank", "1", ns=lan[1].ns, env=env1))
+    return procs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * JOB_TIMEOUT_S)
+def test_a_third_host_reads_the_store_but_cannot_join_or_plant_a_plan_or_an_address(
+    lan: Any, compiled: Path, one_node: dict[int, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """A stranger on the job's segment reaches the master port: it reads every key the store
+    holds (no secret among them), knocks on a worker's listener (closed before any handshake:
+    not an address of the job's hosts), and plants a plan and an address, each refused by name;
+    the job trains the same weights when left alone and never trains what was planted."""
+    import base64
+
+    h0, h1, h2 = lan
+    gate = tmp_path / "gate"
+
+    # 1. reads everything, knocks on rank 1's listener while it waits unpublished; the job finishes
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(compiled, a)
+    procs = node_pair(lan, (a, b), 29500, env1={sockets.LISTEN_GATE_ENV: str(gate)})
+    try:
+        reader = stranger(h2, "dump", h0.addr, "29500", "pd/transport/host/1")
+        values = stranger_says(reader)
+        assert_no_secret_in(values)
+        listening = Path(f"{gate}.rank1")
+        deadline_s = time.monotonic() + JOB_TIMEOUT_S
+        while not listening.exists() and time.monotonic() < deadline_s:
+            time.sleep(0.05)
+        address, port = json.loads(listening.read_text())["tcp"]  # rank 1's listener for rank 0, unpublished
+        assert address == h1.addr
+        knock = stranger(h2, "hello", h1.addr, str(port))
+        assert stranger_says(knock) == {"connected": True}
+    finally:
+        gate.touch()
+    (code0, err0), (code1, err1) = finish(*procs)
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert stranger_says(knock) == {"received": ""}  # closed without even a challenge
+    assert_same_weights(final_weights(a, [0]) | final_weights(b, [1]), one_node)
+    log1 = (b / "mh" / "train" / "rank1.log").read_text()
+    assert re.search(rf"refused a connection from {re.escape(h2.addr)}:\d+: not the address of a rank it awaits", log1), log1
+
+    # 2. a forged plan: node 0 publishes its listing, the stranger replaces it, node 1 refuses it
+    a, b = tmp_path / "a2", tmp_path / "b2"
+    shutil.copytree(compiled, a)
+    node0, = node_pair(lan, (a, b), 29501, start1=False)
+    values = stranger_says(stranger(h2, "dump", h0.addr, "29501", "/pd/listing"))
+    assert_no_secret_in(values)
+    listing_key = only_key(values, "/pd/listing")
+    signed = base64.b64decode(values[listing_key])
+    listing = json.loads(signed[32:])
+    listing["artifacts"]["plan.json"]["sha256"] = "0" * 64  # the stranger's plan, under node 0's MAC
+    planted = stranger(h2, "set", h0.addr, "29501", listing_key, base64.b64encode(signed[:32] + json.dumps(listing).encode()).decode())
+    assert stranger_says(planted) == {"set": listing_key}
+    node1 = pd(
+        "train", RECIPE, f"run.root={b}", *ARGS, "--nnodes", "2", "--master-addr", h0.addr, "--master-port", "29501",
+        "train.timeout_s=20", "--node-rank", "1", ns=h1.ns)
+    (code1, err1), (code0, err0) = finish(node1, node0)
+    assert code1 == 2, err1
+    assert f"node 0's ({h0.addr}:29501) plan and stages: 'listing' in the job's store is not signed" in err1, err1
+    assert not (b / "mh" / "plan.json").exists() and not (b / "mh" / "stages").exists()
+    assert not (b / "mh" / "train").exists()  # no worker started on node 1
+    assert code0 == 2 and "node 1 of the job stopped before training: node 0's" in err0, err0  # at once, not at a timeout
+
+    # 3. a forged address: rank 1 waits unpublished, the stranger plants its own listener as rank 1's
+    a, b = tmp_path / "a3", tmp_path / "b3"
+    shutil.copytree(compiled, a)
+    gate = tmp_path / "gate3"
+    procs = node_pair(lan, (a, b), 29502, env1={sockets.LISTEN_GATE_ENV: str(gate)})
+    trap = stranger(h2, "listen", h2.addr, "30")
+    try:
+        values = stranger_says(stranger(h2, "dump", h0.addr, "29502", "pd/transport/host/1"))
+        assert_no_secret_in(values)
+        addr_key = only_key(values, "pd/transport/host/1")[:-len("host/1")] + "addr/1"
+        trap_port = stranger_says(trap)["port"]
+        forged = json.dumps({"unix": None, "tcp": [h2.addr, trap_port]}).encode()
+        planted = stranger(h2, "set", h0.addr, "29502", addr_key, base64.b64encode(b"\0" * 32 + forged).decode())
+        assert stranger_says(planted) == {"set": addr_key}
+        (code0, err0), = finish(procs[0])
+    finally:
+        gate.touch()
+    (code1, err1), = finish(procs[1])
+    assert code0 != 0 and code1 != 0
+    assert "'pd/transport/addr/1' in the job's store is not signed with this job's secret" in err0, err0
+    assert stranger_says(trap) == {"connections": 0}  # nobody dialled the planted address
+    assert processes_mentioning(str(tmp_path)) == []

@@ -131,3 +131,31 @@ def test_results_and_the_plan_digest_a_stranger_wrote_are_refused(tmp_path: Path
     raw.set(PLAN_KEY, hash_obj({"plan": read_plan(other.path), "stages": record.sha256}))  # the stranger's digest
     with pytest.raises(Forged, match="'pd/job/plan' in the job's store is not signed"):
         check_same_plan(raw, other.path, rank=1)
+
+
+def test_a_node_that_stops_before_training_stops_the_others_with_its_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 1 refuses what it was given: node 0, waiting for it before starting its workers,
+    stops with node 1's message; a failure a stranger wrote is not believed; when every node
+    arrives, the wait ends."""
+    import threading
+
+    from pdcli.runtime.job import ARRIVED_KEY, FAILED_KEY
+
+    monkeypatch.setenv(handshake.SECRET_ENV, "the secret")
+    store = HashStore()
+    raw = job_prefix(store, "pd-test")
+    raw.set(f"{FAILED_KEY}1", "a stranger says node 1 stopped")  # unsigned
+    with pytest.raises(UserError, match=r"nodes \[1\] of the job did not get ready within 0.3 s"):
+        _job(store, 0).wait_for_nodes(timeout_s=0.3)
+    _job(store, 1).fail(UserError("node 0's plan and stages: 'listing' ... is not signed"))
+    with pytest.raises(UserError, match="node 1 of the job stopped before training: node 0's plan and stages: 'listing'") as e:
+        _job(store, 0).wait_for_nodes(timeout_s=30)
+    assert "fix that on node 1" in (e.value.hint or "")
+
+    store = HashStore()
+    waiter = threading.Thread(target=_job(store, 1).wait_for_nodes, kwargs={"timeout_s": 30})
+    waiter.start()
+    _job(store, 0).wait_for_nodes(timeout_s=30)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert SignedStore(job_prefix(store, "pd-test"), handshake.secret_key("the secret"), "pd-test").get(f"{ARRIVED_KEY}0") == b"1"

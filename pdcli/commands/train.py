@@ -73,18 +73,29 @@ def train(
         if job is not None:
             echo_err(f"nodes:   node {hosts.node_rank} of {hosts.nnodes}, job {job.run_id} at {job.node0}"
                      + ("" if hosts.node_rank == 0 else ": waiting for node 0's plan"))
-            plan_json, manifest = job.share(run, cfg)
+            try:
+                plan_json, manifest = job.share(run, cfg)
+                cfg = resolved_by_plan(cfg, plan_json, run)
+            except BaseException as e:
+                job.fail(e)
+                raise
             hosts = job.hosts
+        else:
+            cfg = resolved_by_plan(cfg, plan_json, run)
     except KeyboardInterrupt:  # Ctrl-C before the workers started (profiling, planning, compiling)
         echo_err("interrupted")
         raise typer.Exit(130) from None
-    cfg = resolved_by_plan(cfg, plan_json, run)
     echo_err(f"train:   {cfg.schedule.name}, {len(plan_json['stages'])} stages, {cfg.train.steps} steps -> {run / 'train'}"
              + (" (resuming)" if resume else ""))
     try:
         try:
-            result = run_training(cfg, run, plan_json, manifest, hosts=hosts, progress=is_tty(), resume=resume,
-                                  run_id=job.run_id if job else None)
+            try:
+                result = run_training(cfg, run, plan_json, manifest, hosts=hosts, progress=is_tty(), resume=resume,
+                                      run_id=job.run_id if job else None, ready=job.wait_for_nodes if job else None)
+            except UserError as e:  # before the workers started: the other nodes stop too
+                if job is not None:
+                    job.fail(e)
+                raise
         finally:
             if insecure:  # after the launch, which starts a fresh run's events anew
                 from pdcli.runtime.events import append_event

@@ -7,7 +7,8 @@ import math
 import os
 import shutil
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,11 @@ __all__ = ["Job", "ResultsNotReceived", "TrainResult", "TrainingFailed", "Traini
 
 PROGRESS_POLL_S = 0.5
 SCHEDULE_CHECK_MINIBATCHES = 8
+ARRIVED_KEY = "nodes/arrived/"
+"""+ node rank: that node took node 0's plan and is about to start its workers (`Job.wait_for_nodes`)."""
+FAILED_KEY = "nodes/failed/"
+"""+ node rank: why that node stopped before its workers started (`Job.fail`)."""
+NODES_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -217,9 +223,11 @@ def run_training(
     progress: bool = False,
     resume: bool = False,
     run_id: str | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> TrainResult | None:
     """Train on `run` (config.yaml and stages/ in place); `resume`: continue from the latest
-    complete checkpoint; several `hosts`: this node's ranks of the job `run_id` (`join_job`).
+    complete checkpoint; several `hosts`: this node's ranks of the job `run_id` (`join_job`),
+    `ready` called once the inputs are checked, before the workers start (`Job.wait_for_nodes`).
     Returns what the run measured, or None on a node that does not run the last stage (its
     summary is on that node). Raises TrainingFailed if a worker fails (TrainingInterrupted
     on a signal), UserError on inputs that cannot run."""
@@ -236,6 +244,8 @@ def run_training(
         check_init_from(cfg, run, manifest)
     _clean_previous(cfg, train_dir, resume_step)
     write_launch(train_dir, plan_json, resume_step)
+    if ready is not None:
+        ready()
     bar = ProgressBar(train_dir / METRICS_FILE, cfg.train.steps) if progress else None
     try:
         launch_workers(run.path, placement, hosts, cfg.train.timeout_s, cfg.train.max_restarts, cfg.train.steps, run_id)
@@ -312,11 +322,47 @@ class Job:
         return TrainResult.from_train_dir(run / "train"), left_out
 
     def fail(self, error: BaseException) -> None:
-        """Node 0 stops before sharing: the other nodes stop too, with its message."""
+        """This node stops before its workers start: the other nodes stop too, with its message
+        (node 0: in place of its listing, for a node that has not read it yet; every node: under
+        FAILED_KEY, which `wait_for_nodes` watches). Best effort: a store gone already is left alone."""
         from pdcli import share
 
-        if self.hosts.node_rank == 0:
-            share.publish_failure(self.signed_store(), str(error) or type(error).__name__)
+        message = str(error) or type(error).__name__
+        try:
+            store = self.signed_store()
+            if self.hosts.node_rank == 0:
+                share.publish_failure(store, message)
+            store.set(f"{FAILED_KEY}{self.hosts.node_rank}", message)
+        except (RuntimeError, OSError):  # DistNetworkError and the like: node 0 went away
+            pass
+
+    def wait_for_nodes(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        """Say this node is ready to start its workers, and wait until every node is: a node that
+        stopped first (`fail`) stops this one with its message, instead of this node's workers
+        waiting for it until torch's rendezvous gives up. A failure message the job's secret did
+        not sign is not believed (a stranger's): waiting goes on. UserError after `timeout_s`."""
+        store = self.signed_store()
+        me, nnodes = self.hosts.node_rank, self.hosts.nnodes
+        store.set(f"{ARRIVED_KEY}{me}", "1")
+        deadline_s = time.monotonic() + timeout_s
+        others = [n for n in range(nnodes) if n != me]
+        while True:
+            for n in others:
+                if store.store.check([f"{FAILED_KEY}{n}"]):
+                    try:
+                        why = store.get(f"{FAILED_KEY}{n}").decode(errors="replace")
+                    except Forged:
+                        continue
+                    raise UserError(f"node {n} of the job stopped before training: {why}",
+                                    hint=f"fix that on node {n} (its output says more), then start every node again")
+            waiting = [n for n in others if not store.store.check([f"{ARRIVED_KEY}{n}"])]
+            if not waiting:
+                return
+            if time.monotonic() > deadline_s:
+                raise UserError(f"nodes {waiting} of the job did not get ready within {timeout_s:g} s",
+                                hint="start `pd train` on every node with the same --nnodes, --master-addr and "
+                                     "--master-port; see their output")
+            time.sleep(NODES_POLL_S)
 
 
 def join_job(hosts: Hosts, env: Mapping[str, str]) -> Job:

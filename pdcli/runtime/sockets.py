@@ -17,6 +17,7 @@ set-up goes through the job's rendezvous store, so the ranks that talk call
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import queue
@@ -82,25 +83,51 @@ class Place:
     """This worker's address on the interface that reaches the rendezvous host (`host.reach_address`)."""
 
 
-def listen_gate(timeout_s: float) -> None:
-    """Tests only: with `LISTEN_GATE_ENV=<path>`, wait (at most `timeout_s`) with the listeners
-    open and not yet published until `<path>` exists, so a test's stranger connects first."""
+def listen_gate(timeout_s: float, rank: int, addresses: Mapping[str, Any]) -> None:
+    """Tests only: with `LISTEN_GATE_ENV=<path>`, write this rank's listeners' `addresses` to
+    `<path>.rank<rank>` and wait (at most `timeout_s`) with them open and not yet published until
+    `<path>` exists, so a test's stranger connects first."""
     gate = os.environ.get(LISTEN_GATE_ENV)
+    if gate:
+        with open(f"{gate}.rank{rank}.tmp", "w") as f:
+            json.dump(addresses, f)
+        os.replace(f"{gate}.rank{rank}.tmp", f"{gate}.rank{rank}")
     deadline_s = time.monotonic() + timeout_s
     while gate and not os.path.exists(gate) and time.monotonic() < deadline_s:
         time.sleep(0.01)
 
 
-def _dial(address: str | tuple[str, int], timeout_s: float) -> socket.socket:
-    """A connection to a listener: an abstract Unix name (this host) or (host, port) over TCP."""
+def _dial(address: str | tuple[str, int], timeout_s: float, source: str | None = None) -> socket.socket:
+    """A connection to a listener: an abstract Unix name (this host) or (host, port) over TCP,
+    from this host's `source` address where given (the one published for it: the listener
+    drops connections from addresses of no awaited peer, `_Acceptor`)."""
     if isinstance(address, str):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(timeout_s)
         s.connect("\0" + address)
         return s
-    s = socket.create_connection(address, timeout=timeout_s)
+    bound = (source, 0) if source is not None and _same_family(source, address[0]) else None
+    s = socket.create_connection(address, timeout=timeout_s, source_address=bound)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a message is one write: send it now
     return s
+
+
+def _same_family(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a).version == ipaddress.ip_address(b).version
+    except ValueError:  # a host name: let the kernel choose
+        return False
+
+
+def canonical_ip(address: str) -> str:
+    """`address` as the listener sees it: IPv4 inside an IPv4-mapped IPv6 address unwrapped,
+    a name kept as it is."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return str(mapped or ip)
 
 
 MAX_PENDING_HANDSHAKES = 16
@@ -111,13 +138,13 @@ HANDSHAKE_TIMEOUT_S = 5.0
 
 
 def _dial_and_prove(address: str | tuple[str, int], secret: bytes, rank: int, listener_rank: int,
-                    timeout_s: float) -> socket.socket:
+                    timeout_s: float, source: str | None = None) -> socket.socket:
     """A proven connection to `listener_rank`'s listener, dialled again while the listener closes
     it before its challenge (busy with MAX_PENDING_HANDSHAKES others: strangers flooding it), up
     to `timeout_s`; a listener that answers without the job's proof is Refused at once."""
     deadline_s = time.monotonic() + timeout_s
     while True:
-        s = _dial(address, max(deadline_s - time.monotonic(), 0.1))
+        s = _dial(address, max(deadline_s - time.monotonic(), 0.1), source)
         try:
             handshake.prove_to_listener(s, secret, rank, listener_rank)
         except handshake.Refused as e:
@@ -134,15 +161,17 @@ def _dial_and_prove(address: str | tuple[str, int], secret: bytes, rank: int, li
 
 
 class _Acceptor:
-    """The listening side of `SocketTransport.connect`: a thread accepts connections, at most
-    MAX_PENDING_HANDSHAKES threads run their handshakes (each within HANDSHAKE_TIMEOUT_S), and
-    the proven ones are kept by rank. A listener per
-    kind of peer awaited: an abstract Unix socket with a random name for this host's, TCP on
-    `address` (port chosen by the OS) for other hosts'."""
+    """The listening side of `SocketTransport.connect`: a thread accepts connections, closes at
+    once a TCP connection from an address that is none of the awaited peers' (`peer_addresses`,
+    as each published it), runs at most MAX_PENDING_HANDSHAKES handshakes at once (each within
+    HANDSHAKE_TIMEOUT_S), and keeps the proven connections by rank. A listener per kind of peer
+    awaited: an abstract Unix socket with a random name for this host's, TCP on `address` (port
+    chosen by the OS) for other hosts'."""
 
     def __init__(self, rank: int, secret: bytes, wanted: set[int], same_host: Mapping[int, bool], address: str,
-                 timeout_s: float, log: Callable[[str], None]) -> None:
+                 timeout_s: float, log: Callable[[str], None], peer_addresses: Iterable[str] = ()) -> None:
         self.rank, self.secret, self.wanted, self.timeout_s, self.log = rank, secret, set(wanted), timeout_s, log
+        self.peer_addresses = {canonical_ip(a) for a in peer_addresses}
         self.listeners: list[socket.socket] = []
         self.addresses: dict[str, Any] = {"unix": None, "tcp": None}
         if any(same_host.values()):
@@ -180,6 +209,10 @@ class _Acceptor:
                     try:
                         conn, peer = key.fileobj.accept()  # type: ignore[union-attr]
                     except OSError:
+                        continue
+                    if isinstance(peer, tuple) and canonical_ip(str(peer[0])) not in self.peer_addresses:
+                        conn.close()
+                        self._refused(f"{peer[0]}:{peer[1]}: not the address of a rank it awaits, closed at once")
                         continue
                     if not self.pending.acquire(blocking=False):
                         where = _describe_connection(conn, peer)  # while it is open: its peer's pid, over a Unix socket
@@ -523,9 +556,10 @@ class SocketTransport:
 
         A peer on this host (same `Place.host_id`) is reached through an abstract Unix socket,
         a peer on another host over TCP at the address of the interface that reaches it
-        (`Place.address`). Listeners have random names and ports, published in the store
-        signed with the job's secret (`pdcli.runtime.signed`); a
-        connection that does not prove to be an awaited rank is refused, passed to `log`, and
+        (`Place.address`), dialling from its own. Listeners have random names and ports,
+        published in the store signed with the job's secret (`pdcli.runtime.signed`), as is
+        each rank's place; a TCP connection from an address that is no awaited rank's is closed
+        at once, and one that does not prove to be an awaited rank is refused; both are passed to `log`, and
         the listener goes on waiting for the real peer. `expected_bytes`: peer rank -> message
         kind -> bytes this rank receives from it (a peer it only sends to is absent: nothing
         from it is accepted)."""
@@ -533,11 +567,13 @@ class SocketTransport:
             store = worker_store(store)  # addresses only a peer wrote
         secret = store.secret
         wanted = sorted(set(peer_ranks) - {rank})
-        store.set(f"{STORE_PREFIX}/host/{rank}", place.host_id)
-        hosts = {r: store.get(f"{STORE_PREFIX}/host/{r}").decode() for r in wanted}
+        store.set(f"{STORE_PREFIX}/host/{rank}", json.dumps([place.host_id, place.address]))
+        places = {r: Place(*json.loads(store.get(f"{STORE_PREFIX}/host/{r}"))) for r in wanted}
+        hosts = {r: places[r].host_id for r in wanted}
         lower = {r for r in wanted if r < rank}
-        acceptor = _Acceptor(rank, secret, lower, {r: hosts[r] == place.host_id for r in lower}, place.address, timeout_s, log)
-        listen_gate(timeout_s)
+        acceptor = _Acceptor(rank, secret, lower, {r: hosts[r] == place.host_id for r in lower}, place.address, timeout_s, log,
+                             peer_addresses=[places[r].address for r in lower if hosts[r] != place.host_id])
+        listen_gate(timeout_s, rank, acceptor.addresses)
         store.set(f"{STORE_PREFIX}/addr/{rank}", json.dumps(acceptor.addresses))
         acceptor.start()
         peers: dict[int, _Peer] = {}
@@ -545,7 +581,8 @@ class SocketTransport:
             for other in (r for r in wanted if r > rank):
                 addresses = json.loads(store.get(f"{STORE_PREFIX}/addr/{other}"))
                 local = hosts[other] == place.host_id
-                s = _dial_and_prove(addresses["unix"] if local else tuple(addresses["tcp"]), secret, rank, other, timeout_s)
+                s = _dial_and_prove(addresses["unix"] if local else tuple(addresses["tcp"]), secret, rank, other, timeout_s,
+                                    None if local else place.address)
                 peers[other] = _Peer(other, s, expected_bytes.get(other, {}), None if local else addresses["tcp"][0])
             for other, (s, address) in acceptor.result().items():
                 peers[other] = _Peer(other, s, expected_bytes.get(other, {}), None if hosts[other] == place.host_id else address)

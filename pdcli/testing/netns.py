@@ -6,6 +6,10 @@ token-bucket filter (`tc ... tbf`) on both ends, so each direction of the link c
 that rate; `tx_bytes()` reads what each end has sent (the veth's counters, every packet of every
 protocol). Needs root and iproute2 (`available()` says why not).
 
+`Lan(n)` makes `n` hosts on one segment instead: each namespace's veth end is plugged into a
+bridge inside a switch namespace `<tag>sw`, addresses 10.<a>.<b>.1 ... .n in a /24, so every host
+reaches every other (three hosts: a job's two and a stranger beside them).
+
 Nothing is left behind: the namespaces go at `close()` (or the end of the `with` block), and a
 reaper process started with them deletes them when this process dies without closing them,
 SIGKILL included (it waits for its stdin, a pipe only this process holds, to close). A pair whose
@@ -27,7 +31,8 @@ from typing import Sequence
 from pdcli.runtime.watchdog import exists
 
 PREFIX = "pdh"
-"""Every namespace name starts with this, then the owner's pid: `pdh<pid>x<k>n0`."""
+"""Every namespace name starts with this, then the owner's pid: `pdh<pid>x<k>n0` (`...sw`: a `Lan`'s switch)."""
+_ROLE = r"(n\d+|sw)"
 IP_TIMEOUT_S = 20.0
 TBF_LATENCY_MS = 50
 """How long a packet may wait in the token bucket's queue (sets its length) before it is dropped."""
@@ -73,7 +78,7 @@ def sweep_orphans() -> list[str]:
     """Delete the namespaces of pairs whose owning process is gone; returns their names."""
     listed = _ip("netns", "list", check=False).stdout
     gone = []
-    for name in re.findall(rf"^({PREFIX}(\d+)x\d+n[01])\b", listed, flags=re.M):
+    for name in re.findall(rf"^({PREFIX}(\d+)x\d+{_ROLE})\b", listed, flags=re.M):
         if not exists(int(name[1])):
             _ip("netns", "del", name[0], check=False)
             gone.append(name[0])
@@ -104,20 +109,10 @@ class HostPair:
     _count = 0
 
     def __init__(self) -> None:
-        why = available()
-        if why is not None:
-            raise RuntimeError(why)
-        sweep_orphans()
-        pid = os.getpid()
-        HostPair._count += 1
-        tag = f"{PREFIX}{pid}x{HostPair._count}"
-        subnet = (pid * 7 + HostPair._count) % 16000
-        net = f"10.{200 + subnet // 250 % 50}.{subnet % 250}"
+        tag, net = _new_tag()
         self.hosts = tuple(Host(f"{tag}n{i}", f"{net}.{i + 1}", f"{tag}v{i}") for i in range(2))
         self.rate_mbit: float | None = None
-        names = [h.ns for h in self.hosts]
-        self._reaper = subprocess.Popen([sys.executable, "-c", _REAPER, *names], stdin=subprocess.PIPE,
-                                        start_new_session=True)  # outside our process group: Ctrl-C spares it
+        self._reaper = _reaper([h.ns for h in self.hosts])
         try:
             for h in self.hosts:
                 _ip("netns", "add", h.ns)
@@ -163,17 +158,78 @@ class HostPair:
         return Sampler(self.hosts[0], every_s)
 
     def close(self) -> None:
-        for h in self.hosts:
-            _ip("netns", "del", h.ns, check=False)  # takes its end of the veth pair with it
-        if self._reaper.stdin is not None and not self._reaper.stdin.closed:
-            self._reaper.stdin.close()
-        try:
-            self._reaper.wait(timeout=IP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self._reaper.kill()
+        _delete([h.ns for h in self.hosts], self._reaper)
 
     def names(self) -> Sequence[str]:
         return [h.ns for h in self.hosts]
+
+
+class Lan:
+    """`n` namespaces on one bridged segment (see the module docstring)."""
+
+    def __init__(self, n: int) -> None:
+        tag, net = _new_tag()
+        self.hosts = tuple(Host(f"{tag}n{i}", f"{net}.{i + 1}", f"{tag}v{i}") for i in range(n))
+        self.switch = f"{tag}sw"
+        self._reaper = _reaper([*(h.ns for h in self.hosts), self.switch])
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "lanbr", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "lanbr", "up")
+            for i, h in enumerate(self.hosts):
+                port = f"{tag}p{i}"
+                _ip("netns", "add", h.ns)
+                _ip("link", "add", h.dev, "type", "veth", "peer", "name", port)
+                _ip("link", "set", h.dev, "netns", h.ns)
+                _ip("link", "set", port, "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", port, "master", "lanbr")
+                _ip("-n", self.switch, "link", "set", port, "up")
+                _ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.dev)
+                _ip("-n", h.ns, "link", "set", h.dev, "up")
+                _ip("-n", h.ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "Lan":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        _delete([*(h.ns for h in self.hosts), self.switch], self._reaper)
+
+
+def _new_tag() -> tuple[str, str]:
+    """(a fresh namespace name prefix owned by this process, the first three octets of its
+    own subnet), after sweeping what dead owners left. Raises RuntimeError where namespaces
+    cannot be made (`available`)."""
+    why = available()
+    if why is not None:
+        raise RuntimeError(why)
+    sweep_orphans()
+    pid = os.getpid()
+    HostPair._count += 1
+    subnet = (pid * 7 + HostPair._count) % 16000
+    return f"{PREFIX}{pid}x{HostPair._count}", f"10.{200 + subnet // 250 % 50}.{subnet % 250}"
+
+
+def _reaper(names: Sequence[str]) -> subprocess.Popen[bytes]:
+    """The process that deletes `names` when this one dies without doing so (its stdin closes)."""
+    return subprocess.Popen([sys.executable, "-c", _REAPER, *names], stdin=subprocess.PIPE,
+                            start_new_session=True)  # outside our process group: Ctrl-C spares it
+
+
+def _delete(names: Sequence[str], reaper: subprocess.Popen[bytes]) -> None:
+    for name in names:
+        _ip("netns", "del", name, check=False)  # takes its ends of the veth pairs with it
+    if reaper.stdin is not None and not reaper.stdin.closed:
+        reaper.stdin.close()
+    try:
+        reaper.wait(timeout=IP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
 
 
 class Sampler:
@@ -221,4 +277,5 @@ def bytes_at(samples: Sequence[tuple[float, int, int]], t: float) -> float:
 
 def existing() -> list[str]:
     """Every namespace of this module's naming on the machine."""
-    return re.findall(rf"^({PREFIX}\d+x\d+n[01])\b", _ip("netns", "list", check=False).stdout, flags=re.M)
+    return [m[0] for m in re.findall(rf"^({PREFIX}\d+x\d+{_ROLE})\b", _ip("netns", "list", check=False).stdout,
+                                     flags=re.M)]

@@ -725,13 +725,10 @@ def only_key(values: dict[str, str], suffix: str) -> str:
     return found[0]
 
 
-def node_pair(lan: Any, roots: tuple[Path, Path], port: int, *extra: str,
-              env1: dict[str, str] | None = None, start1: bool = True) -> list[subprocess.Popen[str]]:
-    common = ("--nnodes", "2", "--master-addr", lan[0].addr, "--master-port", str(port), "train.timeout_s=20", *extra)
-    procs = [pd("train", RECIPE, f"run.root={roots[0]}", *ARGS, *common, "--node-rank", "0", ns=lan[0].ns)]
-    if start1:
-        procs.append(pd("train", RECIPE, f"run.root={roots[1]}", *ARGS, *common, "--node-rank", "1", ns=lan[1].ns, env=env1))
-    return procs
+def node(lan: Any, root: Path, port: int, rank: int, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Node `rank` of a two-node job in namespace `rank` of `lan`, master port `port`."""
+    return pd("train", RECIPE, f"run.root={root}", *ARGS, "--nnodes", "2", "--master-addr", lan[0].addr,
+              "--master-port", str(port), "train.timeout_s=20", "--node-rank", str(rank), ns=lan[rank].ns, env=env)
 
 
 @pytest.mark.slow
@@ -751,7 +748,7 @@ def test_a_third_host_reads_the_store_but_cannot_join_or_plant_a_plan_or_an_addr
     # 1. reads everything, knocks on rank 1's listener while it waits unpublished; the job finishes
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(compiled, a)
-    procs = node_pair(lan, (a, b), 29500, env1={sockets.LISTEN_GATE_ENV: str(gate)})
+    procs = [node(lan, a, 29500, 0), node(lan, b, 29500, 1, env={sockets.LISTEN_GATE_ENV: str(gate)})]
     try:
         reader = stranger(h2, "dump", h0.addr, "29500", "pd/transport/host/1")
         values = stranger_says(reader)
@@ -776,7 +773,7 @@ def test_a_third_host_reads_the_store_but_cannot_join_or_plant_a_plan_or_an_addr
     # 2. a forged plan: node 0 publishes its listing, the stranger replaces it, node 1 refuses it
     a, b = tmp_path / "a2", tmp_path / "b2"
     shutil.copytree(compiled, a)
-    node0, = node_pair(lan, (a, b), 29501, start1=False)
+    node0 = node(lan, a, 29501, 0)
     values = stranger_says(stranger(h2, "dump", h0.addr, "29501", "/pd/listing"))
     assert_no_secret_in(values)
     listing_key = only_key(values, "/pd/listing")
@@ -785,9 +782,7 @@ def test_a_third_host_reads_the_store_but_cannot_join_or_plant_a_plan_or_an_addr
     listing["artifacts"]["plan.json"]["sha256"] = "0" * 64  # the stranger's plan, under node 0's MAC
     planted = stranger(h2, "set", h0.addr, "29501", listing_key, base64.b64encode(signed[:32] + json.dumps(listing).encode()).decode())
     assert stranger_says(planted) == {"set": listing_key}
-    node1 = pd(
-        "train", RECIPE, f"run.root={b}", *ARGS, "--nnodes", "2", "--master-addr", h0.addr, "--master-port", "29501",
-        "train.timeout_s=20", "--node-rank", "1", ns=h1.ns)
+    node1 = node(lan, b, 29501, 1)
     (code1, err1), (code0, err0) = finish(node1, node0)
     assert code1 == 2, err1
     assert f"node 0's ({h0.addr}:29501) plan and stages: 'listing' in the job's store is not signed" in err1, err1
@@ -799,7 +794,7 @@ def test_a_third_host_reads_the_store_but_cannot_join_or_plant_a_plan_or_an_addr
     a, b = tmp_path / "a3", tmp_path / "b3"
     shutil.copytree(compiled, a)
     gate = tmp_path / "gate3"
-    procs = node_pair(lan, (a, b), 29502, env1={sockets.LISTEN_GATE_ENV: str(gate)})
+    procs = [node(lan, a, 29502, 0), node(lan, b, 29502, 1, env={sockets.LISTEN_GATE_ENV: str(gate)})]
     trap = stranger(h2, "listen", h2.addr, "30")
     try:
         values = stranger_says(stranger(h2, "dump", h0.addr, "29502", "pd/transport/host/1"))

@@ -62,26 +62,20 @@ def train(
     insecure = hosts.nnodes > 1 and secret_out_of_band(hosts.nnodes, secret_file, insecure_network)
     job = join_job(hosts, os.environ) if hosts.nnodes > 1 else None  # node 0 serves the store from here on
     try:
-        if job is None or hosts.node_rank == 0:
-            try:
+        try:
+            if job is None or hosts.node_rank == 0:
                 with reporting(mode_for(quiet)):
                     _, plan_json, manifest = ensure_all(cfg, run, force=force, echo=echo_err)
-            except BaseException as e:
-                if job is not None:
-                    job.fail(e)
-                raise
-        if job is not None:
-            echo_err(f"nodes:   node {hosts.node_rank} of {hosts.nnodes}, job {job.run_id} at {job.node0}"
-                     + ("" if hosts.node_rank == 0 else ": waiting for node 0's plan"))
-            try:
+            if job is not None:
+                echo_err(f"nodes:   node {hosts.node_rank} of {hosts.nnodes}, job {job.run_id} at {job.node0}"
+                         + ("" if hosts.node_rank == 0 else ": waiting for node 0's plan"))
                 plan_json, manifest = job.share(run, cfg)
-                cfg = resolved_by_plan(cfg, plan_json, run)
-            except BaseException as e:
-                job.fail(e)
-                raise
-            hosts = job.hosts
-        else:
+                hosts = job.hosts
             cfg = resolved_by_plan(cfg, plan_json, run)
+        except BaseException as e:  # before the workers started: the other nodes stop too
+            if job is not None:
+                job.fail(e)
+            raise
     except KeyboardInterrupt:  # Ctrl-C before the workers started (profiling, planning, compiling)
         echo_err("interrupted")
         raise typer.Exit(130) from None
@@ -89,19 +83,18 @@ def train(
              + (" (resuming)" if resume else ""))
     try:
         try:
-            try:
-                result = run_training(cfg, run, plan_json, manifest, hosts=hosts, progress=is_tty(), resume=resume,
-                                      run_id=job.run_id if job else None, ready=job.wait_for_nodes if job else None)
-            except UserError as e:  # before the workers started: the other nodes stop too
-                if job is not None:
-                    job.fail(e)
-                raise
+            result = run_training(cfg, run, plan_json, manifest, hosts=hosts, progress=is_tty(), resume=resume,
+                                  run_id=job.run_id if job else None, ready=job.wait_for_nodes if job else None)
         finally:
             if insecure:  # after the launch, which starts a fresh run's events anew
                 from pdcli.runtime.events import append_event
 
                 append_event(run / "train", {"event": "insecure_network", "node": hosts.node_rank,
                                              "detail": "the job's secret was shared through the rendezvous store"})
+    except UserError as e:  # before the workers started: the other nodes stop too
+        if job is not None:
+            job.fail(e)
+        raise
     except TrainingInterrupted as e:
         echo_err(f"interrupted: {e}; resume with `pd train {recipe} --resume` (same overrides)")
         raise typer.Exit(128 + e.signal_number) from None

@@ -348,14 +348,14 @@ class Job:
         others = [n for n in range(nnodes) if n != me]
         while True:
             for n in others:
-                if store.store.check([f"{FAILED_KEY}{n}"]):
+                if store.check([f"{FAILED_KEY}{n}"]):
                     try:
                         why = store.get(f"{FAILED_KEY}{n}").decode(errors="replace")
                     except Forged:
                         continue
                     raise UserError(f"node {n} of the job stopped before training: {why}",
                                     hint=f"fix that on node {n} (its output says more), then start every node again")
-            waiting = [n for n in others if not store.store.check([f"{ARRIVED_KEY}{n}"])]
+            waiting = [n for n in others if not store.check([f"{ARRIVED_KEY}{n}"])]
             if not waiting:
                 return
             if time.monotonic() > deadline_s:

@@ -61,6 +61,10 @@ class SignedStore:
             raise Forged(f"{key!r} in the job's store is not signed with this job's secret")
         return data
 
+    def check(self, keys: list[str]) -> bool:
+        """Every key of `keys` is in the store (their values unread: `get` checks those)."""
+        return bool(self.store.check(keys))
+
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         if timeout is None:
             self.store.wait(keys)

@@ -35,14 +35,10 @@ def socket_inodes(pids: Iterable[int]) -> set[str]:
 
 
 def listening_tcp_ports(pids: Iterable[int]) -> list[tuple[str, int]]:
-    """(loopback address, port) of each TCP socket listening in processes `pids` (each read in
-    its own network namespace's tables: /proc/<pid>/net)."""
-    pids = list(pids)
+    """(loopback address, port) of each TCP socket listening in processes `pids`."""
     inodes = socket_inodes(pids)
     found = set()
-    tables = [(f"/proc/{pid}/net/{name}", loopback) for pid in pids for name, loopback in (("tcp", "127.0.0.1"),
-                                                                                            ("tcp6", "::1"))]
-    for table, loopback in tables:
+    for table, loopback in (("/proc/net/tcp", "127.0.0.1"), ("/proc/net/tcp6", "::1")):
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except OSError:

@@ -311,12 +311,42 @@ def plot_data_parallel(results: dict[str, Any], out: Path) -> None:
     tmp.replace(out)
 
 
+# -- flood ---------------------------------------------------------------------------------------
+
+def _three(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def flood(results: dict[str, Any]) -> str:
+    """One row per round: undisturbed beside flooded, and the medians below."""
+    rows = results["rows"]
+    table = []
+    for quiet, flooded in zip(rows[::2], rows[1::2]):
+        ratio = (flooded["samples_per_s"] / quiet["samples_per_s"]
+                 if quiet["samples_per_s"] and flooded["samples_per_s"] else None)
+        table.append([str(quiet["round"]), f"{quiet['samples_per_s']:.0f}" if quiet["samples_per_s"] else "-",
+                      f"{flooded['samples_per_s']:.0f}" if flooded["samples_per_s"] else "-",
+                      _three(ratio),
+                      f"{flooded['connections']} on {flooded['ports']} ports",
+                      f"{quiet['most_threads']} / {flooded['most_threads']}",
+                      "yes" if quiet["final_loss"] == flooded["final_loss"] else "no"])
+    headers = ["round", "undisturbed samples/s", "flooded samples/s", "flooded / undisturbed",
+               "junk connections", "most threads (undisturbed / flooded)", "same final loss"]
+    summary = (f"\nMedians over {len(table)} rounds of {results['steps']} steps: "
+               f"{results['median_undisturbed'] or 0:.0f} samples/s undisturbed, {results['median_flooded'] or 0:.0f} flooded "
+               f"(ratio of the medians {_three(results['ratio_of_medians'])}, median of the rounds' ratios "
+               f"{_three(results['median_ratio'])}); the same final loss in every run: "
+               f"{'yes' if results['same_final_loss'] else 'no'}.\n")
+    return markdown(headers, table) + summary + "\n" + measured_line(results)
+
+
 RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "planner-summary": ("planner", planner_summary),
     "planner": ("planner", planner_cases),
     "memory": ("memory", memory),
     "data-parallel-summary": ("data_parallel", data_parallel_summary),
     "data-parallel": ("data_parallel", data_parallel),
+    "flood": ("flood", flood),
 }
 """Region name -> (results file under benchmarks/results/ without .json, renderer)."""
 

@@ -25,9 +25,21 @@ if "PD_CACHE_DIR" not in os.environ:
     os.environ["PD_CACHE_DIR"] = tempfile.mkdtemp(prefix="pd-test-cache-")
     atexit.register(shutil.rmtree, os.environ["PD_CACHE_DIR"], True)
 
+SESSION_CACHE = Path(os.environ["PD_CACHE_DIR"])
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 PROFILES = SHARED / "pipedream-profiles"
+
+
+@pytest.fixture(autouse=True)
+def _own_profile_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test its own cache of profiles (`pdcli.probe.profile_cache`: what one test measured,
+    or made up, is no other test's profile), the session's host file shared."""
+    own = tmp_path_factory.mktemp("cache")
+    (SESSION_CACHE / "hosts").mkdir(parents=True, exist_ok=True)
+    (own / "hosts").symlink_to(SESSION_CACHE / "hosts")
+    monkeypatch.setenv("PD_CACHE_DIR", str(own))
 
 
 @pytest.fixture

@@ -96,6 +96,11 @@ def test_cache_root_follows_the_setting_and_the_environment(tmp_path: Path, monk
     monkeypatch.delenv("PD_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root("") == tmp_path / "xdg" / "pd"
+    from pdcli.config.loader import load_config
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+    setting = load_config(recipe, ["profile.host_cache=off"]).config.profile.host_cache  # YAML's false
+    assert cache_root(setting) is None, setting
     key = host_key("cpu")
     assert key["schema"] == HOST_SCHEMA and key["cores"] >= 1 and key["torch"]
 

@@ -44,8 +44,9 @@ AllReduce = tuple[Affine, list[list[float]]]
 
 def cache_root(setting: str) -> Optional[Path]:
     """The directory `profile.host_cache` names: `off` -> None, a path -> it, empty ->
-    $PD_CACHE_DIR, else $XDG_CACHE_HOME/pd, else ~/.cache/pd."""
-    if setting == OFF:
+    $PD_CACHE_DIR, else $XDG_CACHE_HOME/pd, else ~/.cache/pd. YAML reads a bare `off` as false,
+    which the config holds as "False": off too."""
+    if setting in (OFF, "False", "false"):
         return None
     if setting:
         return Path(setting).expanduser()

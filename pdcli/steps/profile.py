@@ -23,7 +23,9 @@ from pdcli.probe.profile import (
     profile_device,
     with_pipeline_probe,
 )
+from pdcli.probe.profile_cache import ProfileCache
 from pdcli.probe.runtime import RunHooks
+from pdcli.progress import current
 from pdcli.rundir import RunDir, artifact_inputs_hash, atomic_write_text
 from pdcli.steps.plan import planned_layout
 
@@ -84,7 +86,8 @@ def profile_inputs_hash(cfg: Config, device: torch.device, num_threads: int | No
 
 def ensure_profile(cfg: Config, run: RunDir, force: bool = False, recalibrate: bool = False,
                    defer_pipeline: bool = False) -> tuple[Chain, bool]:
-    """The run's profile chain and whether it was reused (inputs unchanged, no `force`);
+    """The run's profile chain and whether it was reused (inputs unchanged, no `force`): the
+    run's own, else this host's profile of the same inputs copied in (`profile_cache`);
     `recalibrate` measures the host's own figures again (and so the profile). With
     `defer_pipeline` (`pd train` where `profile.defer_pipeline_probe` and `shape_fixed`) a
     profile without the pipeline probe does: the one there, else one measured so. Without it,
@@ -94,23 +97,65 @@ def ensure_profile(cfg: Config, run: RunDir, force: bool = False, recalibrate: b
     inputs_hash = profile_inputs_hash(cfg, device, num_threads)
     layout_of = lambda costed: planned_layout(costed, cfg)  # noqa: E731
     hooks = RunHooks(seed_profile, train_probe)
-    if not (force or recalibrate) and run.fresh(PROFILE_ARTIFACT, inputs_hash):
+    cache = profile_cache(cfg, device)
+    reuse = not (force or recalibrate)
+    if reuse and run.fresh(PROFILE_ARTIFACT, inputs_hash):
         return load_profile(run), True
     alone = without_pipeline_probe(cfg)
     alone_hash = profile_inputs_hash(alone, device, num_threads) if alone is not cfg else inputs_hash
-    if alone is not cfg and not (force or recalibrate) and run.fresh(PROFILE_ARTIFACT, alone_hash):
+    for cached_hash in ((inputs_hash, alone_hash) if defer_pipeline else (inputs_hash,)) if reuse else ():
+        chain = copied_from_cache(cache, run, cached_hash)
+        if chain is not None:
+            return chain, True
+    if alone is not cfg and reuse and run.fresh(PROFILE_ARTIFACT, alone_hash):
         chain = load_profile(run)
         if defer_pipeline:
             return chain, True
         chain = with_pipeline_probe(cfg, chain, device, layout_of, hooks)
-        run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
+        write_profile(run, cache, chain, inputs_hash)
         return chain, False
     if defer_pipeline:
         cfg, inputs_hash = alone, alone_hash
     chain = profile_config(cfg, device, num_threads, inputs_hash, layout_of=layout_of, hooks=hooks,
                            recalibrate=recalibrate)
-    run.write_json(PROFILE_ARTIFACT, chain.to_json(), inputs_hash)
+    write_profile(run, cache, chain, inputs_hash)
     return chain, False
+
+
+def profile_cache(cfg: Config, device: torch.device) -> ProfileCache:
+    """This host's profiles where `cfg.profile` keeps its host file (`pdcli.probe.profile_cache`)."""
+    from pdcli.probe.hostfile import cache_root, host_key
+
+    return ProfileCache(cache_root(cfg.profile.host_cache), host_key(device.type), cfg.profile.host_cache_max_days)
+
+
+def write_profile(run: RunDir, cache: ProfileCache, chain: Chain, inputs_hash: str) -> None:
+    """`chain`, just measured, as the run's profile and this host's for `inputs_hash`."""
+    obj = chain.to_json()
+    run.write_json(PROFILE_ARTIFACT, obj, inputs_hash)
+    cache.put(inputs_hash, obj)
+
+
+def copied_from_cache(cache: ProfileCache, run: RunDir, inputs_hash: str) -> Chain | None:
+    """This host's profile for `inputs_hash`, written as the run's (None: the cache has none)."""
+    got = cache.get(inputs_hash)
+    if got is None:
+        return None
+    obj, path, age_days = got
+    try:
+        chain = Chain.from_json(obj)
+    except (ValueError, KeyError, TypeError):
+        return None  # measured again, and the entry replaced
+    run.write_json(PROFILE_ARTIFACT, obj, inputs_hash)
+    current().line(f"profile: copied from {path} (this host's, the same inputs, measured "
+                   f"{_days(age_days)}; --force measures again)")
+    return chain
+
+
+def _days(age_days: float) -> str:
+    if age_days < 1 / 24:
+        return f"{max(0.0, age_days * 24 * 60):.0f} min ago"
+    return f"{age_days * 24:.1f} h ago" if age_days < 2 else f"{age_days:.0f} days ago"
 
 
 def without_pipeline_probe(cfg: Config) -> Config:

@@ -19,6 +19,27 @@ from pdcli.config.schema import ModelConfig
 from pdcli.models import build_model
 from pdcli.torchutil.allocator import huge_page_env
 
+def own_profiles() -> Path:
+    """Make this benchmark's `pd` runs measure their own profiles: `$PD_CACHE_DIR` becomes a
+    fresh directory for this process and its children, its `hosts/` the user's host file
+    (`pdcli.probe.hostfile`), its profiles none (`pdcli.probe.profile_cache` would otherwise
+    copy a profile an earlier run measured for the same inputs). Removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from pdcli.probe.hostfile import cache_root
+
+    user = cache_root("")
+    assert user is not None
+    own = Path(tempfile.mkdtemp(prefix="pd-bench-cache-"))
+    (user / "hosts").mkdir(parents=True, exist_ok=True)
+    (own / "hosts").symlink_to(user / "hosts")
+    atexit.register(shutil.rmtree, own, True)
+    os.environ["PD_CACHE_DIR"] = str(own)
+    return own
+
+
 NUM_CLASSES = 10
 NUM_STAGES = 2
 RESULT_PREFIX = "BENCH_RESULT "

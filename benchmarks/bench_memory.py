@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the _helpers beside 
 
 from tabulate import tabulate  # noqa: E402
 
-from _bench_common import BenchFailed, BenchShape, run_bounded, stderr_tail  # noqa: E402
+from _bench_common import BenchFailed, BenchShape, run_bounded, stderr_tail, own_profiles  # noqa: E402
 from _pd_train import RUNS_DIR, pd_executable, recipe  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
 
@@ -139,6 +139,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    own_profiles()  # fresh profiles, not copies of an earlier run's
     try:
         shape = BenchShape(args.width, args.layers, args.batch, args.microbatches, args.steps, 0)
     except ValueError as exc:

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _bench_common import BenchFailed  # noqa: E402
+from _bench_common import BenchFailed, own_profiles  # noqa: E402
 from _trained import pd_command, run_cases, steady_ms  # noqa: E402
 from bench_prediction import RUNTIME_SHAPE  # noqa: E402
 
@@ -169,6 +169,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--top", type=int, default=3, help="front points trained per case (chosen ones included)")
     args = parser.parse_args()
+    own_profiles()  # fresh profiles, not copies of an earlier run's
     results = run_cases(args.cases, "pd-bench-pareto-", lambda name, root: run_case(name, args.rounds, args.top, root))
     for r in results:
         if "error" in r:

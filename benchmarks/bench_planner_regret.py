@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from _bench_common import own_profiles  # noqa: E402
 from _trained import pd_command, run_cases, steady_ms  # noqa: E402
 
 from pdcli.planner.evaluate import batch_scale, evaluate_pd, plan_options_of  # noqa: E402
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--top", type=int, default=4, help="configurations trained per top-k case")
     args = parser.parse_args()
+    own_profiles()  # fresh profiles, not copies of an earlier run's
     results = run_cases(args.cases, "pd-bench-regret-", lambda name, root: run_case(name, args.rounds, args.top, root))
     for r in results:
         if "error" in r:

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _bench_common import BenchFailed, run_bounded, stderr_tail  # noqa: E402
+from _bench_common import BenchFailed, run_bounded, stderr_tail, own_profiles  # noqa: E402
 from _trained import AS_PLANNED  # noqa: E402
 
 from pdcli.planner.evaluate import evaluate_plan  # noqa: E402
@@ -191,6 +191,7 @@ def main() -> None:
                         help=f"also each recipe under each of {', '.join(OTHER_SCHEDULES)} it does not name itself")
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="trainings per case (>= 2 for `calibrated`)")
     args = parser.parse_args()
+    own_profiles()  # fresh profiles, not copies of an earlier run's
     if args.every_schedule:
         args.cases = [*args.cases, *(c for c in every if c not in args.cases)]
     rows: list[dict[str, Any]] = []

@@ -69,7 +69,7 @@ from _baselines import (  # noqa: E402
     TORCH_SCHEDULES, TORCH_VIRTUAL_SCHEDULES, run_single, run_stage_bound, run_torch_pipelining,
 )
 from _bench_common import (  # noqa: E402
-    NUM_STAGES, VIRTUAL_STAGES, BenchFailed, BenchShape, chunk_points, paired_ratios, split_point,
+    NUM_STAGES, VIRTUAL_STAGES, BenchFailed, BenchShape, chunk_points, paired_ratios, split_point, own_profiles,
 )
 from _pd_train import run_pd_train, virtual_overrides  # noqa: E402
 from pdcli.rundir import atomic_write_json  # noqa: E402
@@ -424,6 +424,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    own_profiles()  # fresh profiles, not copies of an earlier run's
     try:
         shape = BenchShape(args.width, args.layers, args.batch, args.microbatches, args.steps, args.warmup)
     except ValueError as exc:

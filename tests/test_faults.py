@@ -158,6 +158,30 @@ def test_gradient_check_finds_each_nan_and_infinity_and_passes_sums_that_overflo
                 check_gradients(broken, 2, 5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_scaling_the_gradients_checks_them_in_the_same_pass(dtype: str) -> None:
+    """`scale_and_check_gradients` leaves each gradient as `mul_(scale)` would, bit for bit, and
+    names a non-finite one as `check_gradients` does."""
+    import torch
+
+    from pdcli.runtime.divergence import Diverged, scale_and_check_gradients
+
+    torch.manual_seed(0)
+    kind = getattr(torch, dtype)
+    grads = {"a.weight": torch.randn(64, 64).to(kind), "b.bias": None, "c.weight": torch.randn(1000).to(kind),
+             "d.weight": torch.randn(3)}  # another dtype beside them
+    for scale in (1.0, 0.5, 1 / 3, 1 / 48):
+        expected = {k: None if v is None else v.clone().mul_(scale) for k, v in grads.items()}
+        got = {k: None if v is None else v.clone() for k, v in grads.items()}
+        scale_and_check_gradients(got, scale, 0, 3)
+        for k, v in expected.items():
+            assert (v is None and got[k] is None) or torch.equal(got[k], v), (k, scale)
+    broken = {k: None if v is None else v.clone() for k, v in grads.items()}
+    broken["c.weight"][7] = float("nan")
+    with pytest.raises(Diverged, match="stage 2: non-finite gradient of c.weight at minibatch 5"):
+        scale_and_check_gradients(broken, 0.5, 2, 5)
+
+
 def test_a_non_finite_checkpoint_is_never_written(tmp_path: Path) -> None:
     import torch
     from torch import nn

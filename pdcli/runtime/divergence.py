@@ -55,6 +55,25 @@ def check_gradients(named: Mapping[str, torch.Tensor | None], stage_id: int, min
         raise Diverged(f"stage {stage_id}: non-finite gradient of {name} at minibatch {minibatch}")
 
 
+def scale_and_check_gradients(named: Mapping[str, torch.Tensor | None], scale: float, stage_id: int,
+                              minibatch: int) -> None:
+    """Every gradient times `scale` (in place, `scale` <= 1), then `check_gradients`, in one pass
+    per device and dtype: torch's fused unscale-and-check (`GradScaler`'s), which multiplies each
+    element and flags a NaN or an infinity among them; the gradients are looked at one by one
+    only when one is flagged, to name it."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in named.values():
+        if g is not None and g.numel() > 0:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    flagged = False
+    for (device, _), grads in groups.items():
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), scale, device=device))
+        flagged = flagged or bool(found.item())
+    if flagged:
+        check_gradients(named, stage_id, minibatch)
+
+
 def first_non_finite(tensors: Iterable[tuple[str, object]]) -> str | None:
     """The name of the first floating-point tensor holding NaN or Inf (nested dicts/lists
     followed, e.g. an optimizer state), else None."""

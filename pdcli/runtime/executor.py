@@ -30,7 +30,7 @@ from pdcli.models.loss import num_correct
 from pdcli import schedule as S
 from pdcli.runtime.comm import Mailbox, chunk_link
 from pdcli.runtime.evaluation import EvalSums
-from pdcli.runtime.divergence import Diverged, check_gradients, check_loss
+from pdcli.runtime.divergence import Diverged, check_loss, scale_and_check_gradients
 from pdcli.runtime.memory import MemoryTracker, tensor_bytes
 from pdcli.runtime.metrics import IDLE, Timeline, action_category
 from pdcli.runtime.placement import Placement
@@ -488,14 +488,11 @@ class Executor(ActionLoop):
     def mean_grads(self, a: S.OptimizerStep) -> None:
         """The gradients the step applies: summed over tied copies, divided by the microbatches, checked."""
         self.sum_tied_grads()  # before anything reads the gradients: the copies update as one weight
-        scale = 1.0 / (a.num_microbatches * self.loss_scale)
-        if scale != 1.0:  # pipedream steps once per microbatch: mostly 1
-            for p in self.weights.live.values():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        scale = 1.0 / (a.num_microbatches * self.loss_scale)  # pipedream steps once per microbatch: mostly 1
         grads = {name: p.grad for name, p in self.weights.live.items()}
         try:  # one pass over the gradients: under fp16's static loss scale a non-finite one is an overflow
-            check_gradients(grads, self.ctx.stage_id, self.last_backward_mb // self.ctx.num_microbatches)
+            scale_and_check_gradients(grads, scale, self.ctx.stage_id,
+                                      self.last_backward_mb // self.ctx.num_microbatches)
         except Diverged:
             if self.loss_scale == 1.0:
                 raise

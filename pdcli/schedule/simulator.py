@@ -316,124 +316,142 @@ def _shared(spec: ScheduleSpec, lists: Sequence[Sequence[Action]], stages: Seque
     served); it keeps its core until it waits for a message or, with others queued, until its
     time slice ends. Time queued is part of whatever action the rank is in: the action it was
     preempted in, or the receive it woke up from, as a traced span shows it."""
-    sender_of: dict[Slot, Slot] = {}  # receive -> its send
-    groups: dict[Slot, tuple[Slot, ...]] = {}  # all-reduce -> every member
-    for event in lockstep(lists, spec, SendMode.EAGER):  # also proves the lists deadlock-free
-        if event.waited_for:
-            sender_of[event.members[0]] = event.waited_for[0]
-        if len(event.members) > 1:
-            for member in event.members:
-                groups[member] = event.members
-    arrival_ms: dict[Slot, float] = {}  # send -> when its message is at the receiver
-    arrivals: list[float] = []  # heap of the arrival times still ahead
-    ready: set[Slot] = set()  # all-reduce members that reached it
-    finished: set[Slot] = set()  # all-reduce members whose part is done
-    ranks = [_Rank(left_ms=costs[stages[r]].gap_ms) if lists[r] else _Rank(phase="done")
-             for r in range(spec.num_ranks)]
-    timed: list[list[TimedAction]] = [[] for _ in range(spec.num_ranks)]
-    running: list[int] = []  # ranks on a core
-    queue: list[int] = []  # ranks waiting for one, first come first
-    now = 0.0
-    num_ranks = spec.num_ranks
-    links = _Links()
+    return _SharedReplay(spec, lists, stages, costs, cores, time_slice_ms).run()
 
-    def work_ms(r: int, action: Action) -> float:
+
+class _SharedReplay:
+    """The state of one `_shared` replay: the ranks' places, the messages in flight, the cores."""
+
+    def __init__(self, spec: ScheduleSpec, lists: Sequence[Sequence[Action]], stages: Sequence[int],
+                 costs: Sequence[StageCost], cores: int, time_slice_ms: float) -> None:
+        self.spec, self.lists, self.stages, self.costs = spec, lists, stages, costs
+        self.cores, self.time_slice_ms = cores, time_slice_ms
+        self.sender_of: dict[Slot, Slot] = {}  # receive -> its send
+        self.groups: dict[Slot, tuple[Slot, ...]] = {}  # all-reduce -> every member
+        for event in lockstep(lists, spec, SendMode.EAGER):  # also proves the lists deadlock-free
+            if event.waited_for:
+                self.sender_of[event.members[0]] = event.waited_for[0]
+            if len(event.members) > 1:
+                for member in event.members:
+                    self.groups[member] = event.members
+        self.arrival_ms: dict[Slot, float] = {}  # send -> when its message is at the receiver
+        self.arrivals: list[float] = []  # heap of the arrival times still ahead
+        self.ready: set[Slot] = set()  # all-reduce members that reached it
+        self.finished: set[Slot] = set()  # all-reduce members whose part is done
+        self.ranks = [_Rank(left_ms=costs[stages[r]].gap_ms) if lists[r] else _Rank(phase="done")
+                      for r in range(spec.num_ranks)]
+        self.timed: list[list[TimedAction]] = [[] for _ in range(spec.num_ranks)]
+        self.running: list[int] = []  # ranks on a core
+        self.queue: list[int] = []  # ranks waiting for one, first come first
+        self.now = 0.0
+        self.links = _Links()
+
+    def work_ms(self, r: int, action: Action) -> float:
         if isinstance(action, (SendActivations, SendGrads, RecvActivations, RecvGrads)):
-            return _cpu_ms(stages[r], action, costs)
-        return _duration_ms(spec, stages[r], action, costs)
+            return _cpu_ms(self.stages[r], action, self.costs)
+        return _duration_ms(self.spec, self.stages[r], action, self.costs)
 
-    def next_action(r: int) -> None:
-        state = ranks[r]
+    def next_action(self, r: int) -> None:
+        state = self.ranks[r]
         state.index += 1
-        if state.index >= len(lists[r]):
+        if state.index >= len(self.lists[r]):
             state.phase, state.left_ms = "done", 0.0
         else:
-            state.phase, state.left_ms = "gap", costs[stages[r]].gap_ms
+            state.phase, state.left_ms = "gap", self.costs[self.stages[r]].gap_ms
 
-    def settle(r: int) -> bool:
+    def settle(self, r: int) -> bool:
         """Take rank r past every phase that ends now; whether it moved."""
-        state, moved = ranks[r], False
+        state, moved, now = self.ranks[r], False, self.now
         while state.phase != "done":
             slot = (r, state.index)
-            action = lists[r][state.index]
+            action = self.lists[r][state.index]
             if state.phase == "gap" and state.left_ms <= _EPS_MS:
                 state.start_ms = now
-                if slot in groups:
-                    ready.add(slot)
-                state.phase = "wait" if slot in sender_of or slot in groups else "work"
-                state.left_ms = 0.0 if state.phase == "wait" else work_ms(r, action)
+                if slot in self.groups:
+                    self.ready.add(slot)
+                state.phase = "wait" if slot in self.sender_of or slot in self.groups else "work"
+                state.left_ms = 0.0 if state.phase == "wait" else self.work_ms(r, action)
             elif state.phase == "wait":
-                if slot in sender_of:
-                    arrived = arrival_ms.get(sender_of[slot])
+                if slot in self.sender_of:
+                    arrived = self.arrival_ms.get(self.sender_of[slot])
                     if arrived is None or arrived > now + _EPS_MS:
                         return moved
-                elif not all(member in ready for member in groups[slot]):
+                elif not all(member in self.ready for member in self.groups[slot]):
                     return moved
-                state.phase, state.left_ms = "work", work_ms(r, action)
+                state.phase, state.left_ms = "work", self.work_ms(r, action)
             elif state.phase == "work" and state.left_ms <= _EPS_MS:
-                if slot in groups:  # an all-reduce ends when every member's part is done
-                    finished.add(slot)
-                    if not all(member in finished for member in groups[slot]):
+                if slot in self.groups:  # an all-reduce ends when every member's part is done
+                    self.finished.add(slot)
+                    if not all(member in self.finished for member in self.groups[slot]):
                         state.phase = "held"
                         return True
-                    for member_rank, _ in groups[slot]:
-                        timed[member_rank].append(TimedAction(action, ranks[member_rank].start_ms, now))
-                        next_action(member_rank)
+                    for member_rank, _ in self.groups[slot]:
+                        self.timed[member_rank].append(TimedAction(action, self.ranks[member_rank].start_ms, now))
+                        self.next_action(member_rank)
                 else:
                     if isinstance(action, (SendActivations, SendGrads)):
-                        arrival_ms[slot] = links.arrival_ms(spec, r, stages[r], action, costs, now)
-                        heapq.heappush(arrivals, arrival_ms[slot])
-                    timed[r].append(TimedAction(action, state.start_ms, now))
-                    next_action(r)
+                        self.arrival_ms[slot] = self.links.arrival_ms(self.spec, r, self.stages[r], action,
+                                                                      self.costs, now)
+                        heapq.heappush(self.arrivals, self.arrival_ms[slot])
+                    self.timed[r].append(TimedAction(action, state.start_ms, now))
+                    self.next_action(r)
             else:
                 return moved
             moved = True
         return moved
 
-    def schedule() -> None:
-        for r in list(running):
-            state = ranks[r]
+    def schedule(self) -> None:
+        """Free the cores of ranks that wait or ended, preempt those whose slice ended while
+        others queue, queue the runnable ones, and give free cores to the queue's first."""
+        for r in list(self.running):
+            state = self.ranks[r]
             if not state.runnable:  # waits for a message, or finished: the core is free
-                running.remove(r)
+                self.running.remove(r)
             elif state.slice_ms <= _EPS_MS:
-                if queue:  # preempted: to the back of the queue
-                    running.remove(r)
-                    queue.append(r)
+                if self.queue:  # preempted: to the back of the queue
+                    self.running.remove(r)
+                    self.queue.append(r)
                 else:
-                    state.slice_ms = time_slice_ms
-        for r in range(num_ranks):
-            if ranks[r].runnable and r not in running and r not in queue:
-                queue.append(r)
-        while queue and len(running) < cores:
-            r = queue.pop(0)
-            ranks[r].slice_ms = time_slice_ms
-            running.append(r)
+                    state.slice_ms = self.time_slice_ms
+        for r in range(self.spec.num_ranks):
+            if self.ranks[r].runnable and r not in self.running and r not in self.queue:
+                self.queue.append(r)
+        while self.queue and len(self.running) < self.cores:
+            r = self.queue.pop(0)
+            self.ranks[r].slice_ms = self.time_slice_ms
+            self.running.append(r)
 
-    while True:
-        moved = True
-        while moved:  # every rank settles, again while any moved
-            moved = False
-            for r in range(num_ranks):
-                moved = settle(r) or moved
-        if all(state.phase == "done" for state in ranks):
-            return timed
-        schedule()
-        # Nothing changes between events, so with no rank queued no slice can end in a
-        # preemption: the step runs to the next event and each slice renews as it would have.
-        queued = bool(queue)
-        step = min((min(ranks[r].left_ms, ranks[r].slice_ms) if queued else ranks[r].left_ms for r in running),
-                   default=float("inf"))
-        while arrivals and arrivals[0] <= now + _EPS_MS:
-            heapq.heappop(arrivals)
-        if arrivals:
-            step = min(step, arrivals[0] - now)
+    def advance(self) -> None:
+        """Run the ranks on cores to the next event: a phase or a slice ending, a message arriving.
+        Nothing changes between events, so with no rank queued no slice can end in a
+        preemption: the step runs to the next event and each slice renews as it would have."""
+        queued = bool(self.queue)
+        step = min((min(self.ranks[r].left_ms, self.ranks[r].slice_ms) if queued else self.ranks[r].left_ms
+                    for r in self.running), default=float("inf"))
+        while self.arrivals and self.arrivals[0] <= self.now + _EPS_MS:
+            heapq.heappop(self.arrivals)
+        if self.arrivals:
+            step = min(step, self.arrivals[0] - self.now)
         if step == float("inf"):  # lockstep proved the lists deadlock-free
             raise RuntimeError("the shared-core replay stalled")
-        for r in running:
-            state = ranks[r]
+        slice_ms = self.time_slice_ms
+        for r in self.running:
+            state = self.ranks[r]
             state.left_ms = max(state.left_ms - step, 0.0)
             if queued:
                 state.slice_ms = max(state.slice_ms - step, 0.0)
             else:
-                state.slice_ms = time_slice_ms - (time_slice_ms - state.slice_ms + step) % time_slice_ms
-        now += step
+                state.slice_ms = slice_ms - (slice_ms - state.slice_ms + step) % slice_ms
+        self.now += step
+
+    def run(self) -> list[list[TimedAction]]:
+        while True:
+            moved = True
+            while moved:  # every rank settles, again while any moved
+                moved = False
+                for r in range(self.spec.num_ranks):
+                    moved = self.settle(r) or moved
+            if all(state.phase == "done" for state in self.ranks):
+                return self.timed
+            self.schedule()
+            self.advance()

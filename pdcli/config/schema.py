@@ -343,118 +343,148 @@ PLAN_OBJECTIVES = ("throughput", "memory")
 GROUPS = ("model", "data", "cluster", "profile", "plan", "schedule", "optim", "train", "run")
 
 
-def check_values(cfg: Config) -> list[str]:
-    """Semantic checks beyond types: each problem names its key and the fix."""
-    problems: list[str] = []
+class _Problems(list[str]):
+    """What `check_values` found, each naming its key and the fix."""
 
-    def choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    def choice(self, key: str, value: str, allowed: tuple[str, ...]) -> None:
         if value not in allowed:
-            problems.append(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+            self.append(f"{key}: {value!r} is not one of {', '.join(allowed)}")
 
-    def positive(key: str, value: float | int | None, allow_zero: bool = False) -> None:
+    def positive(self, key: str, value: float | int | None, allow_zero: bool = False) -> None:
         """A finite number > 0 (>= 0 with `allow_zero`): NaN and infinity count nothing."""
         if value is None:
             return
         if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-            problems.append(f"{key}: must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
+            self.append(f"{key}: must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
 
-    choice("schedule.name", cfg.schedule.name, SCHEDULES)
-    choice("train.precision", cfg.train.precision, PRECISIONS)
-    choice("plan.cost_model", cfg.plan.cost_model, COST_MODELS)
-    choice("optim.name", cfg.optim.name, OPTIMIZERS)
-    choice("cluster.device", cfg.cluster.device, DEVICES)
-    choice("train.transport", cfg.train.transport, ("auto", *TRANSPORTS))
-    choice("profile.device", cfg.profile.device, DEVICES)
-    choice("model.loss", cfg.model.loss, ("cross_entropy", "mse"))
-    positive("data.batch_size", cfg.data.batch_size)
-    positive("schedule.num_microbatches", cfg.schedule.num_microbatches)
-    positive("optim.lr", cfg.optim.lr)
-    positive("optim.momentum", cfg.optim.momentum, allow_zero=True)
-    positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
-    positive("train.steps", cfg.train.steps)
-    positive("train.epochs", cfg.train.epochs)
-    positive("train.eval_every", cfg.train.eval_every, allow_zero=True)
-    positive("train.eval_batches", cfg.train.eval_batches, allow_zero=True)
-    positive("optim.clip_grad_norm", cfg.optim.clip_grad_norm)
+
+def check_values(cfg: Config) -> list[str]:
+    """Semantic checks beyond types: each problem names its key and the fix."""
+    p = _Problems()
+    for section in (_kind_problems, _data_and_optim_problems, _train_problems, _profile_problems,
+                    _plan_and_cluster_problems, _schedule_and_model_problems):
+        section(cfg, p)
+    return list(p)
+
+
+def _kind_problems(cfg: Config, p: _Problems) -> None:
+    """The names chosen among a few: schedule, precision, cost model, optimizer, devices, transport, loss."""
+    p.choice("schedule.name", cfg.schedule.name, SCHEDULES)
+    p.choice("train.precision", cfg.train.precision, PRECISIONS)
+    p.choice("plan.cost_model", cfg.plan.cost_model, COST_MODELS)
+    p.choice("optim.name", cfg.optim.name, OPTIMIZERS)
+    p.choice("cluster.device", cfg.cluster.device, DEVICES)
+    p.choice("train.transport", cfg.train.transport, ("auto", *TRANSPORTS))
+    p.choice("profile.device", cfg.profile.device, DEVICES)
+    p.choice("model.loss", cfg.model.loss, ("cross_entropy", "mse"))
+
+
+def _data_and_optim_problems(cfg: Config, p: _Problems) -> None:
+    """The minibatch, the optimizer and its learning-rate schedule, the steps, the held-out split."""
+    p.positive("data.batch_size", cfg.data.batch_size)
+    p.positive("schedule.num_microbatches", cfg.schedule.num_microbatches)
+    p.positive("optim.lr", cfg.optim.lr)
+    p.positive("optim.momentum", cfg.optim.momentum, allow_zero=True)
+    p.positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
+    p.positive("train.steps", cfg.train.steps)
+    p.positive("train.epochs", cfg.train.epochs)
+    p.positive("train.eval_every", cfg.train.eval_every, allow_zero=True)
+    p.positive("train.eval_batches", cfg.train.eval_batches, allow_zero=True)
+    p.positive("optim.clip_grad_norm", cfg.optim.clip_grad_norm)
     lr = cfg.optim.schedule
-    choice("optim.schedule.name", lr.name, LR_SCHEDULES)
-    choice("optim.schedule.unit", lr.unit, LR_UNITS)
-    positive("optim.schedule.warmup", lr.warmup, allow_zero=True)
-    positive("optim.schedule.decay", lr.decay)
-    positive("optim.schedule.final_fraction", lr.final_fraction, allow_zero=True)
-    positive("optim.schedule.step_every", lr.step_every)
-    positive("optim.schedule.gamma", lr.gamma)
+    p.choice("optim.schedule.name", lr.name, LR_SCHEDULES)
+    p.choice("optim.schedule.unit", lr.unit, LR_UNITS)
+    p.positive("optim.schedule.warmup", lr.warmup, allow_zero=True)
+    p.positive("optim.schedule.decay", lr.decay)
+    p.positive("optim.schedule.final_fraction", lr.final_fraction, allow_zero=True)
+    p.positive("optim.schedule.step_every", lr.step_every)
+    p.positive("optim.schedule.gamma", lr.gamma)
     if not 0 < cfg.data.eval_fraction < 1:
-        problems.append(f"data.eval_fraction: must be between 0 and 1 (exclusive), got {cfg.data.eval_fraction}")
+        p.append(f"data.eval_fraction: must be between 0 and 1 (exclusive), got {cfg.data.eval_fraction}")
     if cfg.data.eval_path is not None and not str(cfg.data.eval_path).strip():
-        problems.append("data.eval_path: empty path; give the held-out file or null")
-    positive("train.log_every", cfg.train.log_every)
-    positive("train.checkpoint_every", cfg.train.checkpoint_every, allow_zero=True)
-    positive("train.keep_checkpoints", cfg.train.keep_checkpoints)
-    positive("train.timeout_s", cfg.train.timeout_s)
-    positive("train.max_restarts", cfg.train.max_restarts, allow_zero=True)
-    positive("train.divergence", cfg.train.divergence)
+        p.append("data.eval_path: empty path; give the held-out file or null")
+
+
+def _train_problems(cfg: Config, p: _Problems) -> None:
+    """The training loop's own settings."""
+    p.positive("train.log_every", cfg.train.log_every)
+    p.positive("train.checkpoint_every", cfg.train.checkpoint_every, allow_zero=True)
+    p.positive("train.keep_checkpoints", cfg.train.keep_checkpoints)
+    p.positive("train.timeout_s", cfg.train.timeout_s)
+    p.positive("train.max_restarts", cfg.train.max_restarts, allow_zero=True)
+    p.positive("train.divergence", cfg.train.divergence)
     if cfg.train.divergence is not None and math.isfinite(cfg.train.divergence) and 0 < cfg.train.divergence <= 1:
-        problems.append(f"train.divergence: {cfg.train.divergence} would stop a run whose loss does not fall; "
+        p.append(f"train.divergence: {cfg.train.divergence} would stop a run whose loss does not fall; "
                         "give a factor > 1 (e.g. 3) or null to turn the guard off")
-    positive("train.threads_per_worker", cfg.train.threads_per_worker)
-    positive("train.spin_wait_ms", cfg.train.spin_wait_ms, allow_zero=True)
+    p.positive("train.threads_per_worker", cfg.train.threads_per_worker)
+    p.positive("train.spin_wait_ms", cfg.train.spin_wait_ms, allow_zero=True)
     if cfg.train.init_from is not None and not str(cfg.train.init_from).strip():
-        problems.append("train.init_from: empty path; give a file written by `pd export` or null")
-    positive("profile.repeats", cfg.profile.repeats)
-    positive("profile.warmup", cfg.profile.warmup, allow_zero=True)
-    positive("profile.batch_size", cfg.profile.batch_size)
-    positive("profile.probe_minibatches", cfg.profile.probe_minibatches)
-    positive("profile.pipeline_probe_minibatches", cfg.profile.pipeline_probe_minibatches, allow_zero=True)
-    positive("profile.probe_seconds", cfg.profile.probe_seconds, allow_zero=True)
-    positive("profile.pipeline_probe_seconds", cfg.profile.pipeline_probe_seconds, allow_zero=True)
-    positive("profile.pipeline_probe_runs", cfg.profile.pipeline_probe_runs)
-    positive("profile.pipeline_probe_agree", cfg.profile.pipeline_probe_agree, allow_zero=True)
-    positive("profile.host_cache_max_days", cfg.profile.host_cache_max_days, allow_zero=True)
-    positive("plan.num_stages", cfg.plan.num_stages)
-    positive("plan.max_states", cfg.plan.max_states)
-    positive("plan.max_staleness", cfg.plan.max_staleness, allow_zero=True)
-    choice("plan.objective", cfg.plan.objective, PLAN_OBJECTIVES)
+        p.append("train.init_from: empty path; give a file written by `pd export` or null")
+
+
+def _profile_problems(cfg: Config, p: _Problems) -> None:
+    """The profiler's and the probes' settings."""
+    p.positive("profile.repeats", cfg.profile.repeats)
+    p.positive("profile.warmup", cfg.profile.warmup, allow_zero=True)
+    p.positive("profile.batch_size", cfg.profile.batch_size)
+    p.positive("profile.probe_minibatches", cfg.profile.probe_minibatches)
+    p.positive("profile.pipeline_probe_minibatches", cfg.profile.pipeline_probe_minibatches, allow_zero=True)
+    p.positive("profile.probe_seconds", cfg.profile.probe_seconds, allow_zero=True)
+    p.positive("profile.pipeline_probe_seconds", cfg.profile.pipeline_probe_seconds, allow_zero=True)
+    p.positive("profile.pipeline_probe_runs", cfg.profile.pipeline_probe_runs)
+    p.positive("profile.pipeline_probe_agree", cfg.profile.pipeline_probe_agree, allow_zero=True)
+    p.positive("profile.host_cache_max_days", cfg.profile.host_cache_max_days, allow_zero=True)
+
+
+def _plan_and_cluster_problems(cfg: Config, p: _Problems) -> None:
+    """The planner's settings and the cluster."""
+    p.positive("plan.num_stages", cfg.plan.num_stages)
+    p.positive("plan.max_states", cfg.plan.max_states)
+    p.positive("plan.max_staleness", cfg.plan.max_staleness, allow_zero=True)
+    p.choice("plan.objective", cfg.plan.objective, PLAN_OBJECTIVES)
     for i, key in enumerate(cfg.plan.search):
-        choice(f"plan.search.{i}", key, SEARCHABLE)
+        p.choice(f"plan.search.{i}", key, SEARCHABLE)
     if cfg.plan.search and cfg.plan.cost_model != "pd":
-        problems.append("plan.search: the configuration search needs plan.cost_model=pd (PipeDream's optimizer "
+        p.append("plan.search: the configuration search needs plan.cost_model=pd (PipeDream's optimizer "
                         "prices its own schedule only); set the schedule fields instead of `auto`")
     for i, item in enumerate(cfg.plan.split_points or []):
         try:
             split_point_fields(item)
         except ValueError as e:
-            problems.append(f"plan.split_points.{i}: {e}")
-    positive("cluster.memory_bytes_per_device", cfg.cluster.memory_bytes_per_device)
+            p.append(f"plan.split_points.{i}: {e}")
+    p.positive("cluster.memory_bytes_per_device", cfg.cluster.memory_bytes_per_device)
     if not cfg.cluster.levels:
-        problems.append("cluster.levels: needs at least one level, e.g. [{devices: 2}]")
+        p.append("cluster.levels: needs at least one level, e.g. [{devices: 2}]")
     for i, level in enumerate(cfg.cluster.levels):
-        positive(f"cluster.levels.{i}.devices", level.devices)
-        positive(f"cluster.levels.{i}.bandwidth_bytes_per_s", level.bandwidth_bytes_per_s)
+        p.positive(f"cluster.levels.{i}.devices", level.devices)
+        p.positive(f"cluster.levels.{i}.bandwidth_bytes_per_s", level.bandwidth_bytes_per_s)
+
+
+def _schedule_and_model_problems(cfg: Config, p: _Problems) -> None:
+    """The minibatch against the microbatches, the schedule's switches, the model's source."""
     if (
         cfg.data.batch_size > 0
         and cfg.schedule.num_microbatches > 0
         and cfg.data.batch_size % cfg.schedule.num_microbatches
     ):
-        problems.append(
+        p.append(
             f"data.batch_size: {cfg.data.batch_size} is not divisible by "
             f"schedule.num_microbatches={cfg.schedule.num_microbatches}; pick a multiple"
         )
-    problems += _written_schedule_problems(cfg)
-    problems += _virtual_stage_problems(cfg)
+    p.extend(_written_schedule_problems(cfg))
+    p.extend(_virtual_stage_problems(cfg))
     fixes = {"vertical_sync": "set it to false", "split_backward": "set it to null or false",
              "merge_weight_grads": "set it to false"}
     for switch, why in switch_problems(cfg.schedule.name, cfg.schedule.vertical_sync,
                                        bool(cfg.schedule.split_backward) or cfg.schedule.split_backward_on,
                                        bool(cfg.schedule.merge_weight_grads)).items():
-        problems.append(f"schedule.{switch}: {why}; {fixes[switch]}")
+        p.append(f"schedule.{switch}: {why}; {fixes[switch]}")
     if cfg.model.hf is not None and cfg.model.target is not None:
-        problems.append("model.hf: set either model.hf or model.target, not both (model.target=null or '~model.hf')")
+        p.append("model.hf: set either model.hf or model.target, not both (model.target=null or '~model.hf')")
     if cfg.model.target is not None and ":" not in cfg.model.target:
-        problems.append(
+        p.append(
             f"model.target: {cfg.model.target!r} must look like `package.module:factory`"
         )
-    return problems
 
 
 def _virtual_stage_problems(cfg: Config) -> list[str]:

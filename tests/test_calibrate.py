@@ -152,7 +152,7 @@ def test_pipeline_probe_run_reuses_the_probes_profile(tmp_path: Path) -> None:
 
     from pdcli.config.loader import load_config, run_dir_path
     from pdcli.planner.runtime_costs import RUNTIME_META
-    from pdcli.probe.runtime import PIPELINE_RUN, _probe_overrides, seed_run
+    from pdcli.probe.pipeline import PIPELINE_RUN, _probe_overrides, seed_run
     from pdcli.rundir import RunDir
     from pdcli.steps.profile import ensure_profile, seed_profile
 
@@ -203,7 +203,7 @@ def test_pipeline_probe_measures_what_sharing_the_cores_costs(tmp_path: Path, pl
     its replay: a plan of that layout then predicts that run's steady time, and a plan with a
     core per worker is priced without it."""
     from pdcli.host import host_cores
-    from pdcli.probe.runtime import PIPELINE_MAX_WORKERS, balanced_cuts
+    from pdcli.probe.pipeline import PIPELINE_MAX_WORKERS, balanced_cuts
     from pdcli.profiler.chain import Chain
 
     cores = host_cores()

@@ -15,7 +15,8 @@ from pdcli.planner.search import pd_search
 from pdcli.planner.space import SplitSpace
 from pdcli.schedule.simulator import StageCost, simulate, steady_window
 from pdcli.profiler.chain import Chain, ChainNode
-from pdcli.probe.runtime import fit_affine, probe_boundaries
+from pdcli.planner.runtime_costs import fit_affine
+from pdcli.probe.runtime import probe_boundaries
 from pdcli.schedule import ScheduleSpec
 
 MODE = ModeCosts(forward=Affine(1.3, 0.05), backward=Affine(1.2, 0.04), wgrad=Affine(1.1, 0.01),
@@ -327,7 +328,7 @@ def test_pipeline_probe_runs_the_stages_the_recipe_plans() -> None:
     from pathlib import Path
 
     from pdcli.config import load_config
-    from pdcli.probe.runtime import PIPELINE_MAX_WORKERS, balanced_cuts, pipeline_layout
+    from pdcli.probe.pipeline import PIPELINE_MAX_WORKERS, balanced_cuts, pipeline_layout
     from pdcli.steps.plan import planned_layout
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
@@ -387,7 +388,7 @@ def test_the_pipeline_probe_fits_on_a_core_per_worker_and_measures_sharing_apart
     from pathlib import Path
 
     from pdcli.config import load_config
-    from pdcli.probe.runtime import balanced_cuts, probe_layouts
+    from pdcli.probe.pipeline import balanced_cuts, probe_layouts
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
     c = chain(n=8)

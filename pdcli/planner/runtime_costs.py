@@ -73,6 +73,24 @@ class Affine:
         return Affine(float(obj.get("scale", 1.0)), float(obj.get("fixed_ms", 0.0)))
 
 
+def fit_affine(xs: Sequence[float], ys: Sequence[float], single: str = "scale") -> Affine:
+    """Least squares `y = scale * x + fixed` with scale >= 0 and fixed >= 0. With one distinct
+    x: `single="scale"` gives y / x, `"fixed"` gives the mean of y."""
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    if x.size == 0:
+        return Affine(1.0, 0.0) if single == "scale" else Affine(0.0, 0.0)
+    if np.ptp(x) <= 1e-12 * max(1.0, float(np.abs(x).max())):
+        if single == "fixed" or not x.mean() > 0:
+            return Affine(0.0, max(float(y.mean()), 0.0))
+        return Affine(max(float(y.mean() / x.mean()), 0.0), 0.0)
+    scale, fixed = np.polyfit(x, y, 1)
+    if fixed < 0:  # through the origin
+        return Affine(max(float((x @ y) / (x @ x)), 0.0), 0.0)
+    if scale < 0:
+        return Affine(0.0, max(float(y.mean()), 0.0))
+    return Affine(float(scale), float(fixed))
+
+
 @dataclass(frozen=True)
 class ModeCosts:
     """One weight mode's actions, each affine in the profiled time of the stage's positions."""

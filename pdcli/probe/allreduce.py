@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 
 from pdcli.host import HOST_SPEED_SHAPE
-from pdcli.planner.runtime_costs import Affine, RuntimeCosts, steady_mean
+from pdcli.planner.runtime_costs import Affine, RuntimeCosts, fit_affine, steady_mean
 from pdcli.probe.hostfile import HostFile
-from pdcli.probe.runtime import fit_affine
 
 ALLREDUCE_BYTES = (64 << 10, 1 << 20, 8 << 20)
 """Flat gradients measured (bytes): a small stage's to a large one's."""

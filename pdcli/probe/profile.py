@@ -19,7 +19,7 @@ from pdcli.torchutil.threads import torch_threads
 
 if TYPE_CHECKING:  # the profiler's modules are imported when measuring
     from pdcli.probe.hostfile import HostFile
-    from pdcli.probe.runtime import RunHooks, StageLayout
+    from pdcli.probe.pipeline import RunHooks, StageLayout
     from pdcli.profiler.measure import BatchLike, LossFn
 
 PROFILE_BATCH_INDEX = 0
@@ -138,9 +138,9 @@ def profile_config(
     """Measure the model, data and optimizer of `cfg` on `device` with `num_threads` intra-op
     threads; `config_hash` is recorded in the chain (the hash of the inputs it was made from).
     `layout_of(chain)`: the stages the recipe plans on the chain priced with the in-process
-    probe's costs, which the pipeline probe then runs (`pdcli.probe.runtime.pipeline_layout`);
+    probe's costs, which the pipeline probe then runs (`pdcli.probe.pipeline.pipeline_layout`);
     `hooks` give those runs the profile measured here and train them in this process
-    (`pdcli.probe.runtime.RunHooks`). The host's
+    (`pdcli.probe.pipeline.RunHooks`). The host's
     own figures come from its calibration file (`pdcli.probe.hostfile`), measured again with
     `recalibrate`."""
     # Imported here: the model zoo and data sets are only needed when measuring.
@@ -235,7 +235,7 @@ def with_pipeline_probe(cfg: Config, chain: Chain, device: torch.device,
     train` deferring the probe, `profile.defer_pipeline_probe`) is completed by it so."""
     from pdcli.planner.runtime_costs import RUNTIME_META, RuntimeCosts
     from pdcli.probe.hostfile import HOST_META
-    from pdcli.probe.runtime import probe_pipeline
+    from pdcli.probe.pipeline import probe_pipeline
 
     runtime = RuntimeCosts.from_meta(chain.meta)
     if runtime is None:

@@ -24,7 +24,7 @@ from pdcli.probe.profile import (
     with_pipeline_probe,
 )
 from pdcli.probe.profile_cache import ProfileCache
-from pdcli.probe.runtime import RunHooks
+from pdcli.probe.pipeline import RunHooks
 from pdcli.progress import current
 from pdcli.rundir import RunDir, artifact_inputs_hash, atomic_write_text
 from pdcli.steps.plan import planned_layout

@@ -415,7 +415,7 @@ def _train_problems(cfg: Config, p: _Problems) -> None:
     p.positive("train.divergence", cfg.train.divergence)
     if cfg.train.divergence is not None and math.isfinite(cfg.train.divergence) and 0 < cfg.train.divergence <= 1:
         p.append(f"train.divergence: {cfg.train.divergence} would stop a run whose loss does not fall; "
-                        "give a factor > 1 (e.g. 3) or null to turn the guard off")
+                 "give a factor > 1 (e.g. 3) or null to turn the guard off")
     p.positive("train.threads_per_worker", cfg.train.threads_per_worker)
     p.positive("train.spin_wait_ms", cfg.train.spin_wait_ms, allow_zero=True)
     if cfg.train.init_from is not None and not str(cfg.train.init_from).strip():

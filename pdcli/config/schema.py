@@ -446,7 +446,7 @@ def _plan_and_cluster_problems(cfg: Config, p: _Problems) -> None:
         p.choice(f"plan.search.{i}", key, SEARCHABLE)
     if cfg.plan.search and cfg.plan.cost_model != "pd":
         p.append("plan.search: the configuration search needs plan.cost_model=pd (PipeDream's optimizer "
-                        "prices its own schedule only); set the schedule fields instead of `auto`")
+                 "prices its own schedule only); set the schedule fields instead of `auto`")
     for i, item in enumerate(cfg.plan.split_points or []):
         try:
             split_point_fields(item)

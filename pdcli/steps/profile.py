@@ -97,10 +97,10 @@ def ensure_profile(cfg: Config, run: RunDir, force: bool = False, recalibrate: b
     inputs_hash = profile_inputs_hash(cfg, device, num_threads)
     layout_of = lambda costed: planned_layout(costed, cfg)  # noqa: E731
     hooks = RunHooks(seed_profile, train_probe)
-    cache = profile_cache(cfg, device)
     reuse = not (force or recalibrate)
     if reuse and run.fresh(PROFILE_ARTIFACT, inputs_hash):
         return load_profile(run), True
+    cache = profile_cache(cfg, device)
     alone = without_pipeline_probe(cfg)
     alone_hash = profile_inputs_hash(alone, device, num_threads) if alone is not cfg else inputs_hash
     for cached_hash in ((inputs_hash, alone_hash) if defer_pipeline else (inputs_hash,)) if reuse else ():

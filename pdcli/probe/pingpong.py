@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from pdcli.planner.runtime_costs import Affine, fit_affine, steady_mean
+from pdcli.runtime.sockets import SocketTransport, _Peer
 
 PINGPONG_BYTES = (4 << 10, 1 << 20)
 PINGPONG_REPEATS = 40
@@ -24,8 +25,6 @@ PINGPONG_TIMEOUT_S = 20.0
 
 
 def _echo(sock: socket.socket, sizes: Sequence[int], repeats: int) -> None:
-    from pdcli.runtime.sockets import SocketTransport, _Peer
-
     transport = SocketTransport({0: _Peer(0, sock)}, PINGPONG_TIMEOUT_S)
     for size in sizes:
         buf = torch.empty(size, dtype=torch.uint8)
@@ -41,8 +40,6 @@ def measure_socket_transport() -> tuple[float, float, Affine] | None:
     None where it cannot run (no fork)."""
     if os.name != "posix" or "fork" not in multiprocessing.get_all_start_methods():
         return None
-    from pdcli.runtime.sockets import SocketTransport, _Peer
-
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     child = multiprocessing.get_context("fork").Process(target=_echo, args=(theirs, PINGPONG_BYTES, PINGPONG_REPEATS),
                                                         daemon=True)

@@ -24,11 +24,17 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
+from omegaconf import OmegaConf
 
+from pdcli.config.loader import load_config
+from pdcli.config.schema import Config
 from pdcli.errors import RunFailed, UserError
-from pdcli.planner.runtime_costs import RUNTIME_META, RuntimeCosts
+from pdcli.planner.runtime_costs import RUNTIME_META, RuntimeCosts, weight_mode
+from pdcli.probe.runtime import minibatches_for, profiled_ms
+from pdcli.profiler.batch_points import BATCH_POINTS_META, PRECISION_META
 from pdcli.profiler.chain import Chain
 from pdcli.progress import current
+from pdcli.report.calibrate import RunAndReplay, calibrate_from_run, run_and_replay
 
 PIPELINE_TIMEOUT_S = 300.0
 PROBE_FAILED_HINT = ("run `pd profile` again (add --force to remeasure); to go without the probe, set "
@@ -39,10 +45,9 @@ PIPELINE_MAX_MINIBATCHES = 2000
 PIPELINE_RUN = "pipeline-probe"
 PIPELINE_MAX_WORKERS = 4
 """The pipeline probe runs at most this many workers."""
-from pdcli.probe.runtime import minibatches_for, profiled_ms
 
 
-Seed = Callable[[Any, Chain], None]
+Seed = Callable[[Config, Chain], None]
 """Writes a chain as the profile of the run directory a loaded config names, under that config's
 inputs hash (`pdcli.steps.profile.seed_profile`), so the run reuses it."""
 Train = Callable[[Path, list[str]], "subprocess.CompletedProcess[str]"]
@@ -75,7 +80,7 @@ StageLayout = Sequence[tuple[int, int, int]]
 """A plan's stages as (start, end, replicas)."""
 
 
-def pipeline_layout(cfg: Any, chain: Chain, layout: StageLayout | None) -> tuple[list[int], list[int]] | None:
+def pipeline_layout(cfg: Config, chain: Chain, layout: StageLayout | None) -> tuple[list[int], list[int]] | None:
     """(cuts, replicas per worker's stage) of the pipeline probe: `layout` when it is a pipeline
     of at most PIPELINE_MAX_WORKERS workers (the stages the recipe plans, so that the probe runs
     the workers and the split the run will), else as many stages as the cluster has devices (at
@@ -93,7 +98,7 @@ def pipeline_layout(cfg: Any, chain: Chain, layout: StageLayout | None) -> tuple
     return balanced_layout(cfg, chain, cfg.num_devices)
 
 
-def balanced_layout(cfg: Any, chain: Chain, workers: int) -> tuple[list[int], list[int]] | None:
+def balanced_layout(cfg: Config, chain: Chain, workers: int) -> tuple[list[int], list[int]] | None:
     """(cuts, replicas) of a pipeline of `workers` workers (at most PIPELINE_MAX_WORKERS, one
     replica each, V chunks each with virtual stages) whose stages share the profiled work
     evenly. None: fewer than 2 workers or positions per chunk."""
@@ -102,7 +107,7 @@ def balanced_layout(cfg: Any, chain: Chain, workers: int) -> tuple[list[int], li
     return (balanced_cuts(chain, num_stages * v), [1] * num_stages) if num_stages >= 2 else None
 
 
-def probe_layouts(cfg: Any, chain: Chain, planned: tuple[list[int], list[int]],
+def probe_layouts(cfg: Config, chain: Chain, planned: tuple[list[int], list[int]],
                   cores: int) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]] | None]:
     """(the layout the pipeline probe fits the costs on, the layout that measures
     `shared_slowdown` or None). The costs come from a run whose workers each have a core:
@@ -117,7 +122,7 @@ def probe_layouts(cfg: Any, chain: Chain, planned: tuple[list[int], list[int]],
     return (dedicated, planned) if dedicated is not None else (planned, None)
 
 
-def probe_pipeline(cfg: Any, chain: Chain, runtime: RuntimeCosts, minibatches: int,
+def probe_pipeline(cfg: Config, chain: Chain, runtime: RuntimeCosts, minibatches: int,
                    layout_of: Callable[[Chain], StageLayout | None] | None = None,
                    hooks: RunHooks | None = None) -> RuntimeCosts:
     """`runtime` refitted from a short real run of the configured schedule on this host, laid
@@ -186,7 +191,7 @@ def _replicated(replicas: Sequence[int]) -> bool:
     return any(r > 1 for r in replicas)
 
 
-def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tuple[list[int], list[int]],
+def probe_sharing(cfg: Config, costed: Chain, calibrated: RuntimeCosts, shape: tuple[list[int], list[int]],
                   minibatches: int, hooks: RunHooks | None = None) -> RuntimeCosts:
     """`calibrated` (fitted on workers with a core each) with `shared_slowdown` and
     `shared_cpu_scale`: short real runs of the layout `shape` (more workers than cores), the
@@ -195,8 +200,6 @@ def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tupl
     switches, the transport's threads waking up on busy cores, caches and memory bandwidth
     shared) is in the one; what of it the compute itself pays, in the other.
     `sources["shared_probe"]` says what ran, or why it failed (then the costs are unchanged)."""
-    from pdcli.report.calibrate import RunAndReplay, run_and_replay
-
     cuts, replicas = shape
     workers = sum(replicas)
     overrides = _probe_overrides(cfg, costed, cuts, replicas, minibatches)
@@ -238,20 +241,18 @@ def probe_sharing(cfg: Any, costed: Chain, calibrated: RuntimeCosts, shape: tupl
                                             round(run.replay_compute_cpu_ms or 0.0, 4)] for run in runs]})
 
 
-def _probe_minibatches(cfg: Any, chain: Chain, workers: int, minibatches: int) -> int:
+def _probe_minibatches(cfg: Config, chain: Chain, workers: int, minibatches: int) -> int:
     """How many minibatches a pipeline probe of `workers` workers trains: at least `minibatches`
     and enough for `profile.pipeline_probe_seconds` in the measured half at `pipeline_minibatch_ms`."""
     return minibatches_for(cfg.profile.pipeline_probe_seconds, pipeline_minibatch_ms(cfg, chain, workers), minibatches,
                            PIPELINE_MAX_MINIBATCHES)
 
 
-def pipeline_minibatch_ms(cfg: Any, chain: Chain, workers: int) -> float:
+def pipeline_minibatch_ms(cfg: Config, chain: Chain, workers: int) -> float:
     """About how long a minibatch of a pipeline of `workers` workers takes: the whole model's
     minibatch as the in-process probe ran it (the sum of its stages' walls in the schedule's
     weight mode, fixed costs and all; `chain.meta.runtime`) over the workers that compute at
     once (at most the cores); the profiled forward + backward where the chain has no probe."""
-    from pdcli.planner.runtime_costs import weight_mode
-
     runtime = RuntimeCosts.from_meta(chain.meta)
     stages = runtime.sources.get("stages", []) if runtime is not None else []
     walls = [float(st["minibatch_ms"]) for st in stages
@@ -263,7 +264,7 @@ def pipeline_minibatch_ms(cfg: Any, chain: Chain, workers: int) -> float:
     return profiled_ms(chain, 0, len(chain.nodes)) * (cfg.data.batch_size / profiled if profiled else 1.0) / parallel
 
 
-def _probe_overrides(cfg: Any, chain: Chain, cuts: Sequence[int], replicas: Sequence[int],
+def _probe_overrides(cfg: Config, chain: Chain, cuts: Sequence[int], replicas: Sequence[int],
                      minibatches: int) -> list[str]:
     """`pd train` overrides for a pipeline probe run of the stages split at `cuts` with
     `replicas`, one worker per replica, the configured schedule."""
@@ -285,13 +286,11 @@ def _probe_overrides(cfg: Any, chain: Chain, cuts: Sequence[int], replicas: Sequ
     ]
 
 
-def _train(cfg: Any, tmp: Path, overrides: list[str], chain: Chain,
+def _train(cfg: Config, tmp: Path, overrides: list[str], chain: Chain,
            hooks: RunHooks | None = None) -> subprocess.CompletedProcess[str]:
     """`pd train` of `cfg` with `overrides` as run PIPELINE_RUN under `tmp`, `hooks` giving it
     `chain` as its profile (`seed_run`) and training it in this process (else a subprocess,
     stopped after PIPELINE_TIMEOUT_S)."""
-    from omegaconf import OmegaConf
-
     recipe = tmp / "config.yaml"
     recipe.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     items = [f"run.root={tmp}", f"run.name={PIPELINE_RUN}", *overrides]
@@ -315,9 +314,6 @@ def seed_run(recipe: Path, overrides: list[str], chain: Chain, seed: Seed) -> No
     precisions): measured again, with fewer repeats, the model would be what that run plans
     with, at the cost of building and timing it in every probe run. Where the overrides do not
     load, nothing is written: the run reports why it fails."""
-    from pdcli.config.loader import load_config
-    from pdcli.profiler.batch_points import BATCH_POINTS_META, PRECISION_META
-
     try:
         cfg = load_config(recipe, overrides).config
     except UserError:
@@ -359,12 +355,10 @@ def _check_run(proc: subprocess.CompletedProcess[str], probe: str) -> str | None
                     hint=PROBE_FAILED_HINT)
 
 
-def _pipeline_run(cfg: Any, costed: Chain, runtime: RuntimeCosts, overrides: list[str],
+def _pipeline_run(cfg: Config, costed: Chain, runtime: RuntimeCosts, overrides: list[str],
                   hooks: RunHooks | None = None) -> tuple[float, RuntimeCosts, dict[str, Any]] | str:
     """One run of the pipeline probe (`pd train` with `overrides`) refitted: (its steady time
     per minibatch, the refitted costs, what it measured), or why it failed."""
-    from pdcli.report.calibrate import calibrate_from_run
-
     with _probe_dir("pd-pipeline-probe-") as tmp:
         proc = _train(cfg, tmp, overrides, costed, hooks)
         refused = _check_run(proc, "pipeline")

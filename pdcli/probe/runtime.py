@@ -28,16 +28,31 @@ import numpy as np
 import torch
 from torch import nn
 
+from pdcli.compiler import load_stage, read_manifest
+from pdcli.compiler.build import compile_stages
+from pdcli.config.schema import Config
+from pdcli.data import build_data
 from pdcli.host import host_cores
+from pdcli.models import build_loss
 from pdcli.models.loss import logits_of
 from pdcli.planner.runtime_costs import DIRECT, STASHED, Affine, ModeCosts, RuntimeCosts, fit_affine, steady_mean
 from pdcli.planner.runtime_fit import StagePoints
 from pdcli.planner.space import SplitSpace
 from pdcli.probe.hostfile import HostFile
+from pdcli.probe.pingpong import measure_socket_transport
 from pdcli.profiler.chain import Chain
 from pdcli.profiler.clock import Clock
 from pdcli.progress import current
+from pdcli.runtime.comm import Mailbox
+from pdcli.runtime.executor import Executor, StageContext
+from pdcli.runtime.heap import collector_paused, heap_frozen
+from pdcli.runtime.metrics import Timeline
+from pdcli.runtime.placement import Placement
 from pdcli.runtime.sockets import GIL_SWITCH_INTERVAL_S
+from pdcli.runtime.stageio import StageIO
+from pdcli.runtime.watchdog import Heartbeat
+from pdcli.schedule import ScheduleSpec, build_for
+from pdcli.torchutil.optim import build_optimizer
 
 PROBE_SHARES = (0.1, 0.2, 0.3, 0.4)
 """Shares of the profiled forward + backward the probe stages hold, in chain order."""
@@ -48,7 +63,6 @@ MINIBATCH_KEY = "(a minibatch)"
 """`run_stage_actions`: the run's wall time per minibatch over its second half (ms)."""
 PROBE_MAX_MINIBATCHES = 400
 """The most minibatches `profile.probe_seconds` makes a run of the runtime probe."""
-from pdcli.probe.pingpong import measure_socket_transport
 
 
 class _Done:
@@ -91,24 +105,11 @@ def probe_boundaries(chain: Chain, shares: Sequence[float] = PROBE_SHARES) -> li
     return list(zip(edges, edges[1:]))
 
 
-def run_stage_actions(cfg: Any, stages_dir: Path, stage_id: int, num_stages: int, schedule: str,
+def run_stage_actions(cfg: Config, stages_dir: Path, stage_id: int, num_stages: int, schedule: str,
                       split_backward: bool, num_minibatches: int, device: torch.device) -> dict[str, list[float]]:
     """Run stage `stage_id`'s real action list in this process; action name -> durations (ms),
     and GAP_KEY -> [the loop's time outside the actions per action]. Without recompute: the
     planner prices recompute's second forward itself (`pdcli.planner.costs.backward_work`)."""
-    from pdcli.compiler import load_stage, read_manifest
-    from pdcli.data import build_data
-    from pdcli.models import build_loss
-    from pdcli.runtime.comm import Mailbox
-    from pdcli.runtime.executor import Executor, StageContext
-    from pdcli.runtime.heap import collector_paused
-    from pdcli.runtime.metrics import Timeline
-    from pdcli.torchutil.optim import build_optimizer
-    from pdcli.runtime.placement import Placement
-    from pdcli.schedule import ScheduleSpec, build_for
-    from pdcli.runtime.stageio import StageIO
-    from pdcli.runtime.watchdog import Heartbeat
-
     manifest = read_manifest(stages_dir)
     module, _ = load_stage(stages_dir, stage_id)
     module.to(device).train()
@@ -184,16 +185,12 @@ def time_loss(model: nn.Module, inputs: Sequence[torch.Tensor], target: torch.Te
     return float(statistics.median(samples_f)), float(statistics.median(samples_b))
 
 
-def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[torch.Tensor],
+def probe_runtime(cfg: Config, model: nn.Module, chain: Chain, inputs: Sequence[torch.Tensor],
                   target: torch.Tensor, device: torch.device, num_minibatches: int,
                   host: HostFile | None = None) -> RuntimeCosts:
     """The runtime's costs on this host for `model` (profiled as `chain` on one microbatch
     `inputs`, `target`), fitted from its probe stages; the socket transport's figures from
     `host` (the host calibration file), measured where it has none."""
-    from pdcli.compiler.build import compile_stages
-    from pdcli.models import build_loss
-    from pdcli.runtime.heap import heap_frozen
-
     space = SplitSpace.from_chain(chain)
     profiled = chain.meta.get("batch_size") if isinstance(chain.meta, dict) else None
     per_mb = cfg.microbatch_size / float(profiled) if profiled else 1.0  # profiled batch -> one microbatch
@@ -265,8 +262,6 @@ def probe_runtime(cfg: Any, model: nn.Module, chain: Chain, inputs: Sequence[tor
 
 def _message_bytes(manifest: dict[str, Any]) -> dict[int, dict[str, float]]:
     """Per probe stage, the bytes of each kind of message it sends and receives (one microbatch)."""
-    from pdcli.runtime.stageio import StageIO
-
     out: dict[int, dict[str, float]] = {}
     for entry in manifest["stages"]:
         io = StageIO.from_manifest(manifest, int(entry["stage_id"]))

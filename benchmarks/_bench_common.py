@@ -29,12 +29,12 @@ def own_profiles() -> Path:
     import tempfile
 
     from pdcli.probe.hostfile import cache_root
+    from pdcli.probe.profile_cache import without_profiles
 
     user = cache_root("")
     assert user is not None
     own = Path(tempfile.mkdtemp(prefix="pd-bench-cache-"))
-    (user / "hosts").mkdir(parents=True, exist_ok=True)
-    (own / "hosts").symlink_to(user / "hosts")
+    without_profiles(own, user)
     atexit.register(shutil.rmtree, own, True)
     os.environ["PD_CACHE_DIR"] = str(own)
     return own

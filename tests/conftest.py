@@ -36,9 +36,10 @@ PROFILES = SHARED / "pipedream-profiles"
 def _own_profile_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test its own cache of profiles (`pdcli.probe.profile_cache`: what one test measured,
     or made up, is no other test's profile), the session's host file shared."""
+    from pdcli.probe.profile_cache import without_profiles
+
     own = tmp_path_factory.mktemp("cache")
-    (SESSION_CACHE / "hosts").mkdir(parents=True, exist_ok=True)
-    (own / "hosts").symlink_to(SESSION_CACHE / "hosts")
+    without_profiles(own, SESSION_CACHE)
     monkeypatch.setenv("PD_CACHE_DIR", str(own))
 
 

@@ -92,6 +92,12 @@ def key_changes(root: Path, key: dict[str, Any]) -> str:
     return ", ".join(f"{k} {nearest.get(k)} -> {key.get(k)}" for k in key if nearest.get(k) != key.get(k))
 
 
+def too_old(age_days: float, max_age_days: float) -> bool:
+    """A figure or profile measured `age_days` ago is measured again (`profile.host_cache_max_days`;
+    0: never by age)."""
+    return max_age_days > 0 and age_days > max_age_days
+
+
 def _distance(a: dict[str, Any], b: dict[str, Any]) -> int:
     return sum(a.get(k) != b.get(k) for k in b)
 
@@ -142,7 +148,7 @@ class HostFile:
         if not isinstance(file_key, dict) or file_key.get("schema") != HOST_SCHEMA:
             return {}, f"{path} is of another schema ({file_key.get('schema')}, now {HOST_SCHEMA}): measured again", now_s
         age_days = (now_s - measured_at_s) / DAY_S
-        if max_age_days > 0 and age_days > max_age_days:
+        if too_old(age_days, max_age_days):
             return {}, (f"{path} is {age_days:.0f} days old (profile.host_cache_max_days={max_age_days:g}): "
                         "measured again"), now_s
         figures = obj.get("figures")

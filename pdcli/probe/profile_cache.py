@@ -20,10 +20,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pdcli.errors import UserError
-from pdcli.probe.hostfile import DAY_S, key_digest
+from pdcli.probe.hostfile import DAY_S, key_digest, too_old
 from pdcli.rundir import atomic_write_json
 
 PROFILES_DIR = "profiles"
+
+
+def without_profiles(own: Path, root: Path) -> None:
+    """Make the empty directory `own` a cache that shares `root`'s host file (`hosts/`, linked)
+    and none of its profiles: the benchmarks' and the tests' runs measure their own profiles on
+    the host figures already measured."""
+    (root / "hosts").mkdir(parents=True, exist_ok=True)
+    (own / "hosts").symlink_to(root / "hosts")
 
 
 class ProfileCache:
@@ -54,7 +62,7 @@ class ProfileCache:
         age_days = (self.now_s - measured_at_s) / DAY_S
         if obj.get("key") != self.key or obj.get("inputs_hash") != inputs_hash or not isinstance(profile, dict):
             return None
-        if self.max_age_days > 0 and age_days > self.max_age_days:
+        if too_old(age_days, self.max_age_days):
             return None
         return profile, path, age_days
 
